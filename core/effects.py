@@ -1,0 +1,203 @@
+"""Effects: what a ledger asks its shell to do, as plain data.
+
+The core never performs I/O. `Ledger.apply` returns a list of these; the shell (the sidecar, the
+connector, the simulator) carries them out and reports the results back as new events.
+Effects are imperative (`FreeEngineBlocks`), events past tense (`ReadFinished`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Effect(msgspec.Struct, frozen=True, array_like=True, tag_field="k"):
+    """Base of every effect."""
+
+
+class Rejected(Effect, tag="rej"):
+    """The event was not legal in the current state; nothing changed. Never an exception."""
+
+    event: str
+    subject: str
+    reason: str
+
+
+# --- P side: tickets ---------------------------------------------------------------------------
+
+
+class FreeEngineBlocks(Effect, tag="free"):
+    """The ticket closed: give its engine blocks back to vLLM (`finished_sending`). Exactly once."""
+
+    ticket: str
+    request: str
+    blocks: tuple[int, ...]
+    reason: str
+
+
+class ReplyClaim(Effect, tag="rcl"):
+    """Answer a decode engine's claim."""
+
+    ticket: str
+    claimer: str
+    epoch: int
+    granted: bool
+    reason: str = ""
+
+
+class ReplyRead(Effect, tag="rrd"):
+    """Answer a read request: when granted the blocks stay put until the read ends."""
+
+    ticket: str
+    claimer: str
+    read: str
+    granted: bool
+    reason: str = ""
+
+
+class StageHistory(Effect, tag="stg"):
+    """Copy engine blocks into the GPU history tier, in order, then report `HistoryPublished`.
+
+    Copies must be ordered after any earlier demotion out of the same tier (one copy stream), so a
+    slot freed by a demotion is read before it is written again.
+    """
+
+    ticket: str
+    copies: tuple[tuple[int, str], ...]  # (engine block, key)
+
+
+class DemoteHistory(Effect, tag="dem"):
+    """Copy one history block from the GPU tier to the CPU tier, then report `HistoryDemoted`."""
+
+    key: str
+
+
+class DropHistory(Effect, tag="drp"):
+    """Forget one history block's data in `tier` ("gpu" or "cpu")."""
+
+    key: str
+    tier: str
+    reason: str
+
+
+# --- P side: history restores ------------------------------------------------------------------
+
+
+class ReplyRestore(Effect, tag="rst"):
+    """Tell P's scheduler how much of the prompt history can restore (0 keys: nothing)."""
+
+    lease: str
+    request: str
+    keys: tuple[str, ...]
+
+
+class RestoreBlocks(Effect, tag="rbl"):
+    """Copy history blocks into freshly allocated engine blocks, per layer, then report."""
+
+    lease: str
+    copies: tuple[tuple[str, str, int], ...]  # (key, tier, engine block)
+
+
+class LeaseDone(Effect, tag="ldn"):
+    """The restore under `lease` is over; `ok` False means those tokens are recomputed."""
+
+    lease: str
+    request: str
+    ok: bool
+    reason: str
+
+
+# --- D side: loads -----------------------------------------------------------------------------
+
+
+class SendClaim(Effect, tag="scl"):
+    """Send a claim for `ticket` to P engine `source`."""
+
+    request: str
+    ticket: str
+    source: str
+    epoch: int
+
+
+class LoadResolved(Effect, tag="lrs"):
+    """Tell D's scheduler whether the request has a remote hit (`hit`) or must recompute."""
+
+    request: str
+    hit: bool
+    reason: str = ""
+
+
+class SendReadStart(Effect, tag="srs"):
+    """Ask P to pin the ticket's blocks for the next read."""
+
+    request: str
+    ticket: str
+    source: str
+    epoch: int
+    read: str
+
+
+class PostRead(Effect, tag="prd"):
+    """P granted the read: post the transfer from P's blocks into the destination blocks."""
+
+    request: str
+    ticket: str
+    source: str
+    read: str
+
+
+class SendReadEnd(Effect, tag="sre"):
+    """Tell P a read ended; with `release` the ticket is released too (one message)."""
+
+    request: str
+    ticket: str
+    source: str
+    epoch: int
+    read: str
+    ok: bool
+    release: bool
+
+
+class SendRelease(Effect, tag="srl"):
+    """Release (or give up) the ticket on P. Idempotent there."""
+
+    request: str
+    ticket: str
+    source: str
+    epoch: int
+
+
+class ReportInvalidBlocks(Effect, tag="inv"):
+    """Destination blocks hold no valid KV: vLLM must recompute them."""
+
+    request: str
+    blocks: tuple[int, ...]
+
+
+class LoadFinished(Effect, tag="lfn"):
+    """The load is over (`finished_recving` for an async load)."""
+
+    request: str
+    ok: bool
+    reason: str
+
+
+AnyEffect = (
+    Rejected
+    | FreeEngineBlocks
+    | ReplyClaim
+    | ReplyRead
+    | StageHistory
+    | DemoteHistory
+    | DropHistory
+    | ReplyRestore
+    | RestoreBlocks
+    | LeaseDone
+    | SendClaim
+    | LoadResolved
+    | SendReadStart
+    | PostRead
+    | SendReadEnd
+    | SendRelease
+    | ReportInvalidBlocks
+    | LoadFinished
+)

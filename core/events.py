@@ -1,0 +1,260 @@
+"""Events: past-tense facts fed into a ledger.
+
+Every event is a frozen, array-like msgspec struct in one tagged union, so a log record is a short
+msgpack array and decoding picks the right class from the tag. Time (`at_ns`) and every id arrive
+inside the event: the core never reads a clock and never invents an id.
+
+Naming: events say what happened (`ClaimRequested`, `ReadFinished`); effects (see `effects.py`)
+say what the shell must do.
+
+Schema rules: tags are short and never reused; a field added later gets a default and goes last,
+so older logs keep decoding. `SCHEMA_VERSION` in `log.py` counts incompatible changes only.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class Event(msgspec.Struct, frozen=True, array_like=True, tag_field="k"):
+    """Base of every event. `at_ns` is the shell's monotonic clock when the fact was observed."""
+
+    at_ns: int
+
+
+# --- P side: handoff tickets -------------------------------------------------------------------
+
+
+class TicketIssued(Event, tag="ti"):
+    """P finished prefilling `request`; its engine `blocks` now belong to `ticket`.
+
+    `keys` are the chained block hashes of the prompt's full blocks (parallel to `blocks`, possibly
+    shorter); they let a released ticket leave its prefix in history.
+    """
+
+    ticket: str
+    request: str
+    blocks: tuple[int, ...]
+    keys: tuple[str, ...] = ()
+
+
+class ClaimRequested(Event, tag="cr"):
+    """A decode engine `claimer` asks to own `ticket`; `epoch` numbers its attempts."""
+
+    ticket: str
+    claimer: str
+    epoch: int
+
+
+class HeartbeatReceived(Event, tag="hb"):
+    """A decode engine still holds a request that carries `ticket` (queued, claimed or reading)."""
+
+    ticket: str
+    claimer: str
+
+
+class ReadStarted(Event, tag="rs"):
+    """The current claimer asks to read the ticket's blocks; `read` names this read."""
+
+    ticket: str
+    claimer: str
+    epoch: int
+    read: str
+
+
+class ReadFinished(Event, tag="rf"):
+    """A read of the ticket's blocks ended, successfully or not."""
+
+    ticket: str
+    read: str
+    ok: bool
+
+
+class ReleaseRequested(Event, tag="rr"):
+    """The claimer is done with the ticket (or gives it up)."""
+
+    ticket: str
+    claimer: str
+    epoch: int
+
+
+class AbandonRequested(Event, tag="ab"):
+    """The router gave up on the request after P answered (client gone, D failed, timeout)."""
+
+    ticket: str
+
+
+# --- D side: loads -----------------------------------------------------------------------------
+
+
+class LoadRequested(Event, tag="lq"):
+    """A request arrived at D carrying a handoff for `ticket` from P `source`."""
+
+    request: str
+    ticket: str
+    source: str
+    epoch: int
+    num_blocks: int
+
+
+class ClaimGranted(Event, tag="cg"):
+    """P's answer reached D: the claim holds."""
+
+    request: str
+    ticket: str
+    epoch: int
+
+
+class ClaimRefused(Event, tag="cx"):
+    """P's answer reached D: the ticket is gone, expired or owned by someone else."""
+
+    request: str
+    ticket: str
+    epoch: int
+    reason: str
+
+
+class LoadAllocated(Event, tag="la"):
+    """D's scheduler allocated destination blocks; the handoff is consumed (single use).
+
+    `reads` is how many sequential reads the worker will make (per-layer batches, slabs).
+    """
+
+    request: str
+    blocks: tuple[int, ...]
+    reads: int = 1
+
+
+class ReadGranted(Event, tag="rg"):
+    """P agreed to the next read: its blocks are pinned until the read ends."""
+
+    request: str
+    read: str
+
+
+class ReadRefused(Event, tag="rx"):
+    """P refused the next read (the ticket expired between reads or closed)."""
+
+    request: str
+    read: str
+    reason: str
+
+
+class LoadReadFinished(Event, tag="lr"):
+    """D's transport finished a read into the destination blocks."""
+
+    request: str
+    read: str
+    ok: bool
+
+
+class RequestPreempted(Event, tag="rp"):
+    """D's scheduler preempted the request (its blocks go back to the pool)."""
+
+    request: str
+
+
+class RequestAborted(Event, tag="ra"):
+    """The request was aborted on D (client cancel, error)."""
+
+    request: str
+
+
+# --- P side: history ---------------------------------------------------------------------------
+
+
+class HistoryObserved(Event, tag="ho"):
+    """A prompt with these chained keys passed through P; unknown keys enter probation."""
+
+    keys: tuple[str, ...]
+
+
+class HistoryPublished(Event, tag="hp"):
+    """Copies staged for `ticket` finished (ok) or failed; the ticket's blocks may be returned."""
+
+    ticket: str
+    ok: bool
+
+
+class HistoryDemoted(Event, tag="hd"):
+    """A GPU→CPU demotion copy finished (ok) or failed."""
+
+    key: str
+    ok: bool
+
+
+class RestoreRequested(Event, tag="rq"):
+    """A request on P could restore the prefix `keys` from history; lease `lease` if anything is."""
+
+    lease: str
+    request: str
+    epoch: int
+    keys: tuple[str, ...]
+
+
+class LeaseAllocated(Event, tag="lA"):
+    """P's scheduler allocated engine blocks for the restore."""
+
+    lease: str
+    blocks: tuple[int, ...]
+
+
+class LeaseReadStarted(Event, tag="lS"):
+    """The restore copy into engine blocks was posted."""
+
+    lease: str
+
+
+class LeaseReadFinished(Event, tag="lF"):
+    """The restore copy ended."""
+
+    lease: str
+    ok: bool
+
+
+class LeaseReleased(Event, tag="lR"):
+    """The owner gives the lease back (abort before allocation, scheduling retry)."""
+
+    lease: str
+    request: str
+    epoch: int
+
+
+# --- time --------------------------------------------------------------------------------------
+
+
+class Tick(Event, tag="tk"):
+    """Time passed; deadlines at or before `at_ns` fire."""
+
+
+AnyEvent = Union[
+    TicketIssued,
+    ClaimRequested,
+    HeartbeatReceived,
+    ReadStarted,
+    ReadFinished,
+    ReleaseRequested,
+    AbandonRequested,
+    LoadRequested,
+    ClaimGranted,
+    ClaimRefused,
+    LoadAllocated,
+    ReadGranted,
+    ReadRefused,
+    LoadReadFinished,
+    RequestPreempted,
+    RequestAborted,
+    HistoryObserved,
+    HistoryPublished,
+    HistoryDemoted,
+    RestoreRequested,
+    LeaseAllocated,
+    LeaseReadStarted,
+    LeaseReadFinished,
+    LeaseReleased,
+    Tick,
+]
+
+EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]

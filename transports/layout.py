@@ -27,11 +27,13 @@ are consecutive on both sides. `descriptors_for_runs` turns runs into (addr, nby
 pairs: one per (layer, span, run) when a span fills its block stride (so consecutive blocks are
 adjacent in memory), else one per (layer, span, block). Finally descriptors that happen to be
 adjacent on *both* sides are merged (for example the last block of layer 0 and the first of
-layer 1 when every layer is a view into one buffer), whatever produced that adjacency.
+layer 1 when every layer is a view into one buffer), whatever produced that adjacency, as long as
+each side stays inside one backing allocation (`regions`).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -116,7 +118,7 @@ class KvLayout(msgspec.Struct, frozen=True):
     num_blocks: int
     block_size: int  # tokens per block; carried for the fingerprint and for sanity checks
     layers: tuple[LayerLayout, ...]
-    regions: tuple[MemoryRegion, ...]  # merged backing allocations, one registration each
+    regions: tuple[MemoryRegion, ...]  # backing allocations (storages), one registration each
     device_type: str
     device_index: int
 
@@ -286,21 +288,33 @@ def _contiguous_spans(name: str, dims: list[tuple[int, int]], element_size: int)
 
 
 def _backing_regions(tensors: Any, device_index: int) -> tuple[MemoryRegion, ...]:
-    """The allocations behind the tensors, merged where they overlap or touch.
+    """The allocations behind the tensors (their storages), deduplicated.
 
     A transport registers these once: registering the whole allocation (not per layer, not per
-    block) keeps registration cheap and lets any descriptor inside it be used later.
+    block) keeps registration cheap and lets any descriptor inside it be used later. Storages that
+    merely touch are kept apart: on a GPU they are separate cudaMalloc allocations, and CUDA IPC
+    (hence NIXL/UCX) can only map memory within one allocation; one registration spanning two
+    made every READ fail or deliver nothing on an H200.
     """
     ranges = sorted({(int(t.untyped_storage().data_ptr()), int(t.untyped_storage().nbytes()))
                      for t in tensors})
     merged: list[list[int]] = []
     for start, nbytes in ranges:
         end = start + nbytes
-        if merged and start <= merged[-1][1]:
+        if merged and start < merged[-1][1]:  # overlapping views of one allocation
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
     return tuple(MemoryRegion(start, end - start, device_index) for start, end in merged)
+
+
+def region_index(layout: KvLayout, addr: int) -> int:
+    """Which of `layout.regions` holds `addr`; a descriptor must stay inside one region."""
+    starts = [region.addr for region in layout.regions]
+    index = bisect.bisect_right(starts, addr) - 1
+    if index < 0 or addr >= layout.regions[index].addr + layout.regions[index].nbytes:
+        raise ValueError(f"address {addr:#x} is outside every registered region of the layout")
+    return index
 
 
 # ------------------------------------------------------------------------------------- block runs
@@ -336,8 +350,9 @@ def check_block_ids(src_layout: KvLayout, dst_layout: KvLayout, src_blocks: Sequ
         raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
     for label, blocks, layout in (("source", src_blocks, src_layout),
                                   ("destination", dst_blocks, dst_layout)):
-        bad = [block for block in blocks if not 0 <= block < layout.num_blocks]
-        if bad:
+        # min/max run in C; the list of offenders is only built for the error message.
+        if blocks and (min(blocks) < 0 or max(blocks) >= layout.num_blocks):
+            bad = [block for block in blocks if not 0 <= block < layout.num_blocks]
             raise ValueError(f"{label} block ids {bad[:8]} are outside [0, {layout.num_blocks})")
     if len(set(dst_blocks)) != len(dst_blocks):
         raise ValueError("destination block ids repeat; each destination block can be written once")
@@ -388,7 +403,10 @@ def descriptors_for_runs(src_layout: KvLayout, dst_layout: KvLayout,
     src_addr_parts: list[np.ndarray] = []
     dst_addr_parts: list[np.ndarray] = []
     size_parts: list[np.ndarray] = []
+    region_parts: list[np.ndarray] = []  # (src region, dst region) per descriptor
     for src_layer, dst_layer in zip(src_layout.layers, dst_layout.layers):
+        layer_regions = (region_index(src_layout, src_layer.base_ptr),
+                         region_index(dst_layout, dst_layer.base_ptr))
         if len(src_layer.spans) != len(dst_layer.spans):
             raise LayoutMismatch(f"layer {src_layer.name!r}: {len(src_layer.spans)} source spans vs "
                                  f"{len(dst_layer.spans)} destination spans")
@@ -410,10 +428,12 @@ def descriptors_for_runs(src_layout: KvLayout, dst_layout: KvLayout,
             dst_addr_parts.append(dst_layer.base_ptr + dst_span.offset
                                   + dst_ids * dst_layer.block_stride_bytes)
             size_parts.append(counts * src_span.nbytes)
+            region_parts.append(np.broadcast_to(np.asarray(layer_regions, dtype=np.int64),
+                                                (len(src_ids), 2)))
     src_addr = np.concatenate(src_addr_parts)
     dst_addr = np.concatenate(dst_addr_parts)
     sizes = np.concatenate(size_parts)
-    return _merge_adjacent(src_addr, dst_addr, sizes)
+    return _merge_adjacent(src_addr, dst_addr, sizes, np.concatenate(region_parts))
 
 
 def _expand_runs(run_src: np.ndarray, run_dst: np.ndarray, run_count: np.ndarray
@@ -424,15 +444,18 @@ def _expand_runs(run_src: np.ndarray, run_dst: np.ndarray, run_count: np.ndarray
     return np.repeat(run_src, run_count) + step, np.repeat(run_dst, run_count) + step
 
 
-def _merge_adjacent(src_addr: np.ndarray, dst_addr: np.ndarray, sizes: np.ndarray) -> DescriptorPlan:
-    """Merge descriptors that continue each other on both sides; each merge saves one descriptor,
-    and a descriptor costs the transport a fixed amount of work (see vllm_gpu.md)."""
+def _merge_adjacent(src_addr: np.ndarray, dst_addr: np.ndarray, sizes: np.ndarray,
+                    regions: np.ndarray) -> DescriptorPlan:
+    """Merge descriptors that continue each other on both sides, within one registered region
+    per side; each merge saves one descriptor, and a descriptor costs the transport a fixed
+    amount of work (reference/vllm_gpu.md)."""
     order = np.argsort(src_addr, kind="stable")
-    src_addr, dst_addr, sizes = src_addr[order], dst_addr[order], sizes[order]
+    src_addr, dst_addr, sizes, regions = src_addr[order], dst_addr[order], sizes[order], regions[order]
     continues = np.empty(len(sizes), dtype=bool)
     continues[0] = False
     continues[1:] = ((src_addr[:-1] + sizes[:-1] == src_addr[1:])
-                     & (dst_addr[:-1] + sizes[:-1] == dst_addr[1:]))
+                     & (dst_addr[:-1] + sizes[:-1] == dst_addr[1:])
+                     & (regions[:-1] == regions[1:]).all(axis=1))
     group_starts = np.flatnonzero(~continues)
     merged_sizes = np.add.reduceat(sizes, group_starts)
     src = np.stack([src_addr[group_starts], merged_sizes], axis=1).astype(np.uint64)

@@ -35,22 +35,37 @@ Both are small next to the transfer (64 MiB ~ 4-8 ms here). "auto" (the default)
 while each side's per-block list stays at or under PREPPED_DESCRIPTORS_MAX, else per_read. The
 injected-fault path always uses per_read (it posts a truncated descriptor list on purpose).
 
+On an H200 (VRAM, P and D on one GPU, UCX cuda_ipc with GET_ZCOPY) the two modes were equal too,
+but the cost per descriptor is what matters there: a read of 256 scattered 64 KiB blocks x 4
+layers (1024 descriptors) took ~10 ms, 2048 descriptors of 32 KiB (K/V-first layout) ~20 ms, i.e.
+~10 us per descriptor, while 512 MiB in 4-8 contiguous descriptors took 0.6-1.2 ms (450-880
+GB/s). Coalescing runs is the lever on GPU.
+
+Threads: UCX does the copy *inside* `transfer()`, which then returns "DONE": on CPU through CMA
+(process_vm_readv; 5-15 ms for 64 MiB here) and, as measured on the H200, for cuda_ipc as well
+(the ~10 us per descriptor above are spent in `transfer()`). So READs are posted from a helper
+thread by default (NIXL drops the GIL meanwhile) and start_read only validates and enqueues
+(~50-250 us instead of the whole copy). One lock serialises every call into the agent (NIXL's own
+sync mode is NONE without a listen thread); poll and take_notifications only *try* that lock, so
+they never wait for a copy. Reads on one engine are therefore posted one after another.
+
 Errors and time limits: NIXL raises (nixlRemoteDisconnectError, nixlNotFoundError...) rather than
 returning "ERR" in several cases; every such exception during a read becomes a failed ReadResult.
-`wait` never blocks longer than its timeout. Not thread-safe across agents' internals, so one lock
-serialises all calls into the agent (NIXL's own sync mode is NONE without a listen thread).
+`wait` never blocks longer than its timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import queue
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import msgspec
 import numpy as np
@@ -110,6 +125,46 @@ def import_nixl() -> tuple[Any, Any]:
     return nixl_agent, nixl_agent_config
 
 
+_CONFIG_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _progress_thread_delay(delay_us: int):
+    """Create agents whose progress thread pauses `delay_us` between polls.
+
+    nixl._api builds its `nixlAgentConfig` itself and sets `pthrDelay = 0`; for the duration of
+    this block it gets a config class that keeps at least `delay_us` instead.
+    """
+    if delay_us <= 0:
+        yield
+        return
+    import types
+
+    import nixl._api as api
+
+    bindings = api.nixlBind
+    base = bindings.nixlAgentConfig
+    field = base.pthrDelay
+
+    class DelayedConfig(base):
+        @property
+        def pthrDelay(self):
+            return field.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value):
+            field.__set__(self, max(int(value), delay_us))
+
+    patched = types.SimpleNamespace(**{k: getattr(bindings, k) for k in dir(bindings) if not k.startswith("__")})
+    patched.nixlAgentConfig = DelayedConfig
+    with _CONFIG_PATCH_LOCK:
+        api.nixlBind = patched
+        try:
+            yield
+        finally:
+            api.nixlBind = bindings
+
+
 def nixl_mem_type(device_type: str) -> str:
     if device_type == "cpu":
         return "DRAM"
@@ -130,6 +185,19 @@ class _Peer:
 
 
 @dataclass
+class _ReadJob:
+    """A validated read waiting to be posted to NIXL."""
+
+    read_id: str
+    peer_id: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    notif_msg: bytes
+    inject_fault: bool
+    started: float
+
+
+@dataclass
 class _InFlight:
     read_id: str
     peer_id: str
@@ -143,7 +211,8 @@ class NixlTransport:
     """Transport over NIXL (UCX backend by default); see the module docstring."""
 
     def __init__(self, engine_id: str, *, backends: Sequence[str] = ("UCX",),
-                 descriptor_mode: str = "auto", dram_hugepages: bool = True) -> None:
+                 descriptor_mode: str = "auto", dram_hugepages: bool = True,
+                 post_in_thread: bool = True) -> None:
         """
         Args:
             engine_id: this engine's id as peers know it; names the agent and signs notifications.
@@ -155,6 +224,10 @@ class NixlTransport:
                 ~2 GB/s here against ~5.5 GB/s for the same tensors collapsed (numpy arrays get
                 huge pages by themselves). It costs ~0.3-0.7 ms per MiB once, at register time,
                 keeps the contents, and is skipped silently where the kernel refuses.
+            post_in_thread: post READs from a helper thread (default). UCX copies the bytes
+                *inside* `transfer()` for DRAM (CMA) and, as measured, for one-GPU VRAM
+                (cuda_ipc), so posting on the caller's thread makes start_read block for the
+                whole copy. False posts inline, for callers that want exactly that.
         """
         if descriptor_mode not in ("auto", "prepped", "per_read"):
             raise ValueError(f"descriptor_mode must be 'auto', 'prepped' or 'per_read', "
@@ -164,8 +237,10 @@ class NixlTransport:
         self.fault_hook: FaultHook | None = None
         self.agent_name = f"kvbaton-{engine_id}-{os.getpid()}"
         self._backends = list(backends)
+        self._progress_delay_us: int | None = None  # None: 200 us for DRAM, 0 for VRAM
         self._descriptor_mode = descriptor_mode
         self._dram_hugepages = dram_hugepages
+        self._post_in_thread = post_in_thread
         self._agent: Any = None
         self._layout: KvLayout | None = None
         self._mem_type = ""
@@ -173,16 +248,24 @@ class NixlTransport:
         self._local_dlist: Any = None
         self._local_group_offsets: np.ndarray | None = None
         self._peers: dict[str, _Peer] = {}
+        # Two locks. _agent_lock serialises every call into the agent (its sync mode is NONE) and
+        # guards _in_flight; the poster thread holds it while a CMA copy runs, so callers that
+        # must not block only *try* it. _state_lock guards what callers collect. Order: agent,
+        # then state.
+        self._agent_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._read_finished = threading.Condition(self._state_lock)  # wakes wait() at once
         self._in_flight: dict[str, _InFlight] = {}
         self._finished: dict[str, ReadResult] = {}
         self._read_ids = PendingReadIds()
-        self._lock = threading.RLock()
+        self._post_queue: queue.SimpleQueue[_ReadJob | None] | None = None
+        self._poster: threading.Thread | None = None
         self._closed = False
 
     # ----------------------------------------------------------------------------- setup
 
     def register(self, layout: KvLayout, kv_caches: dict) -> None:
-        with self._lock:
+        with self._agent_lock:
             if self._closed:
                 raise TransportError(f"NixlTransport {self.engine_id!r} is closed")
             if self._layout is not None:
@@ -193,7 +276,7 @@ class NixlTransport:
                 for name, value in UCX_ENV_DEFAULTS_CUDA.items():
                     os.environ.setdefault(name, value)
             elif self._dram_hugepages:
-                _collapse_into_huge_pages(layout)
+                collapse_into_huge_pages((region.addr, region.nbytes) for region in layout.regions)
             self._agent = self._create_agent()
             regions = [(region.addr, region.nbytes, region.device_index, "")
                        for region in layout.regions]
@@ -202,25 +285,30 @@ class NixlTransport:
             if self._use_prepped(layout):
                 self._local_dlist, self._local_group_offsets = self._prep_block_dlist(
                     "NIXL_INIT_AGENT", layout, self._mem_type)
+            if self._post_in_thread:
+                self._post_queue = queue.SimpleQueue()
+                self._poster = threading.Thread(target=self._poster_main, daemon=True,
+                                                name=f"kvbaton-nixl-post-{self.engine_id}")
+                self._poster.start()
 
     def local_metadata(self) -> bytes:
-        with self._lock:
+        with self._agent_lock:
             layout = self._require_layout()
             return _METADATA_ENCODER.encode(NixlPeerMetadata(
                 "nixl", _METADATA_PROTOCOL, self.engine_id, self.agent_name,
                 self._agent.get_agent_metadata(), layout))
 
     def add_peer(self, peer_id: str, metadata: bytes) -> None:
-        with self._lock:
+        try:
+            peer_metadata = _METADATA_DECODER.decode(metadata)
+        except msgspec.DecodeError as error:
+            raise ValueError(f"peer {peer_id!r}: metadata is not NixlTransport metadata "
+                             f"({error})") from error
+        if peer_metadata.protocol != _METADATA_PROTOCOL:
+            raise ValueError(f"peer {peer_id!r} speaks metadata protocol "
+                             f"{peer_metadata.protocol}, we speak {_METADATA_PROTOCOL}")
+        with self._agent_lock:
             layout = self._require_layout()
-            try:
-                peer_metadata = _METADATA_DECODER.decode(metadata)
-            except msgspec.DecodeError as error:
-                raise ValueError(f"peer {peer_id!r}: metadata is not NixlTransport metadata "
-                                 f"({error})") from error
-            if peer_metadata.protocol != _METADATA_PROTOCOL:
-                raise ValueError(f"peer {peer_id!r} speaks metadata protocol "
-                                 f"{peer_metadata.protocol}, we speak {_METADATA_PROTOCOL}")
             layout.check_compatible(peer_metadata.layout)
             old = self._peers.get(peer_id)
             if old is not None:
@@ -233,7 +321,6 @@ class NixlTransport:
                                  f"{peer_metadata.agent_name!r} but holds {_as_str(remote_name)!r}")
             peer = _Peer(peer_metadata.engine_id, peer_metadata.agent_name, remote_name,
                          peer_metadata.layout, nixl_mem_type(peer_metadata.layout.device_type))
-            self._peers[peer_id] = peer
             try:
                 # Optional: wires up the endpoint now so the first read does not pay for it.
                 self._agent.make_connection(remote_name)
@@ -242,79 +329,104 @@ class NixlTransport:
             if self._local_dlist is not None and self._use_prepped(peer.layout):
                 peer.dlist, peer.group_offsets = self._prep_block_dlist(
                     remote_name, peer.layout, peer.mem_type)
+            # Published last: start_read reads _peers without the agent lock.
+            self._peers[peer_id] = peer
 
     # ----------------------------------------------------------------------------- reads
 
     def start_read(self, read_id: str, peer_id: str, src_blocks: Sequence[int],
                    dst_blocks: Sequence[int], notify: bytes | None) -> None:
-        with self._lock:
-            layout = self._require_layout()
-            peer = self._peers.get(peer_id)
-            if peer is None:
-                raise UnknownPeer(f"unknown peer {peer_id!r}: call add_peer() first")
-            if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
-                raise TypeError(f"notify must be bytes or None, not {type(notify).__name__}")
-            check_block_ids(peer.layout, layout, src_blocks, dst_blocks)
+        layout = self._require_layout()
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            raise UnknownPeer(f"unknown peer {peer_id!r}: call add_peer() first")
+        if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
+            raise TypeError(f"notify must be bytes or None, not {type(notify).__name__}")
+        check_block_ids(peer.layout, layout, src_blocks, dst_blocks)
+        with self._state_lock:
             self._read_ids.claim(read_id)
-            started = time.perf_counter()
-            notif_msg = b"" if notify is None else NOTIFY_ENCODER.encode(
-                NotifyEnvelope(self.engine_id, bytes(notify)))
-            try:
-                self._post_read(read_id, peer_id, peer, list(src_blocks), list(dst_blocks),
-                                notif_msg, started)
-            except Exception as error:  # NIXL raises on disconnected peers, bad registrations...
-                self._finish(read_id, ok=False, error=f"NIXL could not post the read: "
-                             f"{type(error).__name__}: {error}", nbytes=0, started=started)
+        notif_msg = b"" if notify is None else NOTIFY_ENCODER.encode(
+            NotifyEnvelope(self.engine_id, bytes(notify)))
+        inject_fault = self.fault_hook is not None and bool(self.fault_hook(read_id))
+        job = _ReadJob(read_id, peer_id, list(src_blocks), list(dst_blocks), notif_msg,
+                       inject_fault, time.perf_counter())
+        if self._post_queue is not None:
+            self._post_queue.put(job)
+        else:
+            with self._agent_lock:
+                self._post_job(job)
 
     def poll(self) -> list[ReadResult]:
-        with self._lock:
-            self._progress()
+        # Non-blocking: if the poster thread is inside a copy, report what is already known.
+        if self._agent_lock.acquire(blocking=False):
+            try:
+                self._progress()
+            finally:
+                self._agent_lock.release()
+        with self._state_lock:
             results = list(self._finished.values())
             self._finished.clear()
             for result in results:
                 self._read_ids.release(result.read_id)
-            return results
+        return results
 
     def wait(self, read_id: str, timeout_s: float) -> ReadResult:
         deadline = time.monotonic() + timeout_s
         pause_s = 20e-6
         while True:
-            with self._lock:
-                if read_id not in self._finished and read_id not in self._in_flight:
+            # Reads that end inside transfer() are settled by the poster, which wakes us; the
+            # ones NIXL reports later need _progress, tried without waiting for the agent lock.
+            if self._agent_lock.acquire(blocking=False):
+                try:
+                    self._progress()
+                finally:
+                    self._agent_lock.release()
+            with self._read_finished:
+                if read_id not in self._read_ids:
                     raise KeyError(f"read {read_id!r} is unknown or was already collected")
-                self._progress()
                 result = self._finished.pop(read_id, None)
                 if result is not None:
                     self._read_ids.release(read_id)
                     return result
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                raise TimeoutError(f"read {read_id!r} not finished after {timeout_s} s; it is still "
-                                   "in flight and can be polled")
-            # Back off from 20 us to 1 ms: short reads finish within a few polls, long ones do
-            # not burn a core that the engine (and, on CPU, UCX's CMA copy) needs.
-            time.sleep(min(pause_s, remaining_s))
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    raise TimeoutError(f"read {read_id!r} not finished after {timeout_s} s; it is "
+                                       "still in flight and can be polled")
+                # Back off from 20 us to 1 ms between progress checks; a finish wakes us sooner.
+                self._read_finished.wait(min(pause_s, remaining_s))
             pause_s = min(pause_s * 2, 1e-3)
 
     def take_notifications(self) -> list[tuple[str, bytes]]:
-        with self._lock:
+        # Non-blocking like poll: notifications that arrive during a local copy wait for the
+        # next call (they stay queued inside NIXL).
+        if not self._agent_lock.acquire(blocking=False):
+            return []
+        try:
             if self._agent is None:
                 return []
-            notifications: list[tuple[str, bytes]] = []
-            for agent_name, messages in self._agent.get_new_notifs().items():
-                for message in messages:
-                    try:
-                        envelope = NOTIFY_DECODER.decode(message)
-                        notifications.append((envelope.reader, envelope.payload))
-                    except msgspec.DecodeError:  # not from a kvbaton reader: pass it on raw
-                        notifications.append((_as_str(agent_name), bytes(message)))
-            return notifications
+            new = self._agent.get_new_notifs()
+        finally:
+            self._agent_lock.release()
+        notifications: list[tuple[str, bytes]] = []
+        for agent_name, messages in new.items():
+            for message in messages:
+                try:
+                    envelope = NOTIFY_DECODER.decode(message)
+                    notifications.append((envelope.reader, envelope.payload))
+                except msgspec.DecodeError:  # not from a kvbaton reader: pass it on raw
+                    notifications.append((_as_str(agent_name), bytes(message)))
+        return notifications
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
+        if self._poster is not None:
+            self._post_queue.put(None)
+            self._poster.join(timeout=10)
+            if self._poster.is_alive():
+                logger.warning("NIXL poster thread of %s did not stop within 10 s", self.engine_id)
+        with self._agent_lock:
             agent = self._agent
             if agent is None:
                 return
@@ -336,10 +448,32 @@ class NixlTransport:
 
     # ----------------------------------------------------------------------------- internals
 
+    def _poster_main(self) -> None:
+        while True:
+            job = self._post_queue.get()
+            if job is None:
+                return
+            with self._agent_lock:
+                if self._closed:
+                    self._finish(job.read_id, ok=False, error="transport closed before the read "
+                                 "was posted", nbytes=0, started=job.started)
+                    continue
+                self._post_job(job)
+
     def _create_agent(self) -> Any:
-        config = self._nixl_agent_config_class(backends=self._backends)
+        config = self._nixl_agent_config_class(enable_prog_thread=True, backends=self._backends)
+        # The progress thread must run: a reader's UCX wire-up needs the target to answer while
+        # the target engine may not be calling into NIXL at all. But NIXL's Python wrapper pins
+        # its pause between polls to 0, and that thread then burns a whole core (measured: 99%
+        # of a core while idle, against 1.8% with a 200 us pause) - on CPU engines, the core the
+        # engine and the sidecar need. On GPU the pause stays 0 unless asked: there notification
+        # latency counts and cores are plentiful.
+        delay_us = self._progress_delay_us
+        if delay_us is None:
+            delay_us = 200 if self._mem_type == "DRAM" else 0
         try:
-            agent = self._nixl_agent_class(self.agent_name, config)
+            with _progress_thread_delay(delay_us):
+                agent = self._nixl_agent_class(self.agent_name, config)
         except Exception as error:
             raise TransportUnavailable(f"could not create NIXL agent {self.agent_name!r} with "
                                        f"backends {self._backends}: {error}") from error
@@ -380,42 +514,53 @@ class NixlTransport:
         group_offsets = np.arange(len(rows), dtype=np.int64) * layout.num_blocks
         return self._agent.prep_xfer_dlist(agent_name, descriptors, mem_type), group_offsets
 
-    def _post_read(self, read_id: str, peer_id: str, peer: _Peer, src_blocks: list[int],
-                   dst_blocks: list[int], notif_msg: bytes, started: float) -> None:
+    def _post_job(self, job: _ReadJob) -> None:
+        """Turn a job into a posted NIXL READ (agent lock held). Never raises: a failure to post
+        becomes a failed ReadResult."""
+        try:
+            self._post_read(job)
+        except Exception as error:  # NIXL raises on disconnected peers, bad registrations...
+            self._finish(job.read_id, ok=False, error=f"NIXL could not post the read: "
+                         f"{type(error).__name__}: {error}", nbytes=0, started=job.started)
+
+    def _post_read(self, job: _ReadJob) -> None:
         layout = self._layout
-        nbytes = len(dst_blocks) * layout.block_nbytes
-        if not dst_blocks:
-            if notif_msg:  # nothing to move, but the target still learns the read is done
-                self._agent.send_notif(peer.remote_name, notif_msg)
-            self._finish(read_id, ok=True, error=None, nbytes=0, started=started)
+        peer = self._peers.get(job.peer_id)
+        if peer is None:
+            raise UnknownPeer(f"peer {job.peer_id!r} was removed before the read was posted")
+        nbytes = len(job.dst_blocks) * layout.block_nbytes
+        if not job.dst_blocks:
+            if job.notif_msg:  # nothing to move, but the target still learns the read is done
+                self._agent.send_notif(peer.remote_name, job.notif_msg)
+            self._finish(job.read_id, ok=True, error=None, nbytes=0, started=job.started)
             return
-        injected = self.fault_hook is not None and self.fault_hook(read_id)
-        if injected:
-            plan = _truncated(descriptors_for_runs(peer.layout, layout,
-                                                  coalesce_runs(src_blocks, dst_blocks)))
+        if job.inject_fault:
+            plan = _truncated(descriptors_for_runs(
+                peer.layout, layout, coalesce_runs(job.src_blocks, job.dst_blocks)))
             handle = self._initialize(plan, peer, b"")  # a failed read must not notify
             moved = plan.nbytes
             error = f"fault injected by fault_hook after {moved} of {nbytes} bytes"
         elif peer.dlist is not None:
-            src = np.asarray(src_blocks, dtype=np.int64)
-            dst = np.asarray(dst_blocks, dtype=np.int64)
+            src = np.asarray(job.src_blocks, dtype=np.int64)
+            dst = np.asarray(job.dst_blocks, dtype=np.int64)
             remote_indices = (peer.group_offsets[:, None] + src[None, :]).ravel().astype(np.int32)
             local_indices = (self._local_group_offsets[:, None] + dst[None, :]).ravel().astype(np.int32)
             handle = self._agent.make_prepped_xfer("READ", self._local_dlist, local_indices,
-                                                   peer.dlist, remote_indices, notif_msg)
+                                                   peer.dlist, remote_indices, job.notif_msg)
             moved, error = nbytes, None
         else:
-            plan = descriptors_for_runs(peer.layout, layout, coalesce_runs(src_blocks, dst_blocks))
-            handle = self._initialize(plan, peer, notif_msg)
+            plan = descriptors_for_runs(peer.layout, layout,
+                                        coalesce_runs(job.src_blocks, job.dst_blocks))
+            handle = self._initialize(plan, peer, job.notif_msg)
             moved, error = nbytes, None
-        in_flight = _InFlight(read_id, peer_id, handle, started, moved, error)
+        in_flight = _InFlight(job.read_id, job.peer_id, handle, job.started, moved, error)
         try:
             state = self._agent.transfer(handle)
         except Exception:
-            _release_quietly(handle, f"read {read_id!r}")
+            _release_quietly(handle, f"read {job.read_id!r}")
             raise
-        self._in_flight[read_id] = in_flight
-        if state != "PROC":  # DONE or ERR already: settle it now rather than at the next poll
+        self._in_flight[job.read_id] = in_flight
+        if state != "PROC":  # DONE (CMA copies inside transfer) or ERR: settle it now
             self._settle(in_flight, state)
 
     def _initialize(self, plan: DescriptorPlan, peer: _Peer, notif_msg: bytes) -> Any:
@@ -426,6 +571,7 @@ class NixlTransport:
             self._agent.get_xfer_descs(remote, peer.mem_type), peer.remote_name, notif_msg)
 
     def _progress(self) -> None:
+        """Settle every in-flight read NIXL reports as ended (agent lock held)."""
         for in_flight in list(self._in_flight.values()):
             try:
                 state = self._agent.check_xfer_state(in_flight.handle)
@@ -450,8 +596,10 @@ class NixlTransport:
 
     def _finish(self, read_id: str, *, ok: bool, error: str | None, nbytes: int,
                 started: float) -> None:
-        self._finished[read_id] = ReadResult(read_id, ok, error, nbytes,
-                                             time.perf_counter() - started)
+        result = ReadResult(read_id, ok, error, nbytes, time.perf_counter() - started)
+        with self._read_finished:
+            self._finished[read_id] = result
+            self._read_finished.notify_all()
 
     def _drop_peer(self, peer_id: str) -> None:
         peer = self._peers.pop(peer_id)
@@ -521,22 +669,24 @@ _MADV_COLLAPSE = 25  # Linux >= 6.1
 _HUGE_PAGE_BYTES = 2 << 20
 
 
-def _collapse_into_huge_pages(layout: KvLayout) -> None:
-    """Best effort: back the 2 MiB-aligned interior of each region with transparent huge pages."""
+def collapse_into_huge_pages(regions: Iterable[tuple[int, int]]) -> int:
+    """Best effort: back the 2 MiB-aligned interior of each (addr, nbytes) region with transparent
+    huge pages, synchronously. Returns the bytes collapsed (0 where the kernel refuses: not Linux,
+    Linux < 6.1, THP disabled, pinned pages...)."""
     if not sys.platform.startswith("linux"):
-        return
+        return 0
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         madvise = libc.madvise
     except (OSError, AttributeError):
-        return
+        return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     started = time.perf_counter()
     collapsed_bytes = 0
-    for region in layout.regions:
-        start = -(-region.addr // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
-        end = (region.addr + region.nbytes) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
+    for addr, nbytes in regions:
+        start = -(-addr // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
+        end = (addr + nbytes) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
         if end <= start:
             continue
         # MADV_HUGEPAGE first so that khugepaged keeps the range huge; MADV_COLLAPSE converts the
@@ -547,5 +697,6 @@ def _collapse_into_huge_pages(layout: KvLayout) -> None:
         else:
             logger.debug("MADV_COLLAPSE refused for %#x+%d: errno %d", start, end - start,
                          ctypes.get_errno())
-    logger.info("KV cache: %d MiB collapsed into huge pages in %.1f ms", collapsed_bytes >> 20,
+    logger.info("%d MiB collapsed into huge pages in %.1f ms", collapsed_bytes >> 20,
                 (time.perf_counter() - started) * 1e3)
+    return collapsed_bytes

@@ -256,6 +256,30 @@ def test_descriptor_counts_are_minimal():
     assert len(descriptors_for_runs(kv_first, kv_first, everything)) == 2
 
 
+def test_descriptors_never_span_two_allocations():
+    """Adjacent memory in two allocations (two cudaMalloc segments) must stay two descriptors:
+    CUDA IPC maps one allocation at a time."""
+    import msgspec
+
+    num_blocks = 16
+    layout = KvLayout.from_kv_caches(cpu_lbhnc_caches(num_blocks), num_blocks, BLOCK_SIZE)
+    (region,) = layout.regions
+    half = region.nbytes // 2
+    split = msgspec.structs.replace(layout, regions=(
+        T.MemoryRegion(region.addr, half, 0), T.MemoryRegion(region.addr + half, half, 0)))
+    everything = [(0, 0, num_blocks)]
+    assert len(descriptors_for_runs(layout, layout, everything)) == 1
+    assert len(descriptors_for_runs(split, split, everything)) == 2
+    assert len(descriptors_for_runs(layout, split, everything)) == 2
+
+
+def test_touching_allocations_are_separate_regions():
+    first = torch.zeros(4, 2, BLOCK_SIZE, 64)
+    second = torch.zeros(4, 2, BLOCK_SIZE, 64)
+    layout = KvLayout.from_kv_caches({"a": first, "b": second}, 4, BLOCK_SIZE)
+    assert len(layout.regions) == 2
+
+
 def test_check_block_ids_rejects_bad_requests():
     layout = KvLayout.from_kv_caches(cpu_lbhnc_caches(8), 8, BLOCK_SIZE)
     with pytest.raises(ValueError, match=r"source block ids \[8\]"):
@@ -349,6 +373,31 @@ def test_local_transport_rejects_bad_calls():
 
 # --------------------------------------------------------------------------------- NixlTransport
 
+
+def test_importing_transports_loads_neither_torch_nor_nixl():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('kvbaton', {str(root / '__init__.py')!r}, "
+        f"submodule_search_locations=[{str(root)!r}])\n"
+        "package = importlib.util.module_from_spec(spec); sys.modules['kvbaton'] = package\n"
+        "spec.loader.exec_module(package)\n"
+        "import kvbaton.transports\n"
+        "print(sorted(name for name in ('torch', 'nixl') if name in sys.modules))\n")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=60, check=True)
+    assert completed.stdout.strip() == "[]"
+
+
+def test_missing_nixl_raises_transport_unavailable_with_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nixl", None)  # makes `import nixl...` fail as if absent
+    monkeypatch.setitem(sys.modules, "nixl._api", None)
+    with pytest.raises(T.TransportUnavailable, match=r"pip install --no-deps nixl==1\.5\.1"):
+        T.NixlTransport("no-nixl")
+
+
 NIXL_NUM_BLOCKS = 4096  # 2 layers x 4096 blocks x 8 KiB = 64 MiB per engine
 NIXL_TIMEOUT_S = 30.0
 
@@ -388,7 +437,8 @@ def _prefill_engine_main(conn, num_blocks: int, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def prefill_process():
-    pytest.importorskip("nixl")
+    # ImportError too: an installed NIXL whose CUDA wheel does not match torch fails that way.
+    pytest.importorskip("nixl", exc_type=ImportError)
     pytest.importorskip("numpy")
     context = multiprocessing.get_context("spawn")
     parent_end, child_end = context.Pipe()
@@ -418,13 +468,17 @@ def _check_blocks(decode_caches, expected, layout, src_blocks, dst_blocks):
         assert torch.equal(got[dst_blocks], want[src_blocks]), f"{name}: blocks differ"
 
 
-@pytest.mark.parametrize("descriptor_mode", ["prepped", "per_read"])
-def test_nixl_reads_between_two_processes(prefill_process, descriptor_mode):
+# Both descriptor modes, and both ways of posting (helper thread, the DRAM default; and inline).
+@pytest.mark.parametrize("descriptor_mode,post_in_thread",
+                         [("prepped", True), ("per_read", False)])
+def test_nixl_reads_between_two_processes(prefill_process, descriptor_mode, post_in_thread):
     _, conn, metadata, expected = prefill_process
     caches = nixl_caches(NIXL_NUM_BLOCKS)
     layout = KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE)
-    decode = T.NixlTransport(f"D-{descriptor_mode}", descriptor_mode=descriptor_mode)
+    decode = T.NixlTransport(f"D-{descriptor_mode}", descriptor_mode=descriptor_mode,
+                             post_in_thread=post_in_thread)
     try:
+        assert isinstance(decode, T.Transport)
         decode.register(layout, caches)
         decode.add_peer("P", metadata)
         rng = random.Random(descriptor_mode)

@@ -1,0 +1,482 @@
+"""`KvbatonConnector`: vLLM's KV connector API on top of kvbaton's sidecar and transports.
+
+Scheduler side (in vLLM's EngineCore process): turns callbacks into facts for the engine's sidecar
+and the sidecar's decisions into answers, never waiting on the network. Worker side (in each
+worker process): registers the KV cache with a transport, posts the reads the sidecar grants, and
+reports `finished_sending` / `finished_recving` / load errors back to vLLM.
+
+Request protocol (the same shape as vLLM's NixlConnector, so P/D proxies written for it work): the
+request to P carries `kv_transfer_params={"do_remote_decode": true}`; P's response carries
+`kv_transfer_params` with `do_remote_prefill: true` and a `kvbaton` section (ticket, P's control
+address, block ids, token count, layout fingerprint) that the proxy passes verbatim to D.
+
+No callback may raise into vLLM's engine loop for a lifecycle race or bad input: every entry point
+catches, logs, and answers "recompute locally".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import math
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ...control import messages as m
+from ...control.client import Link, SidecarHandle, free_port, ipc_dir_for
+from ...control.config import SidecarConfig
+from .settings import Settings, parse_settings
+
+# Under vLLM's logger tree, so connector lines appear in the engine's log with vLLM's format.
+logger = logging.getLogger("vllm.kvbaton.connector")
+PARAMS_VERSION = 1
+
+
+@dataclass
+class KvbatonMetadata(KVConnectorMetadata):
+    """Nothing travels through vLLM's metadata: decisions reach workers over the sidecar link."""
+
+
+@dataclass
+class Handoff:
+    ticket: str
+    control: str
+    source_engine: str
+    remote_blocks: tuple[int, ...]
+    num_tokens: int
+    epoch: int
+    hit: bool | None = None  # None until P answers the claim
+    local_computed: int = 0
+    consumed: bool = False
+    reason: str = ""
+
+
+class HandoffError(ValueError):
+    pass
+
+
+def parse_handoff(params: dict, expected_layout: str, block_size: int) -> tuple[dict, int]:
+    """Validate the `kvbaton` section P put in kv_transfer_params; raise HandoffError naming the flaw."""
+
+    section = params.get("kvbaton")
+    if not isinstance(section, dict):
+        raise HandoffError("kv_transfer_params has no 'kvbaton' section (not a kvbaton handoff)")
+    for key, kind in (("ticket", str), ("control", str), ("engine", str), ("num_tokens", int),
+                      ("layout", str)):
+        if not isinstance(section.get(key), kind) or isinstance(section.get(key), bool):
+            raise HandoffError(f"kvbaton handoff field {key!r} is missing or not a {kind.__name__}")
+    blocks = params.get("remote_block_ids")
+    if isinstance(blocks, list) and len(blocks) == 1 and isinstance(blocks[0], list):
+        blocks = blocks[0]  # per-group form
+    if not isinstance(blocks, list) or not all(isinstance(b, int) and b >= 0 for b in blocks):
+        raise HandoffError("kvbaton handoff 'remote_block_ids' is not a list of block ids")
+    if section["layout"] != expected_layout:
+        raise HandoffError(f"layout fingerprint {section['layout']!r} does not match this engine's "
+                           f"{expected_layout!r} (different model, dtype or block size)")
+    need = math.ceil(section["num_tokens"] / block_size)
+    if section["num_tokens"] <= 0 or len(blocks) < need:
+        raise HandoffError(f"kvbaton handoff covers {section['num_tokens']} tokens but carries "
+                           f"{len(blocks)} blocks of {block_size}")
+    return section, need
+
+
+def layout_fingerprint(vllm_config, kv_cache_config) -> str:
+    """What must match between P and D for blocks to be interchangeable (no addresses)."""
+
+    parts = [str(vllm_config.cache_config.block_size),
+             str(getattr(vllm_config.cache_config, "cache_dtype", "")),
+             str(vllm_config.model_config.dtype),
+             str(getattr(vllm_config.cache_config, "kv_cache_layout", ""))]
+    hf = vllm_config.model_config.hf_config
+    for attr in ("num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size"):
+        parts.append(f"{attr}={getattr(hf, attr, None)}")
+    if kv_cache_config is not None:
+        for group in kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            parts.append(f"{type(spec).__name__}:{getattr(spec, 'num_kv_heads', '')}:"
+                         f"{getattr(spec, 'head_size', '')}:{getattr(spec, 'dtype', '')}:{len(group.layer_names)}")
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
+
+
+class KvbatonConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        kvt = self._kv_transfer_config
+        self.settings: Settings = parse_settings(kvt.kv_connector_extra_config)
+        self.engine_id = str(kvt.engine_id)
+        self.block_size = vllm_config.cache_config.block_size
+        self.is_producer = bool(kvt.is_kv_producer)
+        self.is_consumer = bool(kvt.is_kv_consumer)
+        self.layout = layout_fingerprint(vllm_config, kv_cache_config)
+        self.ipc_dir = ipc_dir_for(self.engine_id)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self, vllm_config, kv_cache_config)
+        else:
+            self._worker = WorkerSide(self, kv_cache_config)
+
+    # -- scheduler side --------------------------------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.guard(self._scheduler.on_new_request, None, request)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return self._scheduler.guard(self._scheduler.get_num_new_matched_tokens, (0, False),
+                                     request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self._scheduler.guard(self._scheduler.update_state_after_alloc, None, request, blocks,
+                              num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        self._scheduler.guard(self._scheduler.build_connector_meta, None, scheduler_output)
+        return KvbatonMetadata()
+
+    def request_finished(self, request, block_ids):
+        return self._scheduler.guard(self._scheduler.request_finished, (False, None), request, block_ids)
+
+    def debug_state(self) -> dict:
+        return self._scheduler.debug_state() if self._scheduler is not None else {}
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self._worker.register_kv_caches(kv_caches)  # a failure here must stop the engine: let it raise
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        if self._worker is not None:
+            self._worker.guard(self._worker.pump)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids):
+        if self._worker is None:
+            return None, None
+        return self._worker.guard(self._worker.get_finished, (None, None), finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                try:
+                    side.shutdown()
+                except Exception:
+                    logger.exception("kvbaton: error while shutting down")
+
+
+class SchedulerSide:
+    def __init__(self, conn: KvbatonConnector, vllm_config, kv_cache_config) -> None:
+        self.conn = conn
+        s = conn.settings
+        kvt = conn._kv_transfer_config
+        if conn.is_consumer and s.set_recompute_policy and kvt.kv_load_failure_policy != "recompute":
+            logger.info("kvbaton: setting kv_load_failure_policy='recompute' (a failed handoff "
+                        "recomputes those tokens instead of failing the request)")
+            kvt.kv_load_failure_policy = "recompute"
+        num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+        role = "both" if (conn.is_producer and conn.is_consumer) else (
+            "producer" if conn.is_producer else "consumer")
+        port = s.control_port or free_port(s.control_host)
+        log_path = os.path.join(s.event_log_dir, f"{conn.engine_id}.kvlog") if s.event_log_dir else ""
+        # History execution is not wired into the connector yet: block_bytes 0 keeps it off.
+        ledger = s.ledger_config(block_bytes=0, cpu_default_bytes=0)
+        config = SidecarConfig(
+            engine_id=conn.engine_id, role=role, ledger=ledger, address=f"{s.control_host}:{port}",
+            ipc_dir=conn.ipc_dir, log_path=log_path, hash_every=s.event_log_hash_every,
+            heartbeat_interval_s=s.heartbeat_interval_s, parent_pid=os.getpid(),
+            debug_reads_per_load=s.debug_reads_per_load,
+            debug_pause_between_reads_s=s.debug_pause_between_reads_s,
+            debug_hold_first_read_s=s.debug_hold_first_read_s,
+        )
+        self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd())
+        self.sidecar_lost_logged = False
+        logger.info("kvbaton: engine %s (%s), control at %s, num_blocks %d, event log %s",
+                    conn.engine_id, role, self.sidecar.address, num_blocks, log_path or "off")
+        self.handoffs: dict[str, Handoff] = {}
+        self.epochs = itertools.count(1)
+        self.errors = 0
+
+    def guard(self, fn, fallback, *args):
+        """Run a callback; an exception becomes a warning and a safe answer, never an engine crash."""
+
+        try:
+            return fn(*args)
+        except Exception:
+            self.errors += 1
+            logger.exception("kvbaton: %s failed; answering %r", getattr(fn, "__name__", fn), fallback)
+            return fallback
+
+    def usable(self) -> bool:
+        """False once the sidecar died: requests then simply recompute (logged once)."""
+
+        if self.sidecar.alive():
+            return True
+        if not self.sidecar_lost_logged:
+            self.sidecar_lost_logged = True
+            logger.error("kvbaton: the sidecar of engine %s exited (code %s; log %s): handoffs are "
+                         "off, requests recompute locally", self.conn.engine_id,
+                         self.sidecar.process.poll(), self.sidecar.log_file)
+        return False
+
+    def drain(self) -> None:
+        for msg in self.sidecar.drain():
+            logger.debug("kvbaton scheduler: %s", msg)
+            if type(msg) is m.Resolved:
+                h = self.handoffs.get(msg.request)
+                if h is not None and h.hit is None:
+                    h.hit, h.reason = msg.hit, msg.reason
+                    if not msg.hit:
+                        logger.info("kvbaton: request %s recomputes locally: %s", msg.request, msg.reason)
+
+    def _handoff(self, request) -> Handoff | None:
+        rid = request.request_id
+        h = self.handoffs.get(rid)
+        if h is not None or not self.conn.is_consumer:
+            return h
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or "kvbaton" not in params:
+            return None
+        if not self.usable():
+            h = Handoff("", "", "", (), 0, 0, hit=False, consumed=True, reason="sidecar down")
+            self.handoffs[rid] = h
+            return h
+        try:
+            section, _need = parse_handoff(params, self.conn.layout, self.conn.block_size)
+        except HandoffError as exc:
+            logger.warning("kvbaton: request %s: %s; recomputing locally", rid, exc)
+            h = Handoff("", "", "", (), 0, 0, hit=False, consumed=True, reason=str(exc))
+            self.handoffs[rid] = h
+            return h
+        blocks = params["remote_block_ids"]
+        if blocks and isinstance(blocks[0], list):
+            blocks = blocks[0]
+        num_tokens = min(section["num_tokens"], len(request.prompt_token_ids or ()))
+        h = Handoff(section["ticket"], section["control"], section["engine"], tuple(blocks),
+                    num_tokens, next(self.epochs))
+        self.handoffs[rid] = h
+        logger.debug("kvbaton: request %s claims ticket %s from %s", rid, h.ticket, h.control)
+        self.sidecar.send(m.LoadFact(rid, h.ticket, h.source_engine, h.control, h.epoch,
+                                     h.remote_blocks[: math.ceil(num_tokens / self.conn.block_size)]))
+        return h
+
+    def on_new_request(self, request) -> None:
+        self._handoff(request)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        h = self._handoff(request)
+        if h is None or h.consumed:
+            return 0, False  # no handoff, or already used: a preempted request recomputes
+        if h.hit is None:
+            self.drain()
+        if h.hit is None:
+            return None, False  # P has not answered yet: ask again next step
+        if not h.hit:
+            h.consumed = True
+            return 0, False
+        count = h.num_tokens - num_computed_tokens
+        if count <= 0:  # the local prefix cache already has it all: give the ticket back
+            h.consumed = True
+            self.sidecar.send(m.AllocatedFact(request.request_id, (), ()))
+            return 0, False
+        h.local_computed = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        h = self.handoffs.get(request.request_id)
+        if h is None or h.consumed or not h.hit:
+            return
+        h.consumed = True  # allocation consumes the handoff: never read it twice
+        block_ids = list(blocks.get_block_ids()[0])
+        bs = self.conn.block_size
+        first = h.local_computed // bs  # never overwrite a local prefix-cache hit
+        last = min(math.ceil(h.num_tokens / bs), len(block_ids), len(h.remote_blocks))
+        dst = tuple(block_ids[first:last])
+        src = tuple(h.remote_blocks[first:last])
+        self.sidecar.send(m.AllocatedFact(request.request_id, src, dst))
+
+    def build_connector_meta(self, scheduler_output) -> None:
+        self.drain()
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            h = self.handoffs.get(rid)
+            if h is not None and h.ticket:
+                self.sidecar.send(m.CancelFact(rid, True))
+
+    def request_finished(self, request, block_ids):
+        rid = request.request_id
+        h = self.handoffs.pop(rid, None)
+        if h is not None and h.ticket:
+            # D: a load not yet over is given up (aborted, or finished some other way).
+            self.sidecar.send(m.CancelFact(rid, False))
+        params = request.kv_transfer_params or {}
+        if not (self.conn.is_producer and params.get("do_remote_decode")):
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        if request.status == RequestStatus.FINISHED_ABORTED or not block_ids or not self.usable():
+            return False, None
+        blocks = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
+        num_tokens = min(len(request.prompt_token_ids or ()), len(blocks) * self.conn.block_size)
+        blocks = tuple(blocks[: math.ceil(num_tokens / self.conn.block_size)])
+        if not blocks:
+            return False, None
+        ticket = uuid.uuid4().hex
+        self.sidecar.send(m.TicketFact(ticket, rid, blocks, ()))
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.conn.engine_id,
+            "remote_block_ids": list(blocks),
+            "kvbaton": {
+                "v": PARAMS_VERSION,
+                "ticket": ticket,
+                "control": self.sidecar.address,
+                "engine": self.conn.engine_id,
+                "num_tokens": num_tokens,
+                "layout": self.conn.layout,
+            },
+        }
+
+    def debug_state(self) -> dict:
+        """For tests and operators: the sidecar's view (a blocking call; never on the hot path)."""
+
+        import xoscar as xo
+
+        AUTHORITY_UID = "kvbaton-authority"
+
+        async def ask():
+            ref = await xo.actor_ref(self.sidecar.address, AUTHORITY_UID)
+            return await ref.debug_state()
+
+        state = asyncio.run(ask())
+        state["connector_errors"] = self.errors
+        state["handoffs"] = len(self.handoffs)
+        state["sidecar_alive"] = self.sidecar.alive()
+        return state
+
+    def shutdown(self) -> None:
+        self.sidecar.stop()
+
+
+class WorkerSide:
+    def __init__(self, conn: KvbatonConnector, kv_cache_config) -> None:
+        self.conn = conn
+        self.num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+        self.transport = None
+        self.link: Link | None = None
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.reads: dict[str, tuple[str, tuple[int, ...]]] = {}  # read id -> (request, dst blocks)
+        self.bad_peers: dict[str, str] = {}
+        self.read_count = 0
+        self.errors = 0
+
+    def guard(self, fn, fallback=None, *args):
+        try:
+            return fn(*args)
+        except Exception:
+            self.errors += 1
+            logger.exception("kvbaton worker: %s failed", getattr(fn, "__name__", fn))
+            return fallback
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        from ...transports.layout import KvLayout
+
+        layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self.conn.block_size)
+        if self.conn.settings.transport == "local":
+            from ...transports.local import LocalTransport
+
+            self.transport = LocalTransport(self.conn.engine_id)
+        else:
+            from ...transports.nixl import NixlTransport
+
+            self.transport = NixlTransport(self.conn.engine_id)
+        self.transport.register(layout, kv_caches)
+        nth = self.conn.settings.debug_fail_every_nth_read
+        if nth:
+            counter = itertools.count(1)
+            self.transport.fault_hook = lambda read_id: next(counter) % nth == 0
+        self.link = Link(self.conn.ipc_dir, "worker")
+        self.link.send(m.WorkerReady(self.transport.local_metadata(), layout.fingerprint()))
+
+    def pump(self) -> None:
+        if self.link is None:
+            return
+        for msg in self.link.drain():
+            kind = type(msg)
+            logger.debug("kvbaton worker: %s", msg)
+            if kind is m.FinishedSending:
+                self.sending.add(msg.request)
+            elif kind is m.FinishedRecving:
+                self.recving.add(msg.request)
+            elif kind is m.InvalidBlocks:
+                self.load_errors.update(msg.blocks)
+            elif kind is m.AddPeer:
+                try:
+                    self.transport.add_peer(msg.engine, msg.metadata)
+                    self.bad_peers.pop(msg.engine, None)
+                except Exception as exc:  # layout mismatch, bad metadata: every read fails
+                    self.bad_peers[msg.engine] = str(exc)
+                    logger.warning("kvbaton worker: cannot read from %s: %s", msg.engine, exc)
+            elif kind is m.PostRead:
+                self._post(msg)
+        if self.reads:
+            for result in self.transport.poll():
+                logger.debug("kvbaton worker: read done %s", result)
+                request, _dst = self.reads.pop(result.read_id, ("", ()))
+                if request:
+                    self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
+                                              result.nbytes, result.seconds))
+
+    def _post(self, msg: m.PostRead) -> None:
+        problem = self.bad_peers.get(msg.peer)
+        if problem is None:
+            try:
+                self.transport.start_read(msg.read, msg.peer, list(msg.src_blocks), list(msg.dst_blocks), None)
+                self.reads[msg.read] = (msg.request, msg.dst_blocks)
+                return
+            except Exception as exc:
+                problem = str(exc)
+        logger.warning("kvbaton worker: read %s for %s failed to start: %s", msg.read, msg.request, problem)
+        self.link.send(m.ReadDone(msg.request, msg.read, False, problem))
+
+    def get_finished(self, finished_req_ids):
+        self.pump()
+        sending, self.sending = self.sending, set()
+        recving, self.recving = self.recving, set()
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self.link is not None:
+            self.link.close()

@@ -1,0 +1,103 @@
+"""Connector settings, read from `kv_connector_extra_config`.
+
+Every key has a documented default; an unknown key or a bad value stops the engine at start with
+a message that names the key (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+
+from ...core.ledger import SECOND_NS, LedgerConfig
+
+
+class SettingsError(ValueError):
+    pass
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Handoff tickets (P).
+    unclaimed_ttl_s: float = 120.0
+    claim_lease_s: float = 600.0
+    # Loads (D).
+    claim_wait_s: float = 30.0
+    read_grant_wait_s: float = 30.0
+    heartbeat_interval_s: float = 10.0
+    # History (P). `xavier_gpu_cache_bytes` is accepted as an alias of `gpu_history_bytes`.
+    gpu_history_bytes: int = 256 << 20
+    cpu_history_bytes: int = -1  # -1: the engine's KV cache size
+    history_lease_s: float = 120.0
+    # Control plane.
+    control_host: str = "127.0.0.1"
+    control_port: int = 0  # 0: pick a free port
+    # Event log: one file per engine; "" turns logging off.
+    event_log_dir: str = "kvbaton-logs"
+    event_log_hash_every: int = 1000
+    # Transport: "nixl" (default) or "local" (one process, tests only).
+    transport: str = "nixl"
+    # vLLM's default load-failure policy is "fail"; kvbaton's recompute guarantee needs
+    # "recompute", which the connector sets unless this is false.
+    set_recompute_policy: bool = True
+    # Test hooks (never needed in production): split each load into several sequential reads,
+    # pause before the 2nd and later reads, hold the first read, fail every Nth read.
+    debug_reads_per_load: int = 1
+    debug_pause_between_reads_s: float = 0.0
+    debug_hold_first_read_s: float = 0.0
+    debug_fail_every_nth_read: int = 0
+
+    def ledger_config(self, block_bytes: int, cpu_default_bytes: int) -> LedgerConfig:
+        cpu = self.cpu_history_bytes if self.cpu_history_bytes >= 0 else cpu_default_bytes
+        return LedgerConfig(
+            unclaimed_ttl_ns=int(self.unclaimed_ttl_s * SECOND_NS),
+            claim_lease_ns=int(self.claim_lease_s * SECOND_NS),
+            claim_wait_ns=int(self.claim_wait_s * SECOND_NS),
+            read_grant_wait_ns=int(self.read_grant_wait_s * SECOND_NS),
+            history_lease_ns=int(self.history_lease_s * SECOND_NS),
+            gpu_history_bytes=self.gpu_history_bytes,
+            cpu_history_bytes=cpu,
+            block_bytes=block_bytes,
+        )
+
+
+_POSITIVE = ("unclaimed_ttl_s", "claim_lease_s", "claim_wait_s", "read_grant_wait_s",
+             "heartbeat_interval_s", "history_lease_s", "debug_reads_per_load")
+_NON_NEGATIVE = ("gpu_history_bytes", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
+                 "debug_hold_first_read_s", "debug_fail_every_nth_read")
+
+
+def parse_settings(extra: dict[str, Any] | None) -> Settings:
+    raw = dict(extra or {})
+    if "xavier_gpu_cache_bytes" in raw:
+        if "gpu_history_bytes" in raw:
+            raise SettingsError("kvbaton: give gpu_history_bytes or its alias xavier_gpu_cache_bytes, not both")
+        raw["gpu_history_bytes"] = raw.pop("xavier_gpu_cache_bytes")
+    known = set(Settings.__struct_fields__)
+    for key in raw:
+        if key not in known:
+            close = [k for k in known if k.split("_")[0] == key.split("_")[0]]
+            hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
+            raise SettingsError(f"kvbaton: unknown kv_connector_extra_config key {key!r}{hint}")
+    try:
+        settings = msgspec.convert(raw, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SettingsError(f"kvbaton: bad kv_connector_extra_config value: {exc}") from None
+    for key in _POSITIVE:
+        if getattr(settings, key) <= 0:
+            raise SettingsError(f"kvbaton: kv_connector_extra_config {key!r} must be > 0 "
+                                f"(got {getattr(settings, key)!r})")
+    for key in _NON_NEGATIVE:
+        if getattr(settings, key) < 0:
+            raise SettingsError(f"kvbaton: kv_connector_extra_config {key!r} must be >= 0 "
+                                f"(got {getattr(settings, key)!r})")
+    if settings.cpu_history_bytes < -1:
+        raise SettingsError("kvbaton: kv_connector_extra_config 'cpu_history_bytes' must be >= 0 "
+                            "(or -1 for the engine's KV cache size)")
+    if settings.transport not in ("nixl", "local"):
+        raise SettingsError(f"kvbaton: kv_connector_extra_config 'transport' must be 'nixl' or "
+                            f"'local' (got {settings.transport!r})")
+    if settings.event_log_dir:
+        settings.event_log_dir = os.path.abspath(settings.event_log_dir)
+    return settings

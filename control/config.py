@@ -1,0 +1,31 @@
+"""The sidecar's configuration and socket paths (light: imported inside vLLM's engine process)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..core.ledger import LedgerConfig
+
+
+class SidecarConfig(msgspec.Struct, kw_only=True):
+    engine_id: str
+    role: str  # "producer", "consumer" or "both"
+    ledger: LedgerConfig
+    address: str  # host:port of the xoscar pool
+    ipc_dir: str
+    log_path: str = ""
+    hash_every: int = 1000
+    heartbeat_interval_s: float = 10.0
+    tick_interval_s: float = 0.02
+    parent_pid: int = 0
+    debug_reads_per_load: int = 1
+    debug_pause_between_reads_s: float = 0.0
+    debug_hold_first_read_s: float = 0.0
+
+
+def ipc_paths(ipc_dir: str) -> dict[str, str]:
+    return {
+        "inbox": f"ipc://{ipc_dir}/inbox",
+        "scheduler": f"ipc://{ipc_dir}/scheduler",
+        "worker": f"ipc://{ipc_dir}/worker",
+    }

@@ -1,0 +1,396 @@
+"""The per-engine sidecar: the authority for one engine's tickets, loads, timers and event log.
+
+It runs in its own process (its own interpreter, GIL and clock), started and stopped by the
+engine's connector, so it answers peers at once and expires tickets on time even while the engine
+is busy in a forward pass or idle and not stepping. It hosts an xoscar actor pool with one actor,
+`Authority`, which owns the engine's `Ledger` and `LogWriter`:
+
+* peers (other engines' sidecars) call it over xoscar: claim, read_start, read_end, release,
+  heartbeat, abandon, transport_metadata;
+* its own engine's connector talks to it over local ZeroMQ sockets (see `messages.py`): facts in,
+  decisions out, never blocking the engine.
+
+Every fact becomes a core event, stamped with this process's monotonic clock, applied to the
+ledger and appended to the log; every effect becomes an RPC, a message to the connector, or an
+answer to the peer that asked.
+
+Run as `python -m kvbaton.control.sidecar_main CONFIG_JSON` (which keeps torch and pandas out of
+the process first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import xoscar as xo
+import zmq
+import zmq.asyncio
+
+from ..core import effects as fx
+from ..core import events as ev
+from ..core.ledger import Ledger, LedgerConfig
+from ..core.log import LogHeader, LogWriter
+from . import messages as m
+from .config import SidecarConfig, ipc_paths
+
+logger = logging.getLogger("kvbaton.sidecar")
+AUTHORITY_UID = "kvbaton-authority"
+
+
+class Authority(xo.Actor):
+    """One engine's ledger, driven by its connector's facts and its peers' calls."""
+
+    def __init__(self, config_json: bytes) -> None:
+        super().__init__()
+        self.cfg = msgspec.json.decode(config_json, type=SidecarConfig)
+        self.ledger = Ledger(self.cfg.ledger)
+        self.log: LogWriter | None = None
+        self.metadata: bytes | None = None
+        self.layout_fingerprint = ""
+        # D side: what the shell must remember about each load to carry its effects out.
+        self.loads: dict[str, dict] = {}
+        self.peer_refs: dict[str, object] = {}
+        self.peers_announced: set[str] = set()
+        # P side: when each claimer was last heard from (reads in flight end if it falls silent).
+        self.last_heard: dict[str, int] = {}
+        self.tasks: set[asyncio.Task] = set()
+        self.stopping = False
+
+    async def __post_create__(self) -> None:
+        cfg = self.cfg
+        if cfg.log_path:
+            os.makedirs(os.path.dirname(cfg.log_path) or ".", exist_ok=True)
+            self.log = LogWriter.open(cfg.log_path, LogHeader(
+                engine=cfg.engine_id, role=cfg.role, config=cfg.ledger, hash_every=cfg.hash_every,
+                writer="kvbaton sidecar"))
+        self.zctx = zmq.asyncio.Context()
+        paths = ipc_paths(cfg.ipc_dir)
+        self.inbox = self.zctx.socket(zmq.PULL)
+        self.inbox.bind(paths["inbox"])
+        self.to_scheduler = self.zctx.socket(zmq.PUSH)
+        self.to_scheduler.bind(paths["scheduler"])
+        self.to_worker = self.zctx.socket(zmq.PUSH)
+        self.to_worker.bind(paths["worker"])
+        self.outboxes: dict[object, asyncio.Queue] = {}
+        for sock in (self.to_scheduler, self.to_worker):
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            self.outboxes[sock] = asyncio.Queue()
+            self._spawn(self._sender_loop(sock))
+        self._spawn(self._inbox_loop())
+        self._spawn(self._timer_loop())
+        if cfg.role in ("consumer", "both"):
+            self._spawn(self._heartbeat_loop())
+
+    async def __pre_destroy__(self) -> None:
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        for task in list(self.tasks):
+            task.cancel()
+        if self.log is not None:
+            self.log.close(self.ledger)
+            self.log = None
+        for sock in (self.inbox, self.to_scheduler, self.to_worker):
+            sock.close(0)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("sidecar task failed: %r", task.exception())
+
+    # -- the one place events enter ----------------------------------------------------------------
+
+    def _apply(self, event: ev.Event) -> list[fx.Effect]:
+        effects = self.ledger.apply(event)
+        if self.log is not None:
+            self.log.append(event, self.ledger)
+        for effect in effects:
+            self._carry(effect)
+        return effects
+
+    def _now(self) -> int:
+        return time.monotonic_ns()
+
+    def _send(self, sock, msg: m.Msg) -> None:
+        """Queue a message for the connector; one sender per socket keeps them in order and
+        waits (without blocking the authority) until the connector side has connected."""
+
+        self.outboxes[sock].put_nowait(m.ENCODER.encode(msg))
+
+    async def _sender_loop(self, sock) -> None:
+        queue = self.outboxes[sock]
+        while True:
+            payload = await queue.get()
+            await sock.send(payload)
+
+    async def announce_ready(self, address: str) -> None:
+        self._send(self.to_scheduler, m.Ready(address, os.getpid(), self.cfg.log_path))
+
+    def _carry(self, effect: fx.Effect) -> None:
+        kind = type(effect)
+        if kind is fx.FreeEngineBlocks:
+            self._send(self.to_worker, m.FinishedSending(effect.request))
+        elif kind is fx.LoadResolved:
+            self._send(self.to_scheduler, m.Resolved(effect.request, effect.hit, effect.reason))
+        elif kind is fx.SendClaim:
+            self._spawn(self._claim(effect))
+        elif kind is fx.SendReadStart:
+            self._spawn(self._read_start(effect))
+        elif kind is fx.PostRead:
+            self._spawn(self._post_read(effect))
+        elif kind is fx.SendReadEnd:
+            self._spawn(self._call(effect.source, "read_end", effect.ticket, effect.read, effect.ok,
+                                   effect.release, self.cfg.engine_id, effect.epoch))
+        elif kind is fx.SendRelease:
+            self._spawn(self._call(effect.source, "release", effect.ticket, self.cfg.engine_id, effect.epoch))
+        elif kind is fx.ReportInvalidBlocks:
+            self._send(self.to_worker, m.InvalidBlocks(effect.request, effect.blocks))
+        elif kind is fx.LoadFinished:
+            ctx = self.loads.get(effect.request)
+            if ctx is not None and ctx.get("dst"):
+                # Only an allocated (async) load is parked in WAITING_FOR_REMOTE_KVS: vLLM waits
+                # for exactly one finished_recving for it, and asserts on any other.
+                self._send(self.to_worker, m.FinishedRecving(effect.request))
+            self.loads.pop(effect.request, None)
+        elif kind is fx.Rejected:
+            logger.debug("rejected %s %s: %s", effect.event, effect.subject, effect.reason)
+
+    # -- facts from the connector ------------------------------------------------------------------
+
+    async def _inbox_loop(self) -> None:
+        while True:
+            raw = await self.inbox.recv()
+            try:
+                msg = m.DECODER.decode(raw)
+                self._on_message(msg)
+            except Exception:  # a bad message must not take the authority down
+                logger.exception("could not handle a connector message")
+
+    def _on_message(self, msg: m.Msg) -> None:
+        now = self._now()
+        kind = type(msg)
+        if kind is m.TicketFact:
+            self._apply(ev.TicketIssued(now, msg.ticket, msg.request, msg.blocks, msg.keys))
+        elif kind is m.LoadFact:
+            self.loads[msg.request] = {"source": msg.source_address, "engine": msg.source_engine,
+                                       "ticket": msg.ticket, "src": msg.src_blocks, "dst": ()}
+            self._apply(ev.LoadRequested(now, msg.request, msg.ticket, msg.source_address, msg.epoch,
+                                         len(msg.src_blocks)))
+        elif kind is m.AllocatedFact:
+            ctx = self.loads.get(msg.request)
+            if ctx is not None:
+                ctx["src"], ctx["dst"] = msg.src_blocks, msg.dst_blocks
+            effects = self._apply(ev.LoadAllocated(now, msg.request, msg.dst_blocks,
+                                                   max(1, self.cfg.debug_reads_per_load)))
+            if ctx is None or any(type(e) is fx.Rejected for e in effects):
+                # The scheduler already parked the request: fail it so vLLM recomputes.
+                self._send(self.to_worker, m.InvalidBlocks(msg.request, msg.dst_blocks))
+                self._send(self.to_worker, m.FinishedRecving(msg.request))
+                self.loads.pop(msg.request, None)
+        elif kind is m.CancelFact:
+            event_type = ev.RequestPreempted if msg.preempted else ev.RequestAborted
+            if msg.request in self.ledger.loads.loads:
+                self._apply(event_type(now, msg.request))
+        elif kind is m.WorkerReady:
+            self.metadata = msg.metadata
+            self.layout_fingerprint = msg.layout_fingerprint
+        elif kind is m.ReadDone:
+            self._apply(ev.LoadReadFinished(now, msg.request, msg.read, msg.ok))
+        elif kind is m.Stop:
+            self._spawn(self.shutdown())
+
+    # -- timers ------------------------------------------------------------------------------------
+
+    async def _timer_loop(self) -> None:
+        interval = self.cfg.tick_interval_s
+        lease = self.cfg.ledger.claim_lease_ns
+        while True:
+            await asyncio.sleep(interval)
+            now = self._now()
+            heap = self.ledger.deadlines._heap
+            if heap and heap[0][0] <= now:
+                self._apply(ev.Tick(now))
+            # A reader that fell silent for a whole lease will not end its reads: P's transport
+            # would never tell us, so the reads end here as failed and the ticket can close.
+            for ticket in list(self.ledger.tickets.tickets.values()):
+                if ticket.reads and now - self.last_heard.get(ticket.claimer, now) > lease:
+                    for read in list(ticket.reads):
+                        self._apply(ev.ReadFinished(now, ticket.ticket, read, False))
+            if self.log is not None:
+                self.log.flush()
+            if self.cfg.parent_pid and not _alive(self.cfg.parent_pid):
+                logger.warning("engine process %d is gone: stopping", self.cfg.parent_pid)
+                await self.shutdown()
+                os._exit(0)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            by_source: dict[str, list[str]] = {}
+            for load in self.ledger.loads.loads.values():
+                if load.state not in ("DONE", "MISSED", "FAILED", "CANCELLED"):
+                    by_source.setdefault(load.source, []).append(load.ticket)
+            for source, tickets in by_source.items():
+                self._spawn(self._call(source, "heartbeat", tickets, self.cfg.engine_id))
+
+    # -- calls to peers (D side) -------------------------------------------------------------------
+
+    async def _ref(self, address: str):
+        ref = self.peer_refs.get(address)
+        if ref is None:
+            ref = await xo.actor_ref(address, AUTHORITY_UID)
+            self.peer_refs[address] = ref
+        return ref
+
+    async def _call(self, address: str, method: str, *args):
+        try:
+            ref = await self._ref(address)
+            return await getattr(ref, method)(*args)
+        except Exception as exc:
+            self.peer_refs.pop(address, None)
+            logger.warning("call %s to %s failed: %r", method, address, exc)
+            return None
+
+    async def _claim(self, effect: fx.SendClaim) -> None:
+        reply = await self._call(effect.source, "claim", effect.ticket, self.cfg.engine_id, effect.epoch)
+        now = self._now()
+        if reply is not None and reply[0]:
+            self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
+        else:
+            reason = reply[1] if reply is not None else "source unreachable"
+            self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
+
+    async def _read_start(self, effect: fx.SendReadStart) -> None:
+        ctx = self.loads.get(effect.request, {})
+        if effect.read.endswith("/0") and self.cfg.debug_hold_first_read_s:
+            await asyncio.sleep(self.cfg.debug_hold_first_read_s)
+        elif not effect.read.endswith("/0") and self.cfg.debug_pause_between_reads_s:
+            await asyncio.sleep(self.cfg.debug_pause_between_reads_s)
+        engine = ctx.get("engine", "")
+        if engine and engine not in self.peers_announced:
+            metadata = await self._call(effect.source, "transport_metadata")
+            if metadata is not None:
+                self._send(self.to_worker, m.AddPeer(engine, metadata))
+                self.peers_announced.add(engine)
+        reply = await self._call(effect.source, "read_start", effect.ticket, self.cfg.engine_id,
+                                 effect.epoch, effect.read)
+        now = self._now()
+        if reply is not None and reply[0]:
+            self._apply(ev.ReadGranted(now, effect.request, effect.read))
+        else:
+            reason = reply[1] if reply is not None else "source unreachable"
+            self._apply(ev.ReadRefused(now, effect.request, effect.read, reason))
+
+    async def _post_read(self, effect: fx.PostRead) -> None:
+        ctx = self.loads.get(effect.request)
+        if ctx is None:
+            return
+        src, dst = ctx["src"], ctx["dst"]
+        reads = max(1, self.cfg.debug_reads_per_load)
+        index = int(effect.read.rsplit("/", 1)[1])
+        # Sequential reads split the blocks into near-equal slices (one slice per read).
+        bounds = [len(dst) * i // reads for i in range(reads + 1)]
+        lo, hi = bounds[index], bounds[index + 1]
+        self._send(self.to_worker, m.PostRead(effect.request, effect.read, ctx["engine"],
+                                              tuple(src[lo:hi]), tuple(dst[lo:hi])))
+
+    # -- calls from peers (P side) -----------------------------------------------------------------
+
+    def _reply(self, effects: list[fx.Effect], kind) -> tuple[bool, str]:
+        for effect in effects:
+            if type(effect) is kind:
+                return effect.granted, effect.reason
+        return False, "no reply"
+
+    async def claim(self, ticket: str, claimer: str, epoch: int) -> tuple[bool, str]:
+        now = self._now()
+        self.last_heard[claimer] = now
+        return self._reply(self._apply(ev.ClaimRequested(now, ticket, claimer, epoch)), fx.ReplyClaim)
+
+    async def read_start(self, ticket: str, claimer: str, epoch: int, read: str) -> tuple[bool, str]:
+        now = self._now()
+        self.last_heard[claimer] = now
+        return self._reply(self._apply(ev.ReadStarted(now, ticket, claimer, epoch, read)), fx.ReplyRead)
+
+    async def read_end(self, ticket: str, read: str, ok: bool, release: bool, claimer: str, epoch: int) -> None:
+        now = self._now()
+        self.last_heard[claimer] = now
+        self._apply(ev.ReadFinished(now, ticket, read, ok))
+        if release:
+            self._apply(ev.ReleaseRequested(now, ticket, claimer, epoch))
+
+    async def release(self, ticket: str, claimer: str, epoch: int) -> None:
+        now = self._now()
+        self.last_heard[claimer] = now
+        self._apply(ev.ReleaseRequested(now, ticket, claimer, epoch))
+
+    async def heartbeat(self, tickets: list[str], claimer: str) -> None:
+        now = self._now()
+        self.last_heard[claimer] = now
+        for ticket in tickets:
+            self._apply(ev.HeartbeatReceived(now, ticket, claimer))
+
+    async def abandon(self, ticket: str) -> bool:
+        effects = self._apply(ev.AbandonRequested(self._now(), ticket))
+        return any(type(e) is fx.FreeEngineBlocks for e in effects)
+
+    async def transport_metadata(self) -> bytes | None:
+        return self.metadata
+
+    async def debug_state(self) -> dict:
+        return {"open": self.ledger.open_counts(), "counters": dict(self.ledger.counters),
+                "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path}
+
+    async def stop(self) -> None:
+        await self.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _main(config_json: bytes) -> None:
+    cfg = msgspec.json.decode(config_json, type=SidecarConfig)
+    pool = await xo.create_actor_pool(cfg.address, n_process=0)
+    ref = await xo.create_actor(Authority, config_json, address=pool.external_address, uid=AUTHORITY_UID)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await ref.announce_ready(pool.external_address)
+    await stop.wait()
+    try:
+        await ref.stop()
+    finally:
+        await pool.stop()
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("KVBATON_SIDECAR_LOG", "WARNING"),
+                        format="%(asctime)s kvbaton-sidecar %(levelname)s %(message)s")
+    asyncio.run(_main(sys.argv[1].encode()))
+
+
+if __name__ == "__main__":
+    main()

@@ -171,6 +171,31 @@ class SidecarHandle:
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
 
 
+AUTHORITY_UID = "kvbaton-authority"
+
+
+async def call_authority(address: str, method: str, *args, timeout_s: float = 10.0):
+    """Call an engine's sidecar (P's `abandon`, `debug_state`, ...) from any asyncio program."""
+
+    import asyncio
+
+    import xoscar as xo
+
+    async def call():
+        ref = await xo.actor_ref(address, AUTHORITY_UID)
+        return await getattr(ref, method)(*args)
+
+    return await asyncio.wait_for(call(), timeout_s)
+
+
+def call_authority_sync(address: str, method: str, *args, timeout_s: float = 10.0):
+    """The same, for scripts and tests without an event loop."""
+
+    import asyncio
+
+    return asyncio.run(call_authority(address, method, *args, timeout_s=timeout_s))
+
+
 def _unpin() -> None:
     """Run in the sidecar before it starts: it must answer peers at once even when the engine
     keeps every core busy (vLLM's engine loop spins while it holds finished requests). So it may

@@ -21,6 +21,8 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     debug_reads_per_load: int = 1
     debug_pause_between_reads_s: float = 0.0
     debug_hold_first_read_s: float = 0.0
+    debug_delay_claim_s: float = 0.0
+    debug_hold_post_s: float = 0.0
 
 
 def ipc_paths(ipc_dir: str) -> dict[str, str]:

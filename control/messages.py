@@ -122,9 +122,16 @@ class Stop(Msg, tag="stop"):
     pass
 
 
+class Debug(Msg, tag="debug"):
+    """Test hooks: change a `debug_*` knob of the sidecar, or `fail_next_reads` on the worker."""
+
+    key: str
+    value: float
+
+
 AnyMsg = Union[
     TicketFact, LoadFact, AllocatedFact, CancelFact, WorkerReady, ReadDone, Ready, Resolved,
-    AddPeer, PostRead, InvalidBlocks, FinishedRecving, FinishedSending, Stop,
+    AddPeer, PostRead, InvalidBlocks, FinishedRecving, FinishedSending, Stop, Debug,
 ]
 
 ENCODER = msgspec.msgpack.Encoder()

@@ -213,6 +213,12 @@ class Authority(xo.Actor):
             self._apply(ev.LoadReadFinished(now, msg.request, msg.read, msg.ok))
         elif kind is m.Stop:
             self._spawn(self.shutdown())
+        elif kind is m.Debug:
+            if msg.key == "fail_next_reads":
+                self._send(self.to_worker, msg)
+            elif msg.key in ("heartbeat_interval_s",) or msg.key.startswith("debug_"):
+                value = int(msg.value) if msg.key == "debug_reads_per_load" else msg.value
+                setattr(self.cfg, msg.key, value)
 
     # -- timers ------------------------------------------------------------------------------------
 
@@ -267,6 +273,8 @@ class Authority(xo.Actor):
             return None
 
     async def _claim(self, effect: fx.SendClaim) -> None:
+        if self.cfg.debug_delay_claim_s:
+            await asyncio.sleep(self.cfg.debug_delay_claim_s)
         reply = await self._call(effect.source, "claim", effect.ticket, self.cfg.engine_id, effect.epoch)
         now = self._now()
         if reply is not None and reply[0]:
@@ -297,6 +305,8 @@ class Authority(xo.Actor):
             self._apply(ev.ReadRefused(now, effect.request, effect.read, reason))
 
     async def _post_read(self, effect: fx.PostRead) -> None:
+        if self.cfg.debug_hold_post_s:
+            await asyncio.sleep(self.cfg.debug_hold_post_s)
         ctx = self.loads.get(effect.request)
         if ctx is None:
             return
@@ -354,7 +364,8 @@ class Authority(xo.Actor):
 
     async def debug_state(self) -> dict:
         return {"open": self.ledger.open_counts(), "counters": dict(self.ledger.counters),
-                "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path}
+                "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
+                "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()}}
 
     async def stop(self) -> None:
         await self.shutdown()

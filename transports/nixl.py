@@ -212,7 +212,7 @@ class NixlTransport:
 
     def __init__(self, engine_id: str, *, backends: Sequence[str] = ("UCX",),
                  descriptor_mode: str = "auto", dram_hugepages: bool = True,
-                 post_in_thread: bool = True) -> None:
+                 post_in_thread: bool = True, progress_interval_s: float | None = 0.005) -> None:
         """
         Args:
             engine_id: this engine's id as peers know it; names the agent and signs notifications.
@@ -228,6 +228,13 @@ class NixlTransport:
                 *inside* `transfer()` for DRAM (CMA) and, as measured, for one-GPU VRAM
                 (cuda_ipc), so posting on the caller's thread makes start_read block for the
                 whole copy. False posts inline, for callers that want exactly that.
+            progress_interval_s: while idle, the helper thread progresses the agent this often
+                (settling reads and collecting notifications into a buffer). Measured need: a
+                target that makes no NIXL call of its own could leave a reader's small READ in
+                "PROC" forever (8-16 KiB reads right after connecting, in most runs of one
+                setup), although NIXL's progress thread is on; any get_new_notifs on the target
+                unblocked it. An idle vLLM engine makes no calls, so the transport makes them.
+                None turns this off: then the owner must call poll/take_notifications often.
         """
         if descriptor_mode not in ("auto", "prepped", "per_read"):
             raise ValueError(f"descriptor_mode must be 'auto', 'prepped' or 'per_read', "
@@ -241,6 +248,7 @@ class NixlTransport:
         self._descriptor_mode = descriptor_mode
         self._dram_hugepages = dram_hugepages
         self._post_in_thread = post_in_thread
+        self._progress_interval_s = progress_interval_s
         self._agent: Any = None
         self._layout: KvLayout | None = None
         self._mem_type = ""
@@ -258,8 +266,10 @@ class NixlTransport:
         self._in_flight: dict[str, _InFlight] = {}
         self._finished: dict[str, ReadResult] = {}
         self._read_ids = PendingReadIds()
-        self._post_queue: queue.SimpleQueue[_ReadJob | None] | None = None
-        self._poster: threading.Thread | None = None
+        self._notification_buffer: list[tuple[str, bytes]] = []  # collected by the helper
+        # The helper thread: posts READs (post_in_thread) and progresses the agent when idle.
+        self._jobs: queue.SimpleQueue[_ReadJob | None] = queue.SimpleQueue()
+        self._helper: threading.Thread | None = None
         self._closed = False
 
     # ----------------------------------------------------------------------------- setup
@@ -285,11 +295,10 @@ class NixlTransport:
             if self._use_prepped(layout):
                 self._local_dlist, self._local_group_offsets = self._prep_block_dlist(
                     "NIXL_INIT_AGENT", layout, self._mem_type)
-            if self._post_in_thread:
-                self._post_queue = queue.SimpleQueue()
-                self._poster = threading.Thread(target=self._poster_main, daemon=True,
-                                                name=f"kvbaton-nixl-post-{self.engine_id}")
-                self._poster.start()
+            if self._post_in_thread or self._progress_interval_s is not None:
+                self._helper = threading.Thread(target=self._helper_main, daemon=True,
+                                                name=f"kvbaton-nixl-{self.engine_id}")
+                self._helper.start()
 
     def local_metadata(self) -> bytes:
         with self._agent_lock:
@@ -350,8 +359,8 @@ class NixlTransport:
         inject_fault = self.fault_hook is not None and bool(self.fault_hook(read_id))
         job = _ReadJob(read_id, peer_id, list(src_blocks), list(dst_blocks), notif_msg,
                        inject_fault, time.perf_counter())
-        if self._post_queue is not None:
-            self._post_queue.put(job)
+        if self._post_in_thread:
+            self._jobs.put(job)
         else:
             with self._agent_lock:
                 self._post_job(job)
@@ -397,35 +406,22 @@ class NixlTransport:
             pause_s = min(pause_s * 2, 1e-3)
 
     def take_notifications(self) -> list[tuple[str, bytes]]:
-        # Non-blocking like poll: notifications that arrive during a local copy wait for the
-        # next call (they stay queued inside NIXL).
-        if not self._agent_lock.acquire(blocking=False):
-            return []
-        try:
-            if self._agent is None:
-                return []
-            new = self._agent.get_new_notifs()
-        finally:
-            self._agent_lock.release()
-        notifications: list[tuple[str, bytes]] = []
-        for agent_name, messages in new.items():
-            for message in messages:
-                try:
-                    envelope = NOTIFY_DECODER.decode(message)
-                    notifications.append((envelope.reader, envelope.payload))
-                except msgspec.DecodeError:  # not from a kvbaton reader: pass it on raw
-                    notifications.append((_as_str(agent_name), bytes(message)))
+        # Non-blocking like poll: if the helper is inside a copy, return what it has collected;
+        # newer notifications stay queued inside NIXL until the next call.
+        self._collect_notifications(blocking=False)
+        with self._state_lock:
+            notifications, self._notification_buffer = self._notification_buffer, []
         return notifications
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._poster is not None:
-            self._post_queue.put(None)
-            self._poster.join(timeout=10)
-            if self._poster.is_alive():
-                logger.warning("NIXL poster thread of %s did not stop within 10 s", self.engine_id)
+        if self._helper is not None:
+            self._jobs.put(None)
+            self._helper.join(timeout=10)
+            if self._helper.is_alive():
+                logger.warning("NIXL helper thread of %s did not stop within 10 s", self.engine_id)
         with self._agent_lock:
             agent = self._agent
             if agent is None:
@@ -448,9 +444,13 @@ class NixlTransport:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _poster_main(self) -> None:
+    def _helper_main(self) -> None:
         while True:
-            job = self._post_queue.get()
+            try:
+                job = self._jobs.get(timeout=self._progress_interval_s)
+            except queue.Empty:  # idle: keep the agent moving (see progress_interval_s)
+                self._collect_notifications(blocking=False)
+                continue
             if job is None:
                 return
             with self._agent_lock:
@@ -459,6 +459,33 @@ class NixlTransport:
                                  "was posted", nbytes=0, started=job.started)
                     continue
                 self._post_job(job)
+
+    def _collect_notifications(self, *, blocking: bool) -> None:
+        """Progress the agent: settle ended reads and move new notifications into the buffer."""
+        if not self._agent_lock.acquire(blocking=blocking):
+            return
+        try:
+            if self._agent is None:
+                return
+            self._progress()
+            new = self._agent.get_new_notifs()
+        except Exception as error:  # never let the helper thread die
+            logger.warning("NIXL progress of %s failed: %s", self.engine_id, error)
+            return
+        finally:
+            self._agent_lock.release()
+        if not new:
+            return
+        notifications: list[tuple[str, bytes]] = []
+        for agent_name, messages in new.items():
+            for message in messages:
+                try:
+                    envelope = NOTIFY_DECODER.decode(message)
+                    notifications.append((envelope.reader, envelope.payload))
+                except msgspec.DecodeError:  # not from a kvbaton reader: pass it on raw
+                    notifications.append((_as_str(agent_name), bytes(message)))
+        with self._state_lock:
+            self._notification_buffer.extend(notifications)
 
     def _create_agent(self) -> Any:
         config = self._nixl_agent_config_class(enable_prog_thread=True, backends=self._backends)

@@ -16,7 +16,6 @@ catches, logs, and answers "recompute locally".
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import itertools
 import logging
@@ -149,6 +148,12 @@ class KvbatonConnector(KVConnectorBase_V1):
 
     def debug_state(self) -> dict:
         return self._scheduler.debug_state() if self._scheduler is not None else {}
+
+    def debug_set(self, key: str, value: float) -> None:
+        """Test hook: change a `debug_*` knob of the sidecar, or `fail_next_reads` on the worker."""
+
+        if self._scheduler is not None:
+            self._scheduler.sidecar.send(m.Debug(key, float(value)))
 
     # -- worker side -----------------------------------------------------------------------------
 
@@ -329,15 +334,16 @@ class SchedulerSide:
     def request_finished(self, request, block_ids):
         rid = request.request_id
         h = self.handoffs.pop(rid, None)
-        if h is not None and h.ticket:
-            # D: a load not yet over is given up (aborted, or finished some other way).
+        from vllm.v1.request import RequestStatus
+
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        if h is not None and h.ticket and (aborted or not h.consumed):
+            # D: a load not over yet is given up; the sidecar drains reads in flight first.
             self.sidecar.send(m.CancelFact(rid, False))
         params = request.kv_transfer_params or {}
         if not (self.conn.is_producer and params.get("do_remote_decode")):
             return False, None
-        from vllm.v1.request import RequestStatus
-
-        if request.status == RequestStatus.FINISHED_ABORTED or not block_ids or not self.usable():
+        if aborted or not block_ids or not self.usable():
             return False, None
         blocks = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
         num_tokens = min(len(request.prompt_token_ids or ()), len(blocks) * self.conn.block_size)
@@ -364,15 +370,9 @@ class SchedulerSide:
     def debug_state(self) -> dict:
         """For tests and operators: the sidecar's view (a blocking call; never on the hot path)."""
 
-        import xoscar as xo
+        from ...control.client import call_authority_sync
 
-        AUTHORITY_UID = "kvbaton-authority"
-
-        async def ask():
-            ref = await xo.actor_ref(self.sidecar.address, AUTHORITY_UID)
-            return await ref.debug_state()
-
-        state = asyncio.run(ask())
+        state = call_authority_sync(self.sidecar.address, "debug_state")
         state["connector_errors"] = self.errors
         state["handoffs"] = len(self.handoffs)
         state["sidecar_alive"] = self.sidecar.alive()
@@ -417,6 +417,7 @@ class WorkerSide:
 
             self.transport = NixlTransport(self.conn.engine_id)
         self.transport.register(layout, kv_caches)
+        self.kv_caches = kv_caches  # kept for test hooks and history copies
         nth = self.conn.settings.debug_fail_every_nth_read
         if nth:
             counter = itertools.count(1)
@@ -445,6 +446,16 @@ class WorkerSide:
                     logger.warning("kvbaton worker: cannot read from %s: %s", msg.engine, exc)
             elif kind is m.PostRead:
                 self._post(msg)
+            elif kind is m.Debug and msg.key == "fail_next_reads":
+                remaining = [int(msg.value)]
+
+                def fail_next(read_id: str) -> bool:
+                    if remaining[0] > 0:
+                        remaining[0] -= 1
+                        return True
+                    return False
+
+                self.transport.fault_hook = fail_next
         if self.reads:
             for result in self.transport.poll():
                 logger.debug("kvbaton worker: read done %s", result)

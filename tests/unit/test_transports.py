@@ -415,22 +415,22 @@ def _prefill_engine_main(conn, num_blocks: int, seed: int) -> None:
     transport = transports.NixlTransport("P")
     transport.register(KvLayout.from_kv_caches(caches, num_blocks, BLOCK_SIZE), caches)
     conn.send(transport.local_metadata())
-    notifications: list = []
     while True:
-        if conn.poll(0.002):
-            command, argument = conn.recv()
-            if command == "stop":
-                break
-            if command == "notifications":  # wait for `argument` of them, at most 10 s
-                deadline = time.monotonic() + 10
-                while len(notifications) < argument and time.monotonic() < deadline:
-                    notifications.extend(transport.take_notifications())
-                    time.sleep(0.001)
-                time.sleep(0.2)  # let a wrongly sent extra notification arrive, to be seen
+        # Idle like a vLLM engine without requests: no NIXL call of our own until asked. Readers'
+        # small first READs hung forever against such a target before the transport progressed
+        # its agent from its helper thread.
+        command, argument = conn.recv()
+        if command == "stop":
+            break
+        if command == "notifications":  # wait for `argument` of them, at most 10 s
+            notifications = []
+            deadline = time.monotonic() + 10
+            while len(notifications) < argument and time.monotonic() < deadline:
                 notifications.extend(transport.take_notifications())
-                conn.send(notifications)
-                notifications = []
-        notifications.extend(transport.take_notifications())
+                time.sleep(0.001)
+            time.sleep(0.2)  # let a wrongly sent extra notification arrive, to be seen
+            notifications.extend(transport.take_notifications())
+            conn.send(notifications)
     transport.close()
     conn.send("closed")
 
@@ -481,6 +481,10 @@ def test_nixl_reads_between_two_processes(prefill_process, descriptor_mode, post
         assert isinstance(decode, T.Transport)
         decode.register(layout, caches)
         decode.add_peer("P", metadata)
+        # A small read first, right after connecting, against an idle target.
+        decode.start_read("first", "P", [7], [5], notify=None)
+        assert decode.wait("first", NIXL_TIMEOUT_S).ok
+        _check_blocks(caches, expected, layout, [7], [5])
         rng = random.Random(descriptor_mode)
         # The three reads run concurrently, so their destinations must not overlap: faulty
         # writes D blocks [0, 64), scattered [64, 2048), contiguous [2048, 4096).
@@ -514,6 +518,47 @@ def test_nixl_reads_between_two_processes(prefill_process, descriptor_mode, post
         assert sorted(notifications) == [(reader, b"n-contiguous"), (reader, b"n-scattered")]
     finally:
         decode.close()
+
+
+def _idle_prefill_main(conn, progress_interval_s) -> None:
+    """A target that registers, publishes its metadata at once and then makes no call at all."""
+    transports = _import_kvbaton_transports()
+    caches = nixl_caches(NIXL_NUM_BLOCKS)
+    caches[next(iter(caches))].fill_(1.0)
+    transport = transports.NixlTransport("idle-P", progress_interval_s=progress_interval_s)
+    transport.register(KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE), caches)
+    conn.send(transport.local_metadata())
+    conn.recv()
+    transport.close()
+
+
+def test_nixl_small_first_read_from_an_idle_target_completes():
+    """Regression: with NIXL 1.5.1 a reader's first small READ stayed in PROC forever when the
+    target made no NIXL call of its own (its progress thread notwithstanding). The transport's
+    helper thread now progresses the target's agent every few milliseconds."""
+    pytest.importorskip("nixl", exc_type=ImportError)
+    context = multiprocessing.get_context("spawn")
+    parent_end, child_end = context.Pipe()
+    process = context.Process(target=_idle_prefill_main, args=(child_end, None), daemon=True)
+    process.start()
+    decode = None
+    try:
+        assert parent_end.poll(60), "the idle prefill process sent no metadata within 60 s"
+        caches = nixl_caches(NIXL_NUM_BLOCKS)
+        decode = T.NixlTransport("D-idle", descriptor_mode="per_read")
+        decode.register(KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE), caches)
+        decode.add_peer("P", parent_end.recv())
+        decode.start_read("small", "P", [0], [0], notify=None)
+        result = decode.wait("small", 10.0)
+        assert result.ok, result.error
+        assert bool((next(iter(caches.values()))[0] == 1.0).all())
+    finally:
+        if decode is not None:
+            decode.close()
+        parent_end.send("stop")
+        process.join(10)
+        if process.is_alive():
+            process.kill()
 
 
 def test_nixl_rejects_incompatible_peer_and_unknown_peer(prefill_process):

@@ -1,0 +1,306 @@
+"""Real P/D handoffs between vLLM CPU engines over NIXL (DRAM), driven by kvbaton's sidecars.
+
+Three single-process engines start once for the module: P (producer; its engine is *not* stepped
+while it holds tickets, so every handoff here proves D never waits for P's engine), D (consumer,
+prefix caching on) and S (a plain engine giving the reference greedy outputs). Every test ends by
+checking, from the engines and sidecars themselves, that no block and no ticket leaked.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl._api")
+
+from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt  # noqa: E402
+from kvbaton.control.client import call_authority_sync  # noqa: E402
+from kvbaton.core.log import read_log  # noqa: E402
+from kvbaton.core.replay import replay  # noqa: E402
+
+from . import engine_hooks  # noqa: E402
+from .engine_harness import EngineProcess  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+CONNECTOR = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
+BLOCK = 32
+UNCLAIMED_TTL_S = 3
+CLAIM_LEASE_S = 4
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd")
+    model = build_tiny_model(root / "model")
+    events = root / "events"
+    p = EngineProcess("P", model, cpu_core=0, log_dir=root, mirror_busy_loop=False,
+                      kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
+                          "event_log_dir": str(events), "unclaimed_ttl_s": UNCLAIMED_TTL_S,
+                          "claim_lease_s": CLAIM_LEASE_S}})
+    d = EngineProcess("D", model, cpu_core=1, log_dir=root,
+                      kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
+                          "event_log_dir": str(events), "heartbeat_interval_s": 1.0}})
+    s = EngineProcess("S", model, cpu_core=0, log_dir=root)
+    engines = [p, d, s]
+    for engine in engines:
+        engine.launch()
+    try:
+        for engine in engines:
+            engine.wait_ready(300)
+        yield SimpleNamespace(p=p, d=d, s=s, events=events)
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+def prefill(pd, prompt) -> dict:
+    out = pd.p.generate([prompt], max_tokens=1, kv_transfer_params_list=[{"do_remote_decode": True}])[0]
+    params = out["kv_transfer_params"]
+    assert params and params.get("do_remote_prefill") and "kvbaton" in params, params
+    return params
+
+
+def decode(pd, prompt, params, max_tokens=8, timeout_s=60.0) -> list[int]:
+    return pd.d.generate([prompt], max_tokens=max_tokens, kv_transfer_params_list=[params],
+                         timeout_s=timeout_s)[0]["token_ids"]
+
+
+def reference(pd, prompt, max_tokens=8) -> list[int]:
+    return pd.s.generate([prompt], max_tokens=max_tokens)[0]["token_ids"]
+
+
+def counters(engine) -> dict:
+    return engine.call_connector("debug_state")["counters"]
+
+
+def delta(before: dict, after: dict, key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def assert_nothing_held(pd, timeout_s: float = 15.0) -> None:
+    """P's and D's sidecars hold no open record, and both block pools are whole again (P's engine
+    is stepped so it can report the blocks its tickets gave back)."""
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pd.p.step(3)
+        p_state, d_state = pd.p.call_connector("debug_state"), pd.d.call_connector("debug_state")
+        p_stats, d_stats = pd.p.wait_idle(), pd.d.wait_idle()
+        clean = (not any(p_state["open"].values()) and not any(d_state["open"].values())
+                 and p_stats["free_blocks"] == p_stats["usable_blocks"]
+                 and d_stats["free_blocks"] == d_stats["usable_blocks"]
+                 and p_stats["scheduler_requests"] == 0 and d_stats["scheduler_requests"] == 0)
+        if clean:
+            assert p_state["violations"] == [] and d_state["violations"] == []
+            assert p_state["connector_errors"] == 0 and d_state["connector_errors"] == 0
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still held after {timeout_s} s: P {p_state['open']} {p_stats['free_blocks']}/"
+                                 f"{p_stats['usable_blocks']} reqs {p_stats['scheduler_requests']}; D "
+                                 f"{d_state['open']} {d_stats['free_blocks']}/{d_stats['usable_blocks']} "
+                                 f"reqs {d_stats['scheduler_requests']}")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("length", [5, 31, 32, 33, 100, 700])
+def test_decode_output_equals_single_engine(pd, length):
+    prompt = tiny_prompt(length, seed=1000 + length)
+    before = counters(pd.d)
+    params = prefill(pd, prompt)
+    assert decode(pd, prompt, params) == reference(pd, prompt)
+    after = counters(pd.d)
+    assert delta(before, after, "loads.done") == 1
+    assert delta(before, after, "loads.blocks") == math.ceil(length / BLOCK)
+    assert_nothing_held(pd)
+
+
+def test_decode_reads_only_what_its_own_prefix_cache_lacks(pd):
+    shared = tiny_prompt(160, seed=7)
+    first = shared + tiny_prompt(40, seed=8)
+    second = shared + tiny_prompt(100, seed=9)
+    assert decode(pd, first, prefill(pd, first)) == reference(pd, first)
+    before = counters(pd.d)
+    assert decode(pd, second, prefill(pd, second)) == reference(pd, second)
+    loaded = delta(before, counters(pd.d), "loads.blocks")
+    # 160 shared tokens = 5 full blocks hit D's own cache; only the other 4 of 9 are read.
+    assert loaded == math.ceil(len(second) / BLOCK) - len(shared) // BLOCK
+    assert_nothing_held(pd)
+
+
+def test_decode_really_uses_the_transferred_kv(pd):
+    prompt = tiny_prompt(96, seed=11)
+    params = prefill(pd, prompt)
+    pd.p.run_in_engine(engine_hooks.corrupt_blocks, params["remote_block_ids"])
+    assert decode(pd, prompt, params) != reference(pd, prompt)
+    assert_nothing_held(pd)
+
+
+def test_transferred_kv_is_bit_identical(pd):
+    prompt = tiny_prompt(130, seed=12)
+    params = prefill(pd, prompt)
+    full_blocks = len(prompt) // BLOCK  # the block holding the last token is recomputed on D
+    source = pd.p.run_in_engine(engine_hooks.read_blocks, params["remote_block_ids"][:full_blocks])
+    request = pd.d.submit(f"bits-{uuid.uuid4().hex[:6]}", prompt, max_tokens=1, kv_transfer_params=params)
+    pd.d.results(60)
+    d_blocks = pd.d.call_connector("debug_state")["load_blocks"][request][:full_blocks]
+    received = pd.d.run_in_engine(engine_hooks.read_blocks, d_blocks)
+    assert len(received) == len(source) > 0
+    assert received == source
+    assert_nothing_held(pd)
+
+
+def test_claim_after_the_ticket_expired_recomputes(pd):
+    prompt = tiny_prompt(200, seed=13)
+    params = prefill(pd, prompt)
+    time.sleep(UNCLAIMED_TTL_S + 1.5)
+    before = counters(pd.d)
+    assert decode(pd, prompt, params) == reference(pd, prompt)
+    assert delta(before, counters(pd.d), "loads.missed") == 1
+    assert counters(pd.p).get("tickets.closed.expired", 0) >= 1
+    assert_nothing_held(pd)
+
+
+def test_router_abandons_after_p_answered(pd):
+    prompt = tiny_prompt(150, seed=14)
+    params = prefill(pd, prompt)
+    section = params["kvbaton"]
+    assert call_authority_sync(section["control"], "abandon", section["ticket"]) is True
+    before = counters(pd.d)
+    assert decode(pd, prompt, params) == reference(pd, prompt)
+    assert delta(before, counters(pd.d), "loads.missed") == 1
+    assert_nothing_held(pd)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "wrong_layout", "unknown_ticket", "no_blocks", "bad_control"])
+def test_malformed_or_stale_params_recompute_locally(pd, damage):
+    prompt = tiny_prompt(120, seed=15)
+    params = prefill(pd, prompt)
+    bad = copy.deepcopy(params)
+    if damage == "garbage":
+        bad["kvbaton"] = "not a handoff"
+    elif damage == "wrong_layout":
+        bad["kvbaton"]["layout"] = "0123456789abcdef"
+    elif damage == "unknown_ticket":
+        bad["kvbaton"]["ticket"] = uuid.uuid4().hex
+    elif damage == "no_blocks":
+        bad["remote_block_ids"] = []
+    elif damage == "bad_control":
+        bad["kvbaton"]["control"] = "127.0.0.1:1"
+    assert decode(pd, prompt, bad) == reference(pd, prompt)
+    section = params["kvbaton"]
+    call_authority_sync(section["control"], "abandon", section["ticket"])  # the real ticket
+    assert_nothing_held(pd)
+
+
+def test_ticket_expires_between_reads(pd):
+    pd.d.call_connector("debug_set", "heartbeat_interval_s", 30)
+    pd.d.call_connector("debug_set", "debug_reads_per_load", 2)
+    pd.d.call_connector("debug_set", "debug_pause_between_reads_s", CLAIM_LEASE_S + 2)
+    time.sleep(1.5)  # let the heartbeat loop pick up the long interval
+    try:
+        prompt = tiny_prompt(400, seed=16)
+        before = counters(pd.d)
+        assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
+        after = counters(pd.d)
+        assert delta(before, after, "loads.failed") == 1
+        assert counters(pd.p).get("tickets.closed.expired", 0) >= 1
+    finally:
+        pd.d.call_connector("debug_set", "debug_reads_per_load", 1)
+        pd.d.call_connector("debug_set", "debug_pause_between_reads_s", 0)
+        pd.d.call_connector("debug_set", "heartbeat_interval_s", 1)
+    assert_nothing_held(pd)
+
+
+def test_transport_error_mid_read_recomputes(pd):
+    pd.d.call_connector("debug_set", "fail_next_reads", 1)
+    prompt = tiny_prompt(300, seed=17)
+    before = counters(pd.d)
+    assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
+    assert delta(before, counters(pd.d), "loads.failed") == 1
+    assert_nothing_held(pd)
+
+
+def test_decode_aborted_before_allocation(pd):
+    pd.d.call_connector("debug_set", "debug_delay_claim_s", 1.5)
+    try:
+        prompt = tiny_prompt(180, seed=18)
+        params = prefill(pd, prompt)
+        request = f"abort-early-{uuid.uuid4().hex[:6]}"
+        pd.d.submit(request, prompt, max_tokens=8, kv_transfer_params=params)
+        time.sleep(0.3)
+        pd.d.abort(request)
+        time.sleep(2.5)  # the claim lands after the abort: D gives the ticket straight back
+    finally:
+        pd.d.call_connector("debug_set", "debug_delay_claim_s", 0)
+    p_counters = counters(pd.p)
+    assert p_counters.get("tickets.closed.released", 0) + p_counters.get("tickets.closed.expired", 0) >= 1
+    assert_nothing_held(pd)
+
+
+def test_decode_aborted_while_loading(pd):
+    pd.d.call_connector("debug_set", "debug_hold_post_s", 1.5)
+    try:
+        prompt = tiny_prompt(250, seed=19)
+        params = prefill(pd, prompt)
+        request = f"abort-loading-{uuid.uuid4().hex[:6]}"
+        pd.d.submit(request, prompt, max_tokens=8, kv_transfer_params=params)
+        time.sleep(0.5)
+        state = pd.d.call_connector("debug_state")
+        assert state["open"]["loads"] == 1  # claimed, allocated, read granted: LOADING
+        pd.d.abort(request)
+        time.sleep(2.5)
+    finally:
+        pd.d.call_connector("debug_set", "debug_hold_post_s", 0)
+    assert counters(pd.d).get("loads.cancelled", 0) >= 1
+    assert_nothing_held(pd)
+
+
+def test_idle_prefill_engine_does_not_delay_the_handoff(pd):
+    prompt = tiny_prompt(500, seed=20)
+    params = prefill(pd, prompt)  # from here on P's engine is not stepped
+    started = time.monotonic()
+    assert decode(pd, prompt, params, max_tokens=4) == reference(pd, prompt, max_tokens=4)
+    elapsed = time.monotonic() - started
+    assert elapsed < 5.0, f"a handoff from an idle P took {elapsed:.1f} s"
+    p_state = pd.p.call_connector("debug_state")
+    assert p_state["open"]["tickets"] == 0  # closed by P's sidecar, before P's engine stepped
+    assert_nothing_held(pd)
+
+
+def test_engine_logs_replay_without_violations(pd):
+    logs = sorted(pd.events.glob("*.kvlog"))
+    assert len(logs) == 2
+    for path in logs:
+        header, records = read_log(str(path))
+        result = replay(header, records)
+        assert result.events > 0
+        assert result.violating_events == 0 and result.first_divergence is None, path
+
+
+def test_decode_killed_after_claiming_lets_p_reclaim(pd):
+    """Last: it kills D. P's sidecar notices the silent reader, ends its read and the idle lease
+    expires, so P gets its blocks back without D."""
+
+    pd.d.call_connector("debug_set", "debug_hold_post_s", 60)
+    prompt = tiny_prompt(220, seed=21)
+    params = prefill(pd, prompt)
+    pd.d.submit(f"doomed-{uuid.uuid4().hex[:6]}", prompt, max_tokens=8, kv_transfer_params=params)
+    time.sleep(1.0)
+    assert pd.p.call_connector("debug_state")["counters"].get("tickets.claimed", 0) >= 1
+    pd.d.kill()
+    deadline = time.monotonic() + 4 * CLAIM_LEASE_S + 5
+    while time.monotonic() < deadline:
+        if pd.p.call_connector("debug_state")["open"]["tickets"] == 0:
+            break
+        time.sleep(0.5)
+    pd.p.step(3)
+    stats = pd.p.wait_idle()
+    assert pd.p.call_connector("debug_state")["open"]["tickets"] == 0
+    assert stats["free_blocks"] == stats["usable_blocks"]

@@ -141,13 +141,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    try:
-        from .demo import run_demo
-    except ImportError as exc:
-        print(f"kvbaton demo: needs the serving extras ({exc}); running the lifecycle fuzzer demo",
-              file=sys.stderr)
-        args.sequences, args.steps, args.out, args.no_progress = 2000, 300, args.log_dir, True
-        return cmd_fuzz(args)
+    from .router.demo import run_demo
+
     return run_demo(args)
 
 
@@ -188,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="start P and D engines and the router")
+    from .router.serve import add_serve_arguments
+
+    add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
     return parser
 

@@ -149,6 +149,8 @@ def _stop(process, conn) -> None:
 def raw_nixl_read_samples(nbytes: int, *, reps: int = 9, memory: str = "torch-hugepages") -> list[float]:
     """GB/s of `reps` single-descriptor NIXL READs of `nbytes` between two processes, after one
     warm-up read (which pays for connection setup)."""
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be > 0, not {nbytes}")
     process, conn, (metadata, remote_addr) = _spawn(_raw_target_main, nbytes, memory)
     try:
         reader = _RawAgent("reader", nbytes, memory, fill=0)

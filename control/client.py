@@ -193,7 +193,17 @@ def call_authority_sync(address: str, method: str, *args, timeout_s: float = 10.
 
     import asyncio
 
-    return asyncio.run(call_authority(address, method, *args, timeout_s=timeout_s))
+    async def call_and_wind_down():
+        try:
+            return await call_authority(address, method, *args, timeout_s=timeout_s)
+        finally:
+            # xoscar leaves a listener task per connection; end them inside this loop.
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    return asyncio.run(call_and_wind_down())
 
 
 def _unpin() -> None:

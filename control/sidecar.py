@@ -61,6 +61,8 @@ class Authority(xo.Actor):
         self.last_heard: dict[str, int] = {}
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False
+        # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.
+        self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
 
     async def __post_create__(self) -> None:
         cfg = self.cfg
@@ -210,6 +212,13 @@ class Authority(xo.Actor):
             self.metadata = msg.metadata
             self.layout_fingerprint = msg.layout_fingerprint
         elif kind is m.ReadDone:
+            stats = self.transfer
+            stats["reads"] += 1
+            if msg.ok:
+                stats["bytes"] += msg.nbytes
+                stats["seconds"] += msg.seconds
+            else:
+                stats["failed"] += 1
             self._apply(ev.LoadReadFinished(now, msg.request, msg.read, msg.ok))
         elif kind is m.Stop:
             self._spawn(self.shutdown())
@@ -365,7 +374,8 @@ class Authority(xo.Actor):
     async def debug_state(self) -> dict:
         return {"open": self.ledger.open_counts(), "counters": dict(self.ledger.counters),
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
-                "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()}}
+                "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
+                "transfer": dict(self.transfer)}
 
     async def stop(self) -> None:
         await self.shutdown()

@@ -141,6 +141,8 @@ def _tokenizer_config(max_pos: int) -> dict:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_pos,
+        # Chat requests work too: messages are joined by spaces (every word is one token).
+        "chat_template": "{% for message in messages %}{{ message['content'] }} {% endfor %}",
     }
 
 

@@ -539,7 +539,7 @@ def test_nixl_small_first_read_from_an_idle_target_completes():
     pytest.importorskip("nixl", exc_type=ImportError)
     context = multiprocessing.get_context("spawn")
     parent_end, child_end = context.Pipe()
-    process = context.Process(target=_idle_prefill_main, args=(child_end, None), daemon=True)
+    process = context.Process(target=_idle_prefill_main, args=(child_end, 0.005), daemon=True)
     process.start()
     decode = None
     try:

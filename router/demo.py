@@ -1,0 +1,234 @@
+"""`kvbaton demo`: the built-in tiny model on a P and a D engine behind the router, a short
+workload through the `openai` client, and a table of what happened.
+
+The workload: fresh prompts, repeats, a chat request, streamed requests (time to first token), a
+stream the client walks away from, and prompts that come back after other prompts pushed them out
+of P's own prefix cache. At the end every engine's event log is replayed; the demo fails (exit 1)
+if any request failed, any ticket is still open, or any log shows a violation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from ..adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for
+from .serve import Deployment, EngineSpec, free_port, run_router
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class RouterThread:
+    def __init__(self, deployment: Deployment, port: int) -> None:
+        self.deployment = deployment
+        self.port = port
+        self.loop = asyncio.new_event_loop()
+        self.stop_event: asyncio.Event | None = None
+        self.thread = threading.Thread(target=self._main, name="kvbaton-router", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def serve() -> None:
+            self.stop_event = asyncio.Event()
+            await run_router(self.deployment, "127.0.0.1", self.port, self.stop_event)
+            # Wind down what the control-plane client left running (xoscar's listeners).
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+        self.loop.run_until_complete(serve())
+        self.loop.close()
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        import httpx
+
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("the router did not come up")
+
+    def stop(self) -> None:
+        if self.stop_event is not None:
+            self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(10)
+
+
+def run_demo(args) -> int:
+    import openai
+
+    from ..control.client import call_authority_sync
+    from ..core.log import LogError, read_log
+    from ..core.replay import replay
+
+    log_dir = Path(args.log_dir).resolve()
+    events = log_dir / "events"
+    shutil.rmtree(events, ignore_errors=True)
+    model_dir = build_tiny_model(log_dir / "tiny-model")
+
+    def say(text: str) -> None:
+        print(f"demo: {text}", flush=True)
+
+    specs = [
+        # P's own cache is small (128 blocks) so that returning prompts find it evicted.
+        EngineSpec("prefill", free_port(), free_port(), "cpu:0", 2 << 20),
+        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20),
+    ]
+    deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name="tiny",
+                            log_dir=log_dir, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
+                            extra_engine_args=[])
+    router = None
+    latencies: list[float] = []
+    ttfts: list[float] = []
+    failures: list[str] = []
+    requests = 0
+    try:
+        say("starting a prefill and a decode engine on the CPU (about 30 s)...")
+        deployment.start(say, timeout_s=300)
+        router = RouterThread(deployment, free_port())
+        router.start()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="kvbaton-demo",
+                               max_retries=0, timeout=120)
+
+        def complete(prompt_ids: list[int], max_tokens: int = 16) -> None:
+            nonlocal requests
+            requests += 1
+            started = time.perf_counter()
+            try:
+                client.completions.create(model="tiny", prompt=words_for(prompt_ids), max_tokens=max_tokens,
+                                          temperature=0)
+                latencies.append(time.perf_counter() - started)
+            except Exception as exc:  # reported in the table, and the demo fails
+                failures.append(f"completion: {exc}")
+
+        def stream(prompt_ids: list[int], walk_away: bool = False) -> None:
+            nonlocal requests
+            requests += 1
+            started = time.perf_counter()
+            try:
+                chunks = client.completions.create(model="tiny", prompt=words_for(prompt_ids), max_tokens=24,
+                                                   temperature=0, stream=True)
+                for index, _chunk in enumerate(chunks):
+                    if index == 0:
+                        ttfts.append(time.perf_counter() - started)
+                        if walk_away:
+                            chunks.response.close()
+                            return
+                latencies.append(time.perf_counter() - started)
+            except Exception as exc:
+                if not walk_away:
+                    failures.append(f"stream: {exc}")
+
+        hot = [tiny_prompt(400, seed=900 + i) for i in range(4)]
+        say("fresh prompts")
+        for i, prompt in enumerate(hot + [tiny_prompt(120 + 60 * i, seed=1000 + i) for i in range(4)]):
+            complete(prompt)
+        say("repeats")
+        for prompt in hot[:2]:
+            complete(prompt)
+        say("a chat request")
+        requests += 1
+        try:
+            client.chat.completions.create(model="tiny", max_tokens=16, temperature=0,
+                                           messages=[{"role": "user", "content": words_for(tiny_prompt(200, seed=77))}])
+        except Exception as exc:
+            failures.append(f"chat: {exc}")
+        say("streamed requests, and one the client walks away from")
+        for i in range(3):
+            stream(tiny_prompt(300, seed=2000 + i))
+        stream(tiny_prompt(300, seed=2100), walk_away=True)
+        say("other prompts push the hot documents out of P's prefix cache, then they come back")
+        for i in range(12):
+            complete(tiny_prompt(400, seed=3000 + i), max_tokens=4)
+        for prompt in hot:
+            complete(prompt)
+
+        # Let the engines settle: the walked-away stream and the last releases.
+        p_controls = deployment.controls("prefill")
+        d_controls = deployment.controls("decode")
+        deadline = time.monotonic() + 20
+        while True:
+            p_states = {u: call_authority_sync(c, "debug_state") for u, c in p_controls.items()}
+            d_states = {u: call_authority_sync(c, "debug_state") for u, c in d_controls.items()}
+            open_tickets = sum(s["open"]["tickets"] for s in p_states.values())
+            open_loads = sum(s["open"]["loads"] for s in d_states.values())
+            if (open_tickets == 0 and open_loads == 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    except Exception as exc:
+        say(f"failed: {exc}")
+        failures.append(str(exc))
+        p_states, d_states, open_tickets, open_loads = {}, {}, -1, -1
+    finally:
+        if router is not None:
+            router.stop()
+        deployment.stop()
+
+    def total(states: dict, key: str) -> int:
+        return sum(s.get("counters", {}).get(key, 0) for s in states.values())
+
+    transfer_bytes = sum(s.get("transfer", {}).get("bytes", 0) for s in d_states.values())
+    hits_gpu, hits_cpu = total(p_states, "restores.hits.gpu"), total(p_states, "restores.hits.cpu")
+    violations = 0
+    logs = sorted(events.glob("*.kvlog"))
+    for path in logs:
+        try:
+            header, records = read_log(str(path))
+            result = replay(header, records)
+            violations += result.violating_events + (result.first_divergence is not None)
+        except LogError as exc:
+            failures.append(f"{path.name}: {exc}")
+
+    rows = [
+        ("requests", f"{requests} ({len(failures)} failed)"),
+        ("latency p50 / p95 (non-streamed)", f"{_percentile(latencies, 0.5) * 1e3:.0f} / {_percentile(latencies, 0.95) * 1e3:.0f} ms"),
+        ("TTFT p50 / p95 (streamed)", f"{_percentile(ttfts, 0.5) * 1e3:.0f} / {_percentile(ttfts, 0.95) * 1e3:.0f} ms"),
+        ("tickets issued / released / expired", f"{total(p_states, 'tickets.issued')} / "
+                                                f"{total(p_states, 'tickets.closed.released')} / "
+                                                f"{total(p_states, 'tickets.closed.expired') + total(p_states, 'tickets.closed.abandoned')}"),
+        ("handoff loads done / missed / failed", f"{total(d_states, 'loads.done')} / {total(d_states, 'loads.missed')} / "
+                                                 f"{total(d_states, 'loads.failed')}"),
+        ("handoff blocks / bytes", f"{total(d_states, 'loads.blocks')} / {transfer_bytes / 2**20:.1f} MiB"),
+        ("history hits GPU tier / CPU tier", f"{hits_gpu} / {hits_cpu}"),
+        ("open tickets at the end", str(open_tickets)),
+        ("event logs (violations)", f"{len(logs)} ({violations})"),
+    ]
+    _print_table(rows)
+    if logs:
+        print(f"inspect a log: kvbaton replay {logs[0]}")
+    for failure in failures[:5]:
+        print(f"failure: {failure}")
+    print(f"demo: {requests} requests, {hits_gpu + hits_cpu} history hits, {open_tickets} open tickets, logs in {log_dir}")
+    ok = not failures and open_tickets == 0 and violations == 0 and requests > 0
+    return 0 if ok else 1
+
+
+def _print_table(rows: list[tuple[str, str]]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="kvbaton demo", show_header=False)
+        for key, value in rows:
+            table.add_row(key, value)
+        Console().print(table)
+    except ImportError:
+        width = max(len(k) for k, _ in rows)
+        for key, value in rows:
+            print(f"  {key:<{width}}  {value}")

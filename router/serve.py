@@ -1,0 +1,300 @@
+"""`kvbaton serve`: start P and D `vllm serve` engines with the connector (or attach to running
+ones), put the router in front, and stop everything it started on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+CONNECTOR = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cuda_device_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+@dataclass
+class EngineSpec:
+    role: str  # "prefill" or "decode"
+    port: int
+    control_port: int
+    placement: str  # "cpu:<core>" or "gpu:<index>"
+    kv_cache_bytes: int
+    extra_config: dict = field(default_factory=dict)
+
+
+@dataclass
+class Engine:
+    spec: EngineSpec
+    url: str
+    process: subprocess.Popen | None
+    log_path: Path
+
+    @property
+    def control(self) -> str:
+        return f"127.0.0.1:{self.spec.control_port}"
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class ServeError(RuntimeError):
+    pass
+
+
+class Deployment:
+    """Engines this process started (or attached to) and the router in front of them."""
+
+    def __init__(self, model: str, *, tokenizer: str | None, served_model_name: str, log_dir: Path,
+                 specs: list[EngineSpec], block_size: int, max_model_len: int, load_format: str | None,
+                 extra_engine_args: list[str], attach_prefill: list[str] | None = None,
+                 attach_decode: list[str] | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.log_dir = log_dir
+        self.specs = specs
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.load_format = load_format
+        self.extra_engine_args = extra_engine_args
+        self.attach_prefill = attach_prefill or []
+        self.attach_decode = attach_decode or []
+        self.engines: list[Engine] = []
+
+    @property
+    def event_log_dir(self) -> Path:
+        return self.log_dir / "events"
+
+    def _command(self, spec: EngineSpec) -> tuple[list[str], dict]:
+        extra = {"event_log_dir": str(self.event_log_dir), "control_port": spec.control_port, **spec.extra_config}
+        kv_config = {**CONNECTOR, "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
+                     "kv_connector_extra_config": extra}
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--served-model-name", self.served_model_name, "--port", str(spec.port), "--host", "127.0.0.1",
+               "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
+               "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--shutdown-timeout", "5",
+               "--kv-transfer-config", json.dumps(kv_config)]
+        if self.tokenizer:
+            cmd += ["--tokenizer", self.tokenizer]
+        if self.load_format:
+            cmd += ["--load-format", self.load_format]
+        env = dict(os.environ)
+        kind, _, index = spec.placement.partition(":")
+        if kind == "cpu":
+            cmd += ["--enforce-eager"]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = index or "auto"
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = index or "0"
+            env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        cmd += self.extra_engine_args
+        return cmd, env
+
+    def start(self, progress=print, timeout_s: float = 600.0) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for url in self.attach_prefill:
+            self.engines.append(Engine(EngineSpec("prefill", 0, 0, "attached", 0), url.rstrip("/"), None, Path("/dev/null")))
+        for url in self.attach_decode:
+            self.engines.append(Engine(EngineSpec("decode", 0, 0, "attached", 0), url.rstrip("/"), None, Path("/dev/null")))
+        for spec in self.specs:
+            cmd, env = self._command(spec)
+            log_path = self.log_dir / f"{spec.role}-{spec.port}.log"
+            with open(log_path, "wb") as out:
+                process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env=env, start_new_session=True)
+            self.engines.append(Engine(spec, f"http://127.0.0.1:{spec.port}", process, log_path))
+            progress(f"starting {spec.role} engine on {spec.placement} at :{spec.port} (log {log_path})")
+        self.wait_healthy(progress, timeout_s)
+
+    def wait_healthy(self, progress, timeout_s: float) -> None:
+        started = time.monotonic()
+        pending = {e.url: e for e in self.engines}
+        last_note = 0.0
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for url, engine in list(pending.items()):
+                    if engine.process is not None and engine.process.poll() is not None:
+                        raise ServeError(f"{engine.spec.role} engine at {url} exited with code "
+                                         f"{engine.process.returncode}; its log ends:\n{engine.tail()}")
+                    try:
+                        if client.get(f"{url}/health").status_code == 200:
+                            del pending[url]
+                            progress(f"{engine.spec.role} engine at {url} is up ({time.monotonic() - started:.0f} s)")
+                    except httpx.HTTPError:
+                        pass
+                elapsed = time.monotonic() - started
+                if elapsed > timeout_s:
+                    raise ServeError(f"engines not healthy after {timeout_s:.0f} s: {sorted(pending)}")
+                if pending and elapsed - last_note > 10:
+                    last_note = elapsed
+                    progress(f"waiting for {len(pending)} engine(s)... {elapsed:.0f} s")
+                time.sleep(0.5)
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [e.url for e in self.engines if e.spec.role == "prefill"]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [e.url for e in self.engines if e.spec.role == "decode"]
+
+    def controls(self, role: str | None = None) -> dict[str, str]:
+        return {e.url: e.control for e in self.engines if e.process is not None and (role is None or e.spec.role == role)}
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            if engine.process is not None and engine.process.poll() is None:
+                try:
+                    os.killpg(engine.process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 20
+        for engine in self.engines:
+            if engine.process is None:
+                continue
+            try:
+                engine.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(engine.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                engine.process.wait()
+
+
+def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, prefill_kv_cache_bytes: int | None,
+                 gpu_history_bytes: int | None, engine_port_base: int) -> list[EngineSpec]:
+    if device == "auto":
+        device = "gpu" if cuda_device_count() > 0 else "cpu"
+    slots = max(1, cuda_device_count()) if device == "gpu" else max(1, os.cpu_count() or 1)
+    specs = []
+    port = engine_port_base
+    for index in range(prefill + decode):
+        role = "prefill" if index < prefill else "decode"
+        placement = f"{device}:{index % slots}"
+        extra = {}
+        if role == "prefill" and gpu_history_bytes is not None:
+            extra["gpu_history_bytes"] = gpu_history_bytes
+        kv = prefill_kv_cache_bytes if (role == "prefill" and prefill_kv_cache_bytes) else kv_cache_bytes
+        specs.append(EngineSpec(role, port, free_port(), placement, kv, extra))
+        port += 1
+    return specs
+
+
+async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio.Event) -> None:
+    import uvicorn
+
+    from .app import Router, build_app
+
+    router = Router(deployment.prefill_urls, deployment.decode_urls, models=[deployment.served_model_name])
+    config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # we own the signals
+    task = asyncio.create_task(server.serve())
+    await stop.wait()
+    server.should_exit = True
+    await task
+
+
+def add_serve_arguments(parser) -> None:
+    parser.add_argument("--model", help="model name or local path (default: the built-in tiny model)")
+    parser.add_argument("--tokenizer")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--load-format", default=None, help="e.g. dummy for random weights")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill engines to start")
+    parser.add_argument("--decode", type=int, default=1, help="decode engines to start")
+    parser.add_argument("--prefill-url", action="append", default=[], help="attach to a running P engine")
+    parser.add_argument("--decode-url", action="append", default=[], help="attach to a running D engine")
+    parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    parser.add_argument("--kv-cache-bytes", type=int, default=64 << 20, help="KV cache per engine")
+    parser.add_argument("--prefill-kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--gpu-history-bytes", type=int, default=None, help="P's history budget (0: off)")
+    parser.add_argument("--block-size", type=int, default=None, help="default 32 on CPU, 16 on GPU")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="router port")
+    parser.add_argument("--engine-port-base", type=int, default=8100)
+    parser.add_argument("--log-dir", default="runs/serve")
+    parser.add_argument("--engine-arg", action="append", default=[], help="extra argument for every engine")
+
+
+def deployment_from_args(args) -> Deployment:
+    from ..adapters.vllm.tiny_model import build_tiny_model
+
+    log_dir = Path(args.log_dir).resolve()
+    model, tokenizer, load_format = args.model, args.tokenizer, args.load_format
+    if model is None:
+        model_dir = build_tiny_model(log_dir / "tiny-model")
+        model, tokenizer, load_format = str(model_dir), str(model_dir / "tokenizer"), "dummy"
+    device = args.device
+    if device == "auto":
+        device = "gpu" if cuda_device_count() > 0 else "cpu"
+    block_size = args.block_size or (16 if device == "gpu" else 32)
+    attached = bool(args.prefill_url or args.decode_url)
+    specs = [] if attached else plan_engines(args.prefill, args.decode, device, args.kv_cache_bytes,
+                                             args.prefill_kv_cache_bytes, args.gpu_history_bytes,
+                                             args.engine_port_base)
+    served = args.served_model_name or (Path(model).name if args.model else "tiny")
+    return Deployment(model, tokenizer=tokenizer, served_model_name=served, log_dir=log_dir, specs=specs, block_size=block_size,
+                      max_model_len=args.max_model_len, load_format=load_format,
+                      extra_engine_args=list(args.engine_arg), attach_prefill=args.prefill_url,
+                      attach_decode=args.decode_url)
+
+
+def run_serve(args) -> int:
+    deployment = deployment_from_args(args)
+    stop = asyncio.Event()
+
+    def progress(text: str) -> None:
+        print(f"kvbaton serve: {text}", flush=True)
+
+    try:
+        deployment.start(progress)
+    except ServeError as exc:
+        progress(str(exc))
+        deployment.stop()
+        return 1
+    except KeyboardInterrupt:
+        deployment.stop()
+        return 130
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        progress(f"router at http://{args.host}:{args.port}/v1 (model {deployment.served_model_name}); "
+                 f"metrics at /metrics; Ctrl-C stops everything")
+        await run_router(deployment, args.host, args.port, stop)
+
+    try:
+        asyncio.run(main())
+    finally:
+        progress("stopping engines")
+        deployment.stop()
+    return 0

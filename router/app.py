@@ -14,6 +14,7 @@ router's own and, at scrape time, each known P sidecar's open tickets and counte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -185,12 +186,19 @@ class Router:
         if body.get("stream"):
             return StreamingResponse(self._stream(request, endpoint, d_url, d_body, params, started),
                                      media_type="text/event-stream")
-        try:
-            d_reply = await self.client.post(f"{d_url}{endpoint}", json=d_body)
-        except httpx.HTTPError as exc:
-            await self.abandon(params, "decode_failed")
-            self.requests.labels(endpoint, "decode_unreachable").inc()
-            return openai_error(502, f"decode engine {d_url} failed: {exc}", kind="upstream_error")
+        d_reply = None
+        for attempt, url in enumerate(self._decode_order(d_url)):
+            try:
+                d_reply = await self.client.post(f"{url}{endpoint}", json=d_body)
+                break
+            except httpx.TransportError as exc:
+                # D is down. The handoff is still good for another D: unclaimed, it is claimed
+                # there; claimed by the dead D, the claim is refused and that D recomputes.
+                logger.warning("decode engine %s failed (%r); trying the next one", url, exc)
+                if attempt == len(self.decode_urls) - 1:
+                    await self.abandon(params, "decode_failed")
+                    self.requests.labels(endpoint, "decode_unreachable").inc()
+                    return openai_error(502, f"decode engines failed: {exc}", kind="upstream_error")
         self.ttft.observe(time.perf_counter() - started)
         if d_reply.status_code != 200:
             await self.abandon(params, "decode_failed")
@@ -199,34 +207,46 @@ class Router:
             self.requests.labels(endpoint, "ok").inc()
         return Response(d_reply.content, status_code=d_reply.status_code, media_type="application/json")
 
+    def _decode_order(self, first: str) -> list[str]:
+        index = self.decode_urls.index(first)
+        return self.decode_urls[index:] + self.decode_urls[:index]
+
     async def _stream(self, request: Request, endpoint: str, d_url: str, d_body: dict, params: dict | None,
                       started: float) -> AsyncIterator[bytes]:
-        first = True
+        sent = False
         outcome = "ok"
+        order = self._decode_order(d_url)
         try:
-            async with self.client.stream("POST", f"{d_url}{endpoint}", json=d_body) as reply:
-                if reply.status_code != 200:
-                    outcome = f"decode_{reply.status_code}"
-                    await self.abandon(params, "decode_failed")
-                    payload = await reply.aread()
-                    yield b"data: " + payload + b"\n\n"
+            for attempt, url in enumerate(order):
+                try:
+                    async with self.client.stream("POST", f"{url}{endpoint}", json=d_body) as reply:
+                        if reply.status_code != 200:
+                            outcome = f"decode_{reply.status_code}"
+                            await self.abandon(params, "decode_failed")
+                            payload = await reply.aread()
+                            yield b"data: " + payload + b"\n\n"
+                            return
+                        async for chunk in reply.aiter_bytes():
+                            if not sent:
+                                self.ttft.observe(time.perf_counter() - started)
+                                sent = True
+                            yield chunk
                     return
-                async for chunk in reply.aiter_bytes():
-                    if first:
-                        self.ttft.observe(time.perf_counter() - started)
-                        first = False
-                    yield chunk
+                except httpx.TransportError as exc:
+                    if not sent and attempt < len(order) - 1:
+                        logger.warning("decode engine %s failed (%r); trying the next one", url, exc)
+                        continue
+                    outcome = "decode_unreachable"
+                    await self.abandon(params, "decode_failed")
+                    error = {"error": {"message": f"decode engine {url} failed: {exc!r}", "type": "upstream_error"}}
+                    yield f"data: {json.dumps(error)}\n\n".encode()
+                    return
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away mid-stream. Nothing may be awaited here (the task is being
             # cancelled), so the abandon runs on its own; a claimed ticket is D's to release.
             outcome = "client_gone"
             asyncio.get_running_loop().create_task(self.abandon(params, "client_gone"))
             raise
-        except httpx.HTTPError as exc:
-            outcome = "decode_unreachable"
-            await self.abandon(params, "decode_failed")
-            error = {"error": {"message": f"decode engine {d_url} failed: {exc}", "type": "upstream_error"}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
         finally:
             self.requests.labels(endpoint, outcome).inc()
 
@@ -257,7 +277,12 @@ class Router:
 
 
 def build_app(router: Router) -> FastAPI:
-    app = FastAPI(title="kvbaton router")
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await router.close()
+
+    app = FastAPI(title="kvbaton router", lifespan=lifespan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -278,9 +303,5 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return await router.metrics()
-
-    @app.on_event("shutdown")
-    async def shutdown():
-        await router.close()
 
     return app

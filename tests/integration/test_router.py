@@ -1,0 +1,165 @@
+"""The router in front of real `vllm serve` engines (one P, two D) on CPU, driven by the `openai`
+client: completions and chat, streamed and not, errors in OpenAI's shape, a client that walks away
+and a decode engine that dies, with P's open tickets read from the router's /metrics."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl._api")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
+from kvbaton.router.demo import RouterThread  # noqa: E402
+from kvbaton.router.serve import Deployment, EngineSpec, free_port  # noqa: E402
+
+pytestmark = pytest.mark.integration
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root: Path = tmp_path_factory.mktemp("router")
+    model_dir = build_tiny_model(root / "model")
+    specs = [
+        EngineSpec("prefill", free_port(), free_port(), "cpu:0", 64 << 20, {"claim_lease_s": 5}),
+        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {"heartbeat_interval_s": 1}),
+        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {"heartbeat_interval_s": 1}),
+    ]
+    deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
+                            log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
+                            extra_engine_args=[])
+    router = None
+    try:
+        deployment.start(lambda text: None, timeout_s=400)
+        router = RouterThread(deployment, free_port())
+        router.start()
+        yield deployment, router
+    finally:
+        if router is not None:
+            router.stop()
+        deployment.stop()
+
+
+def client_for(router) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="test", max_retries=0, timeout=120)
+
+
+def reference_completion(deployment, prompt: str, max_tokens: int) -> str:
+    """The same prompt computed by one engine alone (a D engine, without a handoff)."""
+
+    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key="test", max_retries=0)
+    return direct.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
+
+
+def open_tickets(router) -> int:
+    text = httpx.get(f"http://127.0.0.1:{router.port}/metrics", timeout=10).text
+    values = re.findall(r'kvbaton_engine_open\{engine="[^"]+",kind="tickets"\} ([0-9.]+)', text)
+    assert values, "the router's /metrics shows no engine sidecar yet"
+    return int(sum(float(v) for v in values))
+
+
+def wait_no_open_tickets(router, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while open_tickets(router) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert open_tickets(router) == 0
+
+
+@pytest.mark.parametrize("words", [5, 33, 300])
+def test_completion_equals_single_engine(stack, words):
+    deployment, router = stack
+    prompt = words_for(tiny_prompt(words, seed=400 + words))
+    text = client_for(router).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    assert text == reference_completion(deployment, prompt, 12)
+    wait_no_open_tickets(router)
+
+
+def test_streamed_completion_equals_non_streamed(stack):
+    deployment, router = stack
+    prompt = words_for(tiny_prompt(150, seed=501))
+    chunks = client_for(router).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == reference_completion(deployment, prompt, 12)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completion_equals_single_engine(stack, stream):
+    deployment, router = stack
+    messages = [{"role": "user", "content": words_for(tiny_prompt(90, seed=502))}]
+    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key="test", max_retries=0)
+    expected = direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    client = client_for(router)
+    if stream:
+        chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        text = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0).choices[0].message.content
+    assert text == expected.choices[0].message.content
+
+
+def test_bad_requests_get_openai_errors(stack):
+    _deployment, router = stack
+    base = f"http://127.0.0.1:{router.port}/v1"
+    reply = httpx.post(f"{base}/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
+    client = client_for(router)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="no-such-model", prompt="w5", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n > 1"):
+        client.completions.create(model=MODEL, prompt="w5", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=words_for(tiny_prompt(3000, seed=503)), max_tokens=2)
+    assert httpx.get(f"http://127.0.0.1:{router.port}/health").status_code == 200
+    wait_no_open_tickets(router)
+
+
+def test_client_walking_away_mid_stream_leaves_nothing_open(stack):
+    deployment, router = stack
+    prompt = words_for(tiny_prompt(400, seed=504))
+    chunks = client_for(router).completions.create(model=MODEL, prompt=prompt, max_tokens=300, temperature=0, stream=True)
+    next(iter(chunks))
+    chunks.response.close()
+    wait_no_open_tickets(router)
+    text = client_for(router).completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+    assert text == reference_completion(deployment, prompt, 6)
+
+
+def test_decode_engine_killed_mid_request(stack):
+    """Last: it kills one decode engine. The stream in flight on it breaks; P keeps no ticket; the
+    next requests go to the surviving decode engine."""
+
+    deployment, router = stack
+    victim = next(e for e in deployment.engines if e.spec.role == "decode" and e.url == deployment.decode_urls[1])
+    prompt = words_for(tiny_prompt(300, seed=505))
+    # Requests alternate between the two D engines; stream on the victim.
+    client = client_for(router)
+    broke = False
+    for _attempt in range(2):
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1500, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        iterator = iter(chunks)
+        next(iterator)
+        running = httpx.get(f"{victim.url}/metrics", timeout=5).text
+        if re.search(r"vllm:num_requests_running\{[^}]*\} 1\.0", running):
+            victim.process.kill()
+            try:
+                for _ in iterator:
+                    pass
+            except Exception:
+                pass
+            broke = True
+            break
+        chunks.response.close()
+    assert broke, "could not catch a stream on the second decode engine"
+    wait_no_open_tickets(router)
+    for seed in (506, 507):
+        p = words_for(tiny_prompt(120, seed=seed))
+        assert client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text == \
+            reference_completion(deployment, p, 6)
+    wait_no_open_tickets(router)

@@ -44,19 +44,10 @@ METADATA_TIMEOUT_S = 300.0  # spawn + import torch + NIXL; slow when the VM is b
 
 
 def _import_transports():
-    """`kvbaton` is the repo root (pyproject maps it); load it from the checkout when not installed."""
-    try:
-        import kvbaton.transports as transports
-        return transports
-    except ModuleNotFoundError:
-        root = Path(__file__).resolve().parents[1]
-        spec = importlib.util.spec_from_file_location(
-            "kvbaton", root / "__init__.py", submodule_search_locations=[str(root)])
-        package = importlib.util.module_from_spec(spec)
-        sys.modules["kvbaton"] = package
-        spec.loader.exec_module(package)
-        import kvbaton.transports as transports
-        return transports
+    """Import kvbaton.transports (also in spawned children, which start without it)."""
+    import kvbaton.transports as transports
+
+    return transports
 
 
 # --------------------------------------------------------------------------------- raw NIXL

@@ -26,19 +26,10 @@ pytest.importorskip("nixl", exc_type=ImportError)
 
 
 def _import_kvbaton_transports():
-    """`kvbaton` is the repo root (pyproject maps it); load it from here when not pip-installed."""
-    try:
-        import kvbaton.transports as transports
-        return transports
-    except ModuleNotFoundError:
-        root = Path(__file__).resolve().parents[2]
-        spec = importlib.util.spec_from_file_location(
-            "kvbaton", root / "__init__.py", submodule_search_locations=[str(root)])
-        package = importlib.util.module_from_spec(spec)
-        sys.modules["kvbaton"] = package
-        spec.loader.exec_module(package)
-        import kvbaton.transports as transports
-        return transports
+    """Import kvbaton.transports (also in spawned children, which start without it)."""
+    import kvbaton.transports as transports
+
+    return transports
 
 
 T = _import_kvbaton_transports()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -104,6 +105,7 @@ class Authority(xo.Actor):
             self.log = None
         for sock in (self.inbox, self.to_scheduler, self.to_worker):
             sock.close(0)
+        shutil.rmtree(self.cfg.ipc_dir, ignore_errors=True)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -248,7 +250,9 @@ class Authority(xo.Actor):
                         self._apply(ev.ReadFinished(now, ticket.ticket, read, False))
             if self.log is not None:
                 self.log.flush()
-            if self.cfg.parent_pid and not _alive(self.cfg.parent_pid):
+            # The engine started us: once it is gone we are re-parented (a dead but unreaped
+            # engine still answers kill(pid, 0), so the parent id is the reliable sign).
+            if self.cfg.parent_pid and (os.getppid() != self.cfg.parent_pid or not _alive(self.cfg.parent_pid)):
                 logger.warning("engine process %d is gone: stopping", self.cfg.parent_pid)
                 await self.shutdown()
                 os._exit(0)

@@ -30,4 +30,6 @@ def ipc_paths(ipc_dir: str) -> dict[str, str]:
         "inbox": f"ipc://{ipc_dir}/inbox",
         "scheduler": f"ipc://{ipc_dir}/scheduler",
         "worker": f"ipc://{ipc_dir}/worker",
+        # P's history copier (a thread of the worker): stage, demote, drop, restore; in order.
+        "history": f"ipc://{ipc_dir}/history",
     }

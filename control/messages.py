@@ -19,12 +19,18 @@ class Msg(msgspec.Struct, frozen=True, array_like=True, tag_field="m"):
 
 
 class TicketFact(Msg, tag="ticket"):
-    """P: a remote-decode request finished; its blocks now belong to `ticket`."""
+    """P: a remote-decode request finished; its blocks now belong to `ticket`.
+
+    `keys` (history on) are the namespaced chained block hashes of the prompt's full blocks,
+    parallel to `blocks`. `local`: a plain request whose blocks only go to history (no decode
+    engine will claim it): the sidecar claims and releases the ticket itself at once.
+    """
 
     ticket: str
     request: str
     blocks: tuple[int, ...]
     keys: tuple[str, ...] = ()
+    local: bool = False
 
 
 class LoadFact(Msg, tag="load"):
@@ -53,6 +59,39 @@ class CancelFact(Msg, tag="cancel"):
     preempted: bool
 
 
+class RestoreFact(Msg, tag="restore"):
+    """P: a request's prompt has full blocks beyond the local prefix-cache hit: may history
+    restore them? `keys` start at the first block the local cache lacks."""
+
+    lease: str
+    request: str
+    epoch: int
+    keys: tuple[str, ...]
+
+
+class LeaseAllocFact(Msg, tag="lalloc"):
+    """P: engine blocks were allocated for the restore (`blocks[i]` receives the lease's key i);
+    the request is parked in WAITING_FOR_REMOTE_KVS until it is reported received."""
+
+    lease: str
+    request: str
+    blocks: tuple[int, ...]
+
+
+class LeaseReleaseFact(Msg, tag="lrelease"):
+    """P: the request gives an unallocated lease back (abort, scheduling retry, not used)."""
+
+    lease: str
+    request: str
+    epoch: int
+
+
+class ObserveFact(Msg, tag="observe"):
+    """P: a prompt with these keys passed through without being retained (probation)."""
+
+    keys: tuple[str, ...]
+
+
 # --- worker -> sidecar -------------------------------------------------------------------------
 
 
@@ -72,6 +111,48 @@ class ReadDone(Msg, tag="rdone"):
     seconds: float = 0.0
 
 
+# --- history copier (a thread of P's worker) and P's worker -> sidecar -------------------------
+
+
+class StageDone(Msg, tag="hstaged"):
+    """The engine blocks of `ticket`'s retention were copied into GPU-tier slots (or not)."""
+
+    ticket: str
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+class DemoteDone(Msg, tag="hdemoted"):
+    key: str
+    ok: bool
+    error: str = ""
+
+
+class RestoreDone(Msg, tag="hrestored"):
+    """The restore under `lease` copied its slots into the engine blocks (or failed)."""
+
+    lease: str
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    gpu_blocks: int = 0
+    cpu_blocks: int = 0
+    error: str = ""
+
+
+class SlotStats(Msg, tag="hslots"):
+    """The copier's own books: slots per tier and how many hold a key."""
+
+    gpu_slots: int
+    gpu_used: int
+    cpu_slots: int
+    cpu_used: int
+    slot_bytes: int
+    broken: str = ""
+
+
 # --- sidecar -> scheduler ----------------------------------------------------------------------
 
 
@@ -86,6 +167,23 @@ class Resolved(Msg, tag="resolved"):
 
     request: str
     hit: bool
+    reason: str = ""
+
+
+class RestoreReply(Msg, tag="rreply"):
+    """P: history can restore the first `blocks` blocks asked for under `lease` (0: nothing)."""
+
+    lease: str
+    request: str
+    blocks: int
+
+
+class LeaseEnded(Msg, tag="lended"):
+    """P: the lease is over (restored, failed, expired or released)."""
+
+    lease: str
+    request: str
+    ok: bool
     reason: str = ""
 
 
@@ -122,6 +220,37 @@ class Stop(Msg, tag="stop"):
     pass
 
 
+# --- sidecar -> history copier (in order: one copier, one copy stream); restores -> worker -----
+
+
+class StageCopies(Msg, tag="hstage"):
+    """Copy engine block `copies[i][0]` into a free GPU-tier slot for key `copies[i][1]`."""
+
+    ticket: str
+    copies: tuple[tuple[int, str], ...]
+
+
+class DemoteCopy(Msg, tag="hdemote"):
+    """Move `key` from its GPU-tier slot into a free CPU-tier slot (the GPU slot is free after)."""
+
+    key: str
+
+
+class DropSlot(Msg, tag="hdrop"):
+    """Forget `key` (its slot becomes free)."""
+
+    key: str
+    tier: str
+
+
+class RestoreCopies(Msg, tag="hrestore"):
+    """Copy each (key, tier) slot into engine block, per layer, then report `RestoreDone`."""
+
+    lease: str
+    request: str
+    copies: tuple[tuple[str, str, int], ...]
+
+
 class Debug(Msg, tag="debug"):
     """Test hooks: change a `debug_*` knob of the sidecar, or `fail_next_reads` on the worker."""
 
@@ -132,6 +261,8 @@ class Debug(Msg, tag="debug"):
 AnyMsg = Union[
     TicketFact, LoadFact, AllocatedFact, CancelFact, WorkerReady, ReadDone, Ready, Resolved,
     AddPeer, PostRead, InvalidBlocks, FinishedRecving, FinishedSending, Stop, Debug,
+    RestoreFact, LeaseAllocFact, LeaseReleaseFact, ObserveFact, StageDone, DemoteDone, RestoreDone,
+    SlotStats, RestoreReply, LeaseEnded, StageCopies, DemoteCopy, DropSlot, RestoreCopies,
 ]
 
 ENCODER = msgspec.msgpack.Encoder()

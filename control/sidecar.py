@@ -8,7 +8,10 @@ is busy in a forward pass or idle and not stepping. It hosts an xoscar actor poo
 * peers (other engines' sidecars) call it over xoscar: claim, read_start, read_end, release,
   heartbeat, abandon, transport_metadata;
 * its own engine's connector talks to it over local ZeroMQ sockets (see `messages.py`): facts in,
-  decisions out, never blocking the engine.
+  decisions out, never blocking the engine;
+* on P, the history copier (a thread of the engine's worker) gets the history writes (stage,
+  demote, drop) in order on its own socket; restores go to the worker with the other decisions;
+  each copy's end comes back as a fact.
 
 Every fact becomes a core event, stamped with this process's monotonic clock, applied to the
 ledger and appended to the log; every effect becomes an RPC, a message to the connector, or an
@@ -21,6 +24,7 @@ the process first).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import shutil
@@ -64,6 +68,18 @@ class Authority(xo.Actor):
         self.stopping = False
         # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.
         self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        # P side, history: what the shell must remember about each restore lease to carry its
+        # effects (the request it serves, whether vLLM parked it with allocated blocks).
+        self.lease_ctx: dict[str, dict] = {}
+        self.history_io = {"stages": 0, "stage_bytes": 0, "stage_seconds": 0.0, "stages_failed": 0,
+                           "demotions": 0, "demotions_failed": 0, "restores": 0, "restore_bytes": 0,
+                           "restore_seconds": 0.0, "restores_failed": 0, "restored_gpu_blocks": 0,
+                           "restored_cpu_blocks": 0}
+        self.slot_stats: dict = {}
+        # Events that follow from carrying an effect (a restore posted: its read has started) are
+        # applied after the effects of the event that caused them, in order.
+        self.followups: collections.deque = collections.deque()
+        self.applying_followups = False
 
     async def __post_create__(self) -> None:
         cfg = self.cfg
@@ -80,8 +96,10 @@ class Authority(xo.Actor):
         self.to_scheduler.bind(paths["scheduler"])
         self.to_worker = self.zctx.socket(zmq.PUSH)
         self.to_worker.bind(paths["worker"])
+        self.to_history = self.zctx.socket(zmq.PUSH)
+        self.to_history.bind(paths["history"])
         self.outboxes: dict[object, asyncio.Queue] = {}
-        for sock in (self.to_scheduler, self.to_worker):
+        for sock in (self.to_scheduler, self.to_worker, self.to_history):
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
             self.outboxes[sock] = asyncio.Queue()
@@ -103,7 +121,7 @@ class Authority(xo.Actor):
         if self.log is not None:
             self.log.close(self.ledger)
             self.log = None
-        for sock in (self.inbox, self.to_scheduler, self.to_worker):
+        for sock in (self.inbox, self.to_scheduler, self.to_worker, self.to_history):
             sock.close(0)
         shutil.rmtree(self.cfg.ipc_dir, ignore_errors=True)
 
@@ -125,6 +143,13 @@ class Authority(xo.Actor):
             self.log.append(event, self.ledger)
         for effect in effects:
             self._carry(effect)
+        if self.followups and not self.applying_followups:
+            self.applying_followups = True
+            try:
+                while self.followups:
+                    self._apply(self.followups.popleft())
+            finally:
+                self.applying_followups = False
         return effects
 
     def _now(self) -> int:
@@ -149,6 +174,15 @@ class Authority(xo.Actor):
         kind = type(effect)
         if kind is fx.FreeEngineBlocks:
             self._send(self.to_worker, m.FinishedSending(effect.request))
+            ticket = self.ledger.tickets.tickets.get(effect.ticket)
+            if ticket is not None and ticket.keys and self.ledger.history.enabled:
+                # The prompt passed through P: its keys history did not keep are now "seen", so
+                # when they come back they may displace retained content (probation). Observed
+                # after the ticket's own admission, never before it.
+                resident = self.ledger.history.blocks
+                unseen = tuple(key for key in ticket.keys if key not in resident)
+                if unseen:
+                    self.followups.append(ev.HistoryObserved(self._now(), unseen))
         elif kind is fx.LoadResolved:
             self._send(self.to_scheduler, m.Resolved(effect.request, effect.hit, effect.reason))
         elif kind is fx.SendClaim:
@@ -171,6 +205,29 @@ class Authority(xo.Actor):
                 # for exactly one finished_recving for it, and asserts on any other.
                 self._send(self.to_worker, m.FinishedRecving(effect.request))
             self.loads.pop(effect.request, None)
+        elif kind is fx.StageHistory:
+            self._send(self.to_history, m.StageCopies(effect.ticket, effect.copies))
+        elif kind is fx.DemoteHistory:
+            self._send(self.to_history, m.DemoteCopy(effect.key))
+        elif kind is fx.DropHistory:
+            self._send(self.to_history, m.DropSlot(effect.key, effect.tier))
+        elif kind is fx.ReplyRestore:
+            if not effect.keys:
+                self.lease_ctx.pop(effect.lease, None)  # nothing reserved: no lease to carry
+            self._send(self.to_scheduler, m.RestoreReply(effect.lease, effect.request, len(effect.keys)))
+        elif kind is fx.RestoreBlocks:
+            ctx = self.lease_ctx.get(effect.lease) or {}
+            # Restores run on the engine's thread (the request is parked, the engine steps).
+            self._send(self.to_worker, m.RestoreCopies(effect.lease, ctx.get("request", ""), effect.copies))
+            # Posted: from here the lease is reading and cannot expire (its slots are being read).
+            self.followups.append(ev.LeaseReadStarted(self._now(), effect.lease))
+        elif kind is fx.LeaseDone:
+            ctx = self.lease_ctx.pop(effect.lease, None)
+            if ctx is not None and ctx.get("allocated"):
+                # vLLM parked the request in WAITING_FOR_REMOTE_KVS: report it received exactly
+                # once (any invalid blocks went to the worker just before, in the same order).
+                self._send(self.to_worker, m.FinishedRecving(effect.request))
+            self._send(self.to_scheduler, m.LeaseEnded(effect.lease, effect.request, effect.ok, effect.reason))
         elif kind is fx.Rejected:
             logger.debug("rejected %s %s: %s", effect.event, effect.subject, effect.reason)
 
@@ -190,6 +247,72 @@ class Authority(xo.Actor):
         kind = type(msg)
         if kind is m.TicketFact:
             self._apply(ev.TicketIssued(now, msg.ticket, msg.request, msg.blocks, msg.keys))
+            if msg.local:
+                # A plain request retained for history: no decode engine will claim it, so this
+                # engine claims and releases it itself; the release admits its prefix.
+                claimer = self.cfg.engine_id + "/history"
+                self._apply(ev.ClaimRequested(now, msg.ticket, claimer, 0))
+                self._apply(ev.ReleaseRequested(now, msg.ticket, claimer, 0))
+        elif kind is m.RestoreFact:
+            fresh = msg.lease not in self.ledger.leases.leases and msg.lease not in self.lease_ctx
+            if fresh:
+                self.lease_ctx[msg.lease] = {"request": msg.request, "epoch": msg.epoch, "allocated": False}
+            effects = self._apply(ev.RestoreRequested(now, msg.lease, msg.request, msg.epoch, msg.keys))
+            if not any(type(e) is fx.ReplyRestore for e in effects):  # refused: nothing to restore
+                if fresh:
+                    self.lease_ctx.pop(msg.lease, None)
+                self._send(self.to_scheduler, m.RestoreReply(msg.lease, msg.request, 0))
+        elif kind is m.LeaseAllocFact:
+            ctx = self.lease_ctx.get(msg.lease)
+            effects = []
+            if ctx is not None:
+                ctx["allocated"] = True
+                effects = self._apply(ev.LeaseAllocated(now, msg.lease, msg.blocks))
+            if ctx is None or any(type(e) is fx.Rejected for e in effects):
+                # The scheduler already parked the request: fail it so vLLM recomputes, once.
+                if ctx is not None:
+                    ctx["allocated"] = False
+                    if self.ledger.leases.leases.get(msg.lease) is not None and \
+                            self.ledger.leases.leases[msg.lease].state == "RESERVED":
+                        self._apply(ev.LeaseReleased(now, msg.lease, msg.request, ctx["epoch"]))
+                self._send(self.to_worker, m.InvalidBlocks(msg.request, msg.blocks))
+                self._send(self.to_worker, m.FinishedRecving(msg.request))
+        elif kind is m.LeaseReleaseFact:
+            lease = self.ledger.leases.leases.get(msg.lease)
+            if lease is not None and lease.state in ("RESERVED", "ALLOCATED"):
+                self._apply(ev.LeaseReleased(now, msg.lease, msg.request, msg.epoch))
+        elif kind is m.ObserveFact:
+            self._apply(ev.HistoryObserved(now, msg.keys))
+        elif kind is m.StageDone:
+            io = self.history_io
+            io["stages"] += 1
+            if msg.ok:
+                io["stage_bytes"] += msg.nbytes
+                io["stage_seconds"] += msg.seconds
+            else:
+                io["stages_failed"] += 1
+                logger.warning("history: staging for ticket %s failed: %s", msg.ticket, msg.error)
+            self._apply(ev.HistoryPublished(now, msg.ticket, msg.ok))
+        elif kind is m.DemoteDone:
+            self.history_io["demotions"] += 1
+            if not msg.ok:
+                self.history_io["demotions_failed"] += 1
+                logger.warning("history: demotion of %s failed: %s", msg.key, msg.error)
+            self._apply(ev.HistoryDemoted(now, msg.key, msg.ok))
+        elif kind is m.RestoreDone:
+            io = self.history_io
+            io["restores"] += 1
+            if msg.ok:
+                io["restore_bytes"] += msg.nbytes
+                io["restore_seconds"] += msg.seconds
+                io["restored_gpu_blocks"] += msg.gpu_blocks
+                io["restored_cpu_blocks"] += msg.cpu_blocks
+            else:
+                io["restores_failed"] += 1
+                logger.warning("history: restore under lease %s failed: %s", msg.lease, msg.error)
+            self._apply(ev.LeaseReadFinished(now, msg.lease, msg.ok))
+        elif kind is m.SlotStats:
+            self.slot_stats = msgspec.structs.asdict(msg)
         elif kind is m.LoadFact:
             self.loads[msg.request] = {"source": msg.source_address, "engine": msg.source_engine,
                                        "ticket": msg.ticket, "src": msg.src_blocks, "dst": ()}
@@ -227,6 +350,8 @@ class Authority(xo.Actor):
         elif kind is m.Debug:
             if msg.key == "fail_next_reads":
                 self._send(self.to_worker, msg)
+            elif msg.key.startswith("history_"):  # test hooks of restores (worker) or the copier
+                self._send(self.to_worker if "restore" in msg.key else self.to_history, msg)
             elif msg.key in ("heartbeat_interval_s",) or msg.key.startswith("debug_"):
                 value = int(msg.value) if msg.key == "debug_reads_per_load" else msg.value
                 setattr(self.cfg, msg.key, value)
@@ -379,7 +504,35 @@ class Authority(xo.Actor):
         return {"open": self.ledger.open_counts(), "counters": dict(self.ledger.counters),
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
-                "transfer": dict(self.transfer)}
+                "transfer": dict(self.transfer), "history": self._history_state()}
+
+    def _history_state(self) -> dict:
+        """History tier usage from the ledger, the copier's own slot books, and copy measurements."""
+
+        history = self.ledger.history
+        cfg = self.ledger.config
+        by_state: dict[str, int] = {}
+        for blk in history.blocks.values():
+            by_state[blk.state] = by_state.get(blk.state, 0) + 1
+        counters = self.ledger.counters
+        return {
+            "enabled": history.enabled,
+            "block_bytes": cfg.block_bytes,
+            "gpu_budget_bytes": cfg.gpu_history_bytes,
+            "cpu_budget_bytes": cfg.cpu_history_bytes,
+            "gpu_used_bytes": history.gpu_used,
+            "cpu_used_bytes": history.cpu_used,
+            "gpu_blocks": by_state.get("STAGING", 0) + by_state.get("GPU", 0),
+            "cpu_blocks": by_state.get("DEMOTING", 0) + by_state.get("CPU", 0),
+            "by_state": by_state,
+            "pinned_blocks": sum(1 for blk in history.blocks.values() if blk.pins),
+            "probation": len(history.probation),
+            "writer": history.writer,
+            "hits": {"gpu": counters.get("restores.hits.gpu", 0), "cpu": counters.get("restores.hits.cpu", 0)},
+            "copier": dict(self.slot_stats),
+            "io": dict(self.history_io),
+            "lease_contexts": len(self.lease_ctx),
+        }
 
     async def stop(self) -> None:
         await self.shutdown()

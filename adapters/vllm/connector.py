@@ -10,17 +10,26 @@ request to P carries `kv_transfer_params={"do_remote_decode": true}`; P's respon
 `kv_transfer_params` with `do_remote_prefill: true` and a `kvbaton` section (ticket, P's control
 address, block ids, token count, layout fingerprint) that the proxy passes verbatim to D.
 
+History (P, `gpu_history_bytes` > 0): a released ticket leaves its prompt's full blocks in P's
+history (keys: vLLM's chained block hashes, namespaced by the layout fingerprint). A request whose
+prompt has full blocks beyond P's own prefix-cache hit asks the sidecar for a restore lease; while
+the answer is out `get_num_new_matched_tokens` says "not known yet" (None), then answers an async
+hit; the worker's history copier copies the slots into the allocated blocks and the request is
+reported in `finished_recving` (with load errors when the copy failed, so vLLM recomputes).
+
 No callback may raise into vLLM's engine loop for a lifecycle race or bad input: every entry point
 catches, logs, and answers "recompute locally".
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import logging
 import math
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...control import messages as m
 from ...control.client import Link, SidecarHandle, free_port, ipc_dir_for
 from ...control.config import SidecarConfig
+from .history import HistoryPlan, history_plan
 from .settings import Settings, parse_settings
 
 # Under vLLM's logger tree, so connector lines appear in the engine's log with vLLM's format.
@@ -62,6 +72,22 @@ class Handoff:
 
 class HandoffError(ValueError):
     pass
+
+
+# Restore states on P's scheduler side (one record per request that asked history).
+ASKED, RESERVED, ALLOCATED, DONE = "asked", "reserved", "allocated", "done"
+# P gives up waiting for its own sidecar's answer to a restore after this long (then recomputes).
+RESTORE_REPLY_WAIT_S = 5.0
+
+
+@dataclass
+class Restore:
+    lease: str
+    epoch: int
+    first: int  # prompt block index of the first key asked for (the local prefix-cache hit)
+    asked_at: float
+    state: str = ASKED
+    blocks: int = 0  # restorable blocks, once answered
 
 
 def parse_handoff(params: dict, expected_layout: str, block_size: int) -> tuple[dict, int]:
@@ -117,6 +143,7 @@ class KvbatonConnector(KVConnectorBase_V1):
         self.is_producer = bool(kvt.is_kv_producer)
         self.is_consumer = bool(kvt.is_kv_consumer)
         self.layout = layout_fingerprint(vllm_config, kv_cache_config)
+        self.history: HistoryPlan = history_plan(self.settings, kv_cache_config, self.is_producer)
         self.ipc_dir = ipc_dir_for(self.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -197,17 +224,20 @@ class SchedulerSide:
         self.conn = conn
         s = conn.settings
         kvt = conn._kv_transfer_config
-        if conn.is_consumer and s.set_recompute_policy and kvt.kv_load_failure_policy != "recompute":
-            logger.info("kvbaton: setting kv_load_failure_policy='recompute' (a failed handoff "
-                        "recomputes those tokens instead of failing the request)")
+        plan = conn.history
+        loads = conn.is_consumer or plan.enabled  # D loads handoffs; P with history restores
+        if loads and s.set_recompute_policy and kvt.kv_load_failure_policy != "recompute":
+            logger.info("kvbaton: setting kv_load_failure_policy='recompute' (a failed handoff or "
+                        "history restore recomputes those tokens instead of failing the request)")
             kvt.kv_load_failure_policy = "recompute"
         num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
         role = "both" if (conn.is_producer and conn.is_consumer) else (
             "producer" if conn.is_producer else "consumer")
         port = s.control_port or free_port(s.control_host)
         log_path = os.path.join(s.event_log_dir, f"{conn.engine_id}.kvlog") if s.event_log_dir else ""
-        # History execution is not wired into the connector yet: block_bytes 0 keeps it off.
-        ledger = s.ledger_config(block_bytes=0, cpu_default_bytes=0)
+        # block_bytes 0 keeps the core's history off (not a producer, or no GPU budget).
+        ledger = s.ledger_config(block_bytes=plan.block_bytes if plan.enabled else 0,
+                                 cpu_default_bytes=num_blocks * plan.block_bytes)
         config = SidecarConfig(
             engine_id=conn.engine_id, role=role, ledger=ledger, address=f"{s.control_host}:{port}",
             ipc_dir=conn.ipc_dir, log_path=log_path, hash_every=s.event_log_hash_every,
@@ -220,9 +250,26 @@ class SchedulerSide:
         self.sidecar_lost_logged = False
         logger.info("kvbaton: engine %s (%s), control at %s, num_blocks %d, event log %s",
                     conn.engine_id, role, self.sidecar.address, num_blocks, log_path or "off")
+        if plan.enabled:
+            logger.info("kvbaton: history on: %d-byte blocks, GPU tier %d slots (%d bytes), CPU tier "
+                        "%d slots (%d bytes), %s", plan.block_bytes, plan.gpu_slots, plan.gpu_bytes,
+                        plan.cpu_slots, plan.cpu_bytes,
+                        "plain requests too" if s.history_plain_requests else "handed-off requests only")
+        elif conn.is_producer:
+            logger.info("kvbaton: history off (%s)", plan.reason)
         self.handoffs: dict[str, Handoff] = {}
         self.epochs = itertools.count(1)
         self.errors = 0
+        # History (P): restore records, prompt keys per request, and the keys this engine has
+        # offered to history (a prompt whose first uncached key was never offered cannot be
+        # restored, so it is answered at once without asking the sidecar).
+        self.history_on = plan.enabled
+        self.kv_cache_config = kv_cache_config
+        self.key_prefix = conn.layout + ":"
+        self.restores: dict[str, Restore] = {}
+        self.keys_by_request: dict[str, list[str]] = {}
+        self.offered: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.offered_max = max(4096, 4 * (plan.gpu_slots + plan.cpu_slots))
 
     def guard(self, fn, fallback, *args):
         """Run a callback; an exception becomes a warning and a safe answer, never an engine crash."""
@@ -249,12 +296,25 @@ class SchedulerSide:
     def drain(self) -> None:
         for msg in self.sidecar.drain():
             logger.debug("kvbaton scheduler: %s", msg)
-            if type(msg) is m.Resolved:
+            kind = type(msg)
+            if kind is m.Resolved:
                 h = self.handoffs.get(msg.request)
                 if h is not None and h.hit is None:
                     h.hit, h.reason = msg.hit, msg.reason
                     if not msg.hit:
                         logger.info("kvbaton: request %s recomputes locally: %s", msg.request, msg.reason)
+            elif kind is m.RestoreReply:
+                r = self.restores.get(msg.request)
+                if r is not None and r.lease == msg.lease and r.state == ASKED:
+                    r.blocks = msg.blocks
+                    r.state = RESERVED if msg.blocks > 0 else DONE
+            elif kind is m.LeaseEnded:
+                r = self.restores.get(msg.request)
+                if r is not None and r.lease == msg.lease and r.state != DONE:
+                    if r.state != ALLOCATED and not msg.ok:
+                        logger.info("kvbaton: history lease of request %s ended before use: %s",
+                                    msg.request, msg.reason)
+                    r.state = DONE
 
     def _handoff(self, request) -> Handoff | None:
         rid = request.request_id
@@ -292,6 +352,8 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         h = self._handoff(request)
+        if h is None and self.history_on:
+            return self._restore_match(request, num_computed_tokens)
         if h is None or h.consumed:
             return 0, False  # no handoff, or already used: a preempted request recomputes
         if h.hit is None:
@@ -310,6 +372,10 @@ class SchedulerSide:
         return count, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        r = self.restores.get(request.request_id)
+        if r is not None and r.state == RESERVED:
+            self._restore_allocated(request, r, blocks, num_external_tokens)
+            return
         if num_external_tokens <= 0:
             return
         h = self.handoffs.get(request.request_id)
@@ -340,8 +406,15 @@ class SchedulerSide:
         if h is not None and h.ticket and (aborted or not h.consumed):
             # D: a load not over yet is given up; the sidecar drains reads in flight first.
             self.sidecar.send(m.CancelFact(rid, False))
+        keys = self.keys_by_request.pop(rid, None)
+        r = self.restores.pop(rid, None)
+        if r is not None and r.state in (ASKED, RESERVED):
+            self._release(rid, r)  # an abort before allocation gives the lease back
         params = request.kv_transfer_params or {}
-        if not (self.conn.is_producer and params.get("do_remote_decode")):
+        remote_decode = self.conn.is_producer and bool(params.get("do_remote_decode"))
+        if not remote_decode:
+            if self.history_on and not aborted and block_ids and self.usable():
+                return self._retain_plain(request, block_ids, keys)
             return False, None
         if aborted or not block_ids or not self.usable():
             return False, None
@@ -351,7 +424,8 @@ class SchedulerSide:
         if not blocks:
             return False, None
         ticket = uuid.uuid4().hex
-        self.sidecar.send(m.TicketFact(ticket, rid, blocks, ()))
+        ticket_keys = self._ticket_keys(request, keys, len(blocks), num_tokens)
+        self.sidecar.send(m.TicketFact(ticket, rid, blocks, ticket_keys))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -367,6 +441,116 @@ class SchedulerSide:
             },
         }
 
+    # -- history (P) -------------------------------------------------------------------------------
+
+    def _keys(self, request) -> list[str]:
+        """The namespaced keys of the prompt's full blocks (vLLM's chained block hashes)."""
+
+        rid = request.request_id
+        keys = self.keys_by_request.get(rid)
+        if keys is not None:
+            return keys
+        bs = self.conn.block_size
+        n_full = len(request.prompt_token_ids or ()) // bs
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        hash_bs = int(getattr(self.kv_cache_config, "hash_block_size", None) or bs)
+        if hash_bs != bs and hash_bs > 0 and bs % hash_bs == 0:
+            step = bs // hash_bs  # finer hashes: the last one of each block names its prefix
+            hashes = hashes[step - 1::step]
+        elif hash_bs != bs:
+            hashes = []  # no way to name whole blocks: nothing goes to history
+        prefix = self.key_prefix
+        keys = [prefix + (h.hex() if isinstance(h, (bytes, bytearray)) else
+                          hashlib.blake2b(repr(h).encode(), digest_size=16).hexdigest())
+                for h in hashes[:n_full]]
+        if len(keys) == n_full:  # complete: cache it (a prompt's hashes never change)
+            self.keys_by_request[rid] = keys
+        return keys
+
+    def _ticket_keys(self, request, keys, num_blocks: int, num_tokens: int) -> tuple[str, ...]:
+        if not self.history_on:
+            return ()
+        if keys is None:
+            keys = self._keys(request)
+        keys = keys[: min(num_blocks, num_tokens // self.conn.block_size)]
+        offered = self.offered
+        for key in keys:
+            offered[key] = None
+            offered.move_to_end(key)
+        while len(offered) > self.offered_max:
+            offered.popitem(last=False)
+        return tuple(keys)
+
+    def _retain_plain(self, request, block_ids, keys):
+        """A plain request on P: its prompt goes to history (setting on), or is only observed."""
+
+        if keys is None:
+            keys = self._keys(request)
+        if not keys:
+            return False, None
+        bs = self.conn.block_size
+        blocks = block_ids[0] if isinstance(block_ids[0], (list, tuple)) else block_ids
+        computed = min(int(getattr(request, "num_computed_tokens", 0) or 0), len(request.prompt_token_ids or ()))
+        n = min(len(keys), len(blocks), computed // bs)
+        if n <= 0:
+            return False, None
+        if not self.conn.settings.history_plain_requests:
+            self.sidecar.send(m.ObserveFact(tuple(keys[:n])))
+            return False, None
+        blocks = tuple(blocks[:n])
+        ticket_keys = self._ticket_keys(request, keys[:n], n, n * bs)
+        self.sidecar.send(m.TicketFact(uuid.uuid4().hex, request.request_id, blocks, ticket_keys, True))
+        return True, None  # the blocks are returned (finished_sending) once history copied them
+
+    def _restore_match(self, request, num_computed_tokens: int):
+        """P: how many tokens past the local prefix-cache hit history can restore (async)."""
+
+        rid = request.request_id
+        bs = self.conn.block_size
+        first = num_computed_tokens // bs
+        r = self.restores.get(rid)
+        if r is not None and r.state in (ASKED, RESERVED) and r.first != first:
+            # A scheduling retry with another local hit: that answer no longer fits; ask again.
+            self._release(rid, r)
+            r = None
+        if r is not None and r.state in (ASKED, RESERVED):
+            self.drain()  # the answer, or the end of a reserved lease (expired) may be waiting
+        if r is None:
+            keys = self._keys(request)
+            if first >= len(keys) or keys[first] not in self.offered or not self.usable():
+                return 0, False
+            r = Restore(uuid.uuid4().hex, next(self.epochs), first, time.monotonic())
+            self.restores[rid] = r
+            self.sidecar.send(m.RestoreFact(r.lease, rid, r.epoch, tuple(keys[first:])))
+            return None, False  # not known yet: vLLM asks again next step
+        if r.state == ASKED:
+            if time.monotonic() - r.asked_at > RESTORE_REPLY_WAIT_S or not self.usable():
+                logger.warning("kvbaton: no answer to the history restore of %s: recomputing", rid)
+                self._release(rid, r)
+                return 0, False
+            return None, False
+        if r.state == RESERVED:
+            return r.blocks * bs, True
+        return 0, False  # allocated or done: one restore per request
+
+    def _restore_allocated(self, request, r: Restore, blocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        if num_external_tokens <= 0:  # vLLM did not take the hit (e.g. prompt logprobs)
+            self._release(rid, r)
+            return
+        bs = self.conn.block_size
+        block_ids = list(blocks.get_block_ids()[0])
+        # By absolute prompt position, from the first block the local cache lacks: never
+        # overwrite a local hit.
+        dst = tuple(block_ids[r.first: r.first + math.ceil(num_external_tokens / bs)])
+        r.state = ALLOCATED
+        self.sidecar.send(m.LeaseAllocFact(r.lease, rid, dst))
+
+    def _release(self, rid: str, r: Restore) -> None:
+        if r.state in (ASKED, RESERVED):
+            self.sidecar.send(m.LeaseReleaseFact(r.lease, rid, r.epoch))
+        r.state = DONE
+
     def debug_state(self) -> dict:
         """For tests and operators: the sidecar's view (a blocking call; never on the hot path)."""
 
@@ -375,6 +559,8 @@ class SchedulerSide:
         state = call_authority_sync(self.sidecar.address, "debug_state")
         state["connector_errors"] = self.errors
         state["handoffs"] = len(self.handoffs)
+        state["restores"] = {s: sum(1 for r in self.restores.values() if r.state == s)
+                             for s in (ASKED, RESERVED, ALLOCATED, DONE)}
         state["sidecar_alive"] = self.sidecar.alive()
         return state
 
@@ -395,6 +581,8 @@ class WorkerSide:
         self.bad_peers: dict[str, str] = {}
         self.read_count = 0
         self.errors = 0
+        self.history = None  # P's history copier (a thread), when history is on
+        self.restorer = None  # P's history restores (on this thread, from pump)
 
     def guard(self, fn, fallback=None, *args):
         try:
@@ -424,6 +612,26 @@ class WorkerSide:
             self.transport.fault_hook = lambda read_id: next(counter) % nth == 0
         self.link = Link(self.conn.ipc_dir, "worker")
         self.link.send(m.WorkerReady(self.transport.local_metadata(), layout.fingerprint()))
+        if self.conn.history.enabled:
+            self._start_history(kv_caches, layout)
+
+    def _start_history(self, kv_caches: dict, layout) -> None:
+        from .history import HistoryCopier, RestoreRunner, SlotStore
+
+        plan = self.conn.history
+        store, broken = None, ""
+        try:
+            store = SlotStore(kv_caches, [layer.block_dim for layer in layout.layers], plan.gpu_slots,
+                              plan.cpu_slots)
+            if store.slot_bytes != plan.block_bytes:
+                logger.warning("kvbaton worker: a history slot holds %d bytes, the budgets count %d "
+                               "per block", store.slot_bytes, plan.block_bytes)
+        except Exception as exc:  # out of memory, odd layout: history copies fail, serving goes on
+            broken = f"history tiers could not be allocated: {exc}"
+            logger.exception("kvbaton worker: %s", broken)
+        self.history = HistoryCopier(self.conn.ipc_dir, store, broken)
+        self.history.start()
+        self.restorer = RestoreRunner(store, broken)
 
     def pump(self) -> None:
         if self.link is None:
@@ -446,6 +654,10 @@ class WorkerSide:
                     logger.warning("kvbaton worker: cannot read from %s: %s", msg.engine, exc)
             elif kind is m.PostRead:
                 self._post(msg)
+            elif kind is m.RestoreCopies:
+                self._restore(msg)
+            elif kind is m.Debug and msg.key.startswith("history_") and self.restorer is not None:
+                self.restorer.debug(msg)
             elif kind is m.Debug and msg.key == "fail_next_reads":
                 remaining = [int(msg.value)]
 
@@ -456,6 +668,9 @@ class WorkerSide:
                     return False
 
                 self.transport.fault_hook = fail_next
+        if self.restorer is not None and self.restorer.jobs:
+            for done in self.restorer.poll():
+                self.link.send(done)
         if self.reads:
             for result in self.transport.poll():
                 logger.debug("kvbaton worker: read done %s", result)
@@ -476,6 +691,16 @@ class WorkerSide:
         logger.warning("kvbaton worker: read %s for %s failed to start: %s", msg.read, msg.request, problem)
         self.link.send(m.ReadDone(msg.request, msg.read, False, problem))
 
+    def _restore(self, msg: m.RestoreCopies) -> None:
+        if self.restorer is None:  # history is off here: the sidecar should not have asked
+            self.link.send(m.RestoreDone(msg.lease, False, error="history is off on this worker"))
+            return
+        reply = self.restorer.start(msg)
+        if reply is not None:
+            logger.warning("kvbaton worker: restore %s for %s failed to start: %s", msg.lease,
+                           msg.request, reply.error)
+            self.link.send(reply)
+
     def get_finished(self, finished_req_ids):
         self.pump()
         sending, self.sending = self.sending, set()
@@ -487,6 +712,8 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
+        if self.history is not None:
+            self.history.stop()
         if self.transport is not None:
             self.transport.close()
         if self.link is not None:

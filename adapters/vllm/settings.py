@@ -27,9 +27,16 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     read_grant_wait_s: float = 30.0
     heartbeat_interval_s: float = 10.0
     # History (P). `xavier_gpu_cache_bytes` is accepted as an alias of `gpu_history_bytes`.
+    # 0 (or less than one engine block) turns history off; the direct handoff is unaffected.
     gpu_history_bytes: int = 256 << 20
     cpu_history_bytes: int = -1  # -1: the engine's KV cache size
     history_lease_s: float = 120.0
+    # Soft deadline of one retention's copies: a released ticket's engine blocks are held at most
+    # this long while history copies them (what is not copied by then is dropped, counted).
+    history_retention_deadline_s: float = 0.05
+    # Which finished P requests leave their prompt in history: by default only handed-off ones
+    # (their ticket is released by D). True: plain requests on P (no remote decode) too.
+    history_plain_requests: bool = False
     # Control plane.
     control_host: str = "127.0.0.1"
     control_port: int = 0  # 0: pick a free port
@@ -39,7 +46,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Transport: "nixl" (default) or "local" (one process, tests only).
     transport: str = "nixl"
     # vLLM's default load-failure policy is "fail"; kvbaton's recompute guarantee needs
-    # "recompute", which the connector sets unless this is false.
+    # "recompute", which the connector sets (on D, and on P when history restores are on)
+    # unless this is false.
     set_recompute_policy: bool = True
     # Test hooks (never needed in production): split each load into several sequential reads,
     # pause before the 2nd and later reads, hold the first read, fail every Nth read.
@@ -56,6 +64,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             claim_wait_ns=int(self.claim_wait_s * SECOND_NS),
             read_grant_wait_ns=int(self.read_grant_wait_s * SECOND_NS),
             history_lease_ns=int(self.history_lease_s * SECOND_NS),
+            retention_deadline_ns=max(1, int(self.history_retention_deadline_s * SECOND_NS)),
             gpu_history_bytes=self.gpu_history_bytes,
             cpu_history_bytes=cpu,
             block_bytes=block_bytes,
@@ -63,7 +72,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 _POSITIVE = ("unclaimed_ttl_s", "claim_lease_s", "claim_wait_s", "read_grant_wait_s",
-             "heartbeat_interval_s", "history_lease_s", "debug_reads_per_load")
+             "heartbeat_interval_s", "history_lease_s", "history_retention_deadline_s",
+             "debug_reads_per_load")
 _NON_NEGATIVE = ("gpu_history_bytes", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
                  "debug_hold_first_read_s", "debug_fail_every_nth_read")
 

@@ -28,3 +28,46 @@ def read_blocks(ctx, block_ids):
 
 def sidecar_address(ctx):
     return ctx.scheduler.connector._scheduler.sidecar.address
+
+
+def history_slots(ctx):
+    """The history copier's own books on P: slots per tier and how many hold a key."""
+
+    history = _worker_side().history
+    if history is None or history.store is None:
+        return None
+    return {**history.store.stats(), "errors": history.errors, "broken": history.broken}
+
+
+def submit_then_stall(ctx, request_id, prompt, max_tokens, kv_transfer_params, stall_s, abort_after_s=None):
+    """Queue a request and step the engine until P has asked history for it (its restore record
+    exists), then keep the engine from stepping for `stall_s` (a busy or stuck engine loop: the
+    reserved lease is not allocated meanwhile). With `abort_after_s`, abort the request after that
+    long first, still before it was ever allocated. Returns the record's state before the stall."""
+
+    import time
+
+    child = ctx.child
+    internal = child.op_submit(request_id, list(prompt), max_tokens, kv_transfer_params, True, None)
+    scheduler_side = ctx.scheduler.connector._scheduler
+    for _ in range(20):
+        child.do_step()
+        if internal in scheduler_side.restores:
+            break
+    record = scheduler_side.restores.get(internal)
+    asked = record.state if record is not None else None
+    if abort_after_s is not None:
+        time.sleep(abort_after_s)
+        child.op_abort([request_id])
+    time.sleep(stall_s)
+    return asked
+
+
+def set_connector_setting(ctx, key, value):
+    """Change one of the scheduler side's settings (those read per request, e.g.
+    `history_plain_requests`); returns the old value."""
+
+    settings = ctx.scheduler.connector.settings
+    old = getattr(settings, key)
+    setattr(settings, key, value)
+    return old

@@ -1,0 +1,556 @@
+"""History execution on P: the tiers' memory, the key -> slot books, and who copies what.
+
+The policy (which keys to keep, demote, evict, restore) is the core's (`core/history.py`,
+`core/lease.py`), decided in the sidecar. This module only moves bytes:
+
+* `SlotStore` owns two tiers of fixed-size slots, one slot per engine block over all layers:
+  the "gpu" tier on the KV cache's device, the "cpu" tier in host memory (pinned when the KV
+  cache is on CUDA, so device<->host copies can be asynchronous). On CPU engines both tiers are
+  plain host memory. Each tier is one tensor per distinct layer cache, `[slots, *block_shape]`;
+  a key maps to one slot index per tier. Sized from the budgets (`budget // block_bytes`), so
+  the core's byte accounting and the slots agree exactly.
+* `HistoryCopier`, a thread of the worker, drains the sidecar's `history` socket and runs the
+  writes into history (stage, demote, drop) in arrival order on one copy stream (on CUDA: a side
+  stream ordered after the engine's stream, fenced with an event per operation; on CPU:
+  synchronous copies). In-order execution is what makes the core's byte accounting safe: a
+  demotion frees its GPU slot at once in the ledger, and the copy that reads that slot runs
+  before any later copy writes it. It runs beside vLLM's engine loop, so a released ticket's
+  blocks are copied (and returned) even while the engine is busy in a forward pass or idle.
+* `RestoreRunner` runs restores on the engine's own thread, from the worker's `pump` (the
+  request is parked in WAITING_FOR_REMOTE_KVS, so the engine steps): per layer, one batch per
+  tier, into the blocks vLLM allocated (on CUDA: queued on a copy stream after the engine's
+  stream and polled through an event, never a device synchronize). A thread would wait for
+  vLLM's busy loop to hand it the GIL between copies; the engine thread never does. Restores
+  read only slots pinned by a lease (never written by the copier); the store still keeps a slot
+  that is being read from reuse until the read ends.
+
+Each end is reported to the sidecar (`StageDone`, `DemoteDone`, `RestoreDone`), which turns it
+into a core event. Nothing here raises into vLLM: a failed copy is reported `ok=False` (the core
+then drops the keys, or fails the restore so vLLM recomputes those tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any, NamedTuple
+
+from ...control import messages as m
+
+logger = logging.getLogger("vllm.kvbaton.history")
+
+
+# --- sizing (shared by the scheduler side and the worker side) ----------------------------------
+
+
+def kv_block_bytes(kv_cache_config) -> int:
+    """Bytes of one engine block over all layers (what one history slot holds)."""
+
+    if kv_cache_config is None:
+        return 0
+    num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or ()
+    total = sum(int(getattr(t, "size", 0) or 0) for t in tensors)
+    if num_blocks > 0 and total > 0:
+        return total // num_blocks
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return sum(int(getattr(g.kv_cache_spec, "page_size_bytes", 0)) * len(g.layer_names) for g in groups)
+
+
+class HistoryPlan(NamedTuple):
+    enabled: bool
+    block_bytes: int
+    gpu_bytes: int
+    cpu_bytes: int
+    gpu_slots: int
+    cpu_slots: int
+    reason: str  # why history is off ("" when on)
+
+
+def history_plan(settings, kv_cache_config, is_producer: bool) -> HistoryPlan:
+    """Budgets in bytes and slots; history is on for a producer whose GPU budget holds a block."""
+
+    block_bytes = kv_block_bytes(kv_cache_config)
+    num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+    gpu = settings.gpu_history_bytes
+    cpu = settings.cpu_history_bytes if settings.cpu_history_bytes >= 0 else num_blocks * block_bytes
+    reason = ""
+    if not is_producer:
+        reason = "not a producer"
+    elif gpu <= 0:
+        reason = "gpu_history_bytes is 0"
+    elif block_bytes <= 0:
+        reason = "the KV cache block size in bytes is unknown"
+    elif gpu < block_bytes:
+        reason = f"gpu_history_bytes {gpu} is less than one block ({block_bytes} bytes)"
+    if reason:
+        return HistoryPlan(False, block_bytes, gpu, cpu, 0, 0, reason)
+    return HistoryPlan(True, block_bytes, gpu, cpu, gpu // block_bytes, cpu // block_bytes, "")
+
+
+# --- the tiers ------------------------------------------------------------------------------------
+
+
+class RestoreJob:
+    """A restore in flight: its slots are being read until `done()` (then `SlotStore.end_read`)."""
+
+    __slots__ = ("reads", "event", "nbytes", "gpu_blocks", "cpu_blocks", "started", "ready_at")
+
+    def __init__(self, reads, event, nbytes, gpu_blocks, cpu_blocks, started, ready_at=0.0) -> None:
+        self.reads = reads  # [(tier, slot)]
+        self.event = event  # a CUDA event on the copy stream, None on CPU (copied already)
+        self.nbytes = nbytes
+        self.gpu_blocks = gpu_blocks
+        self.cpu_blocks = cpu_blocks
+        self.started = started
+        self.ready_at = ready_at  # test hook: not done before this time
+
+    def done(self) -> bool:
+        if self.ready_at and time.monotonic() < self.ready_at:
+            return False
+        return self.event is None or self.event.query()
+
+
+class SlotStore:
+    """Two tiers of history slots and the key -> slot books.
+
+    Writes into history (stage, demote, drop) come from one thread, the copier; restores read
+    from another, the engine's. The books are guarded by a lock (never held during a copy)."""
+
+    TIERS = ("gpu", "cpu")
+
+    def __init__(self, kv_caches: dict[str, Any], block_dims: list[int] | None, gpu_slots: int,
+                 cpu_slots: int) -> None:
+        import torch
+
+        self.torch = torch
+        # One view per distinct layer cache, blocks first (layers that share a cache appear once).
+        self.views = []
+        seen = set()
+        for index, (name, tensor) in enumerate(kv_caches.items()):
+            ident = (int(tensor.data_ptr()), tuple(tensor.shape), tuple(tensor.stride()))
+            if ident in seen:
+                continue
+            seen.add(ident)
+            block_dim = block_dims[index] if block_dims is not None else 0
+            self.views.append(tensor.movedim(block_dim, 0) if block_dim else tensor)
+        if not self.views:
+            raise ValueError("no KV cache layers to keep history of")
+        self.device = self.views[0].device
+        self.cuda = self.device.type == "cuda"
+        self.slots = {"gpu": int(gpu_slots), "cpu": int(cpu_slots)}
+        self.tiers: dict[str, list] = {
+            "gpu": [torch.empty((self.slots["gpu"], *v.shape[1:]), dtype=v.dtype, device=self.device)
+                    for v in self.views],
+            "cpu": [torch.empty((self.slots["cpu"], *v.shape[1:]), dtype=v.dtype, device="cpu",
+                                pin_memory=self.cuda) for v in self.views],
+        }
+        self.slot_bytes = sum(math.prod(v.shape[1:]) * v.element_size() for v in self.views)
+        self.maps: dict[str, dict[str, int]] = {"gpu": {}, "cpu": {}}
+        self.free: dict[str, list[int]] = {t: list(range(self.slots[t] - 1, -1, -1)) for t in self.TIERS}
+        self.lock = threading.Lock()
+        self.reading: dict[tuple[str, int], int] = {}  # (tier, slot) -> restores reading it
+        self.deferred: set[tuple[str, int]] = set()  # freed while being read: free after the read
+        # One copy stream for history writes (the copier's), one for restores (the engine's).
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.restore_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+
+    # -- ordering ----------------------------------------------------------------------------------
+
+    def _run(self, stream, fn, *args) -> None:
+        """Run copies on `stream` after everything the calling thread's current stream queued
+        (CUDA), or synchronously (CPU)."""
+
+        if stream is None:
+            fn(*args)
+            return
+        stream.wait_stream(self.torch.cuda.current_stream(self.device))
+        with self.torch.cuda.stream(stream):
+            fn(*args)
+
+    def _fence(self, stream) -> None:
+        """Wait for this operation's copies only (an event on its stream), never the device."""
+
+        if stream is not None:
+            event = self.torch.cuda.Event()
+            event.record(stream)
+            event.synchronize()
+
+    def _index(self, values, device) -> Any:
+        return self.torch.tensor(list(values), dtype=self.torch.long, device=device)
+
+    def _release(self, tier: str, slot: int) -> None:
+        """Give a slot back (lock held); one still being read is freed when the read ends."""
+
+        if (tier, slot) in self.reading:
+            self.deferred.add((tier, slot))
+        else:
+            self.free[tier].append(slot)
+
+    # -- writes (the copier thread) ----------------------------------------------------------------
+
+    def where(self, key: str) -> str:
+        for tier in self.TIERS:
+            if key in self.maps[tier]:
+                return tier
+        return ""
+
+    def stage(self, copies) -> int:
+        """Copy engine blocks into GPU-tier slots: `copies` is ((engine block, key), ...).
+        Returns the bytes copied; raises (and keeps nothing) when it cannot."""
+
+        if not copies:
+            return 0
+        slots: list[int] = []
+        with self.lock:
+            for _block, key in copies:
+                if self.where(key):
+                    self._drop_locked(key)  # the core only stages absent keys: never keep two
+            free = self.free["gpu"]
+            if len(free) < len(copies):
+                raise RuntimeError(f"no free GPU-tier slot for {len(copies)} blocks "
+                                   f"({len(free)} of {self.slots['gpu']} free)")
+            for _ in copies:
+                slots.append(free.pop())
+        try:
+            blocks = self._index((block for block, _ in copies), self.device)
+            index = self._index(slots, self.device)
+            self._run(self.stream, self._stage_copy, blocks, index)
+            self._fence(self.stream)
+        except BaseException:
+            with self.lock:
+                self.free["gpu"].extend(reversed(slots))
+            raise
+        with self.lock:
+            for (_block, key), slot in zip(copies, slots):
+                self.maps["gpu"][key] = slot
+        return len(copies) * self.slot_bytes
+
+    def _stage_copy(self, blocks, index) -> None:
+        for view, tier in zip(self.views, self.tiers["gpu"]):
+            tier.index_copy_(0, index, view.index_select(0, blocks))
+
+    def demote(self, key: str) -> None:
+        """Move `key` from its GPU-tier slot to a free CPU-tier slot; the GPU slot is free after
+        (also when the move fails: the core then drops the key)."""
+
+        error = self.demote_many([key])[0]
+        if error is not None:
+            raise error
+
+    def demote_many(self, keys) -> list[Exception | None]:
+        """Demote several keys with one copy per layer and one fence; per key, None or the error.
+        Every GPU slot named is free afterwards."""
+
+        errors: list[Exception | None] = []
+        moves: list[tuple[str, int, int]] = []
+        with self.lock:
+            for key in keys:
+                gslot = self.maps["gpu"].pop(key, None)
+                if gslot is None:
+                    errors.append(KeyError(f"{key} is not in the GPU tier"))
+                elif not self.free["cpu"]:
+                    self._release("gpu", gslot)
+                    errors.append(RuntimeError(f"no free CPU-tier slot ({self.slots['cpu']} slots)"))
+                else:
+                    moves.append((key, gslot, self.free["cpu"].pop()))
+                    errors.append(None)
+        if not moves:
+            return errors
+        try:
+            self._run(self.stream, self._demote_copy, moves)
+            self._fence(self.stream)
+        except Exception as exc:
+            with self.lock:
+                for _key, gslot, cslot in moves:
+                    self._release("gpu", gslot)
+                    self.free["cpu"].append(cslot)
+            return [exc if err is None else err for err in errors]
+        with self.lock:
+            for key, gslot, cslot in moves:
+                self.maps["cpu"][key] = cslot
+                self._release("gpu", gslot)
+        return errors
+
+    def _demote_copy(self, moves) -> None:
+        if len(moves) == 1:
+            _key, gslot, cslot = moves[0]
+            for gpu, cpu in zip(self.tiers["gpu"], self.tiers["cpu"]):
+                cpu[cslot].copy_(gpu[gslot], non_blocking=self.cuda)
+            return
+        gidx = self._index((g for _, g, _ in moves), self.device)
+        cidx = self._index((c for _, _, c in moves), "cpu")
+        for gpu, cpu in zip(self.tiers["gpu"], self.tiers["cpu"]):
+            cpu.index_copy_(0, cidx, gpu.index_select(0, gidx).to("cpu"))
+
+    def drop(self, key: str, tier: str = "") -> bool:
+        """Forget `key` wherever it is (the core names a tier; a key is only ever in one)."""
+
+        with self.lock:
+            return self._drop_locked(key)
+
+    def _drop_locked(self, key: str) -> bool:
+        dropped = False
+        for name in self.TIERS:
+            slot = self.maps[name].pop(key, None)
+            if slot is not None:
+                self._release(name, slot)
+                dropped = True
+        return dropped
+
+    # -- restores (the engine thread) --------------------------------------------------------------
+
+    def begin_restore(self, copies, hold_s: float = 0.0) -> RestoreJob:
+        """Start copying slots into engine blocks, per layer: `copies` is ((key, tier, engine
+        block), ...). Raises KeyError when a key is in no tier. On CPU the copy is done on
+        return; on CUDA it is queued (poll `job.done()`). Call `end_restore(job)` after."""
+
+        started = time.perf_counter()
+        plan: dict[str, tuple[list[int], list[int]]] = {"gpu": ([], []), "cpu": ([], [])}
+        with self.lock:
+            for key, tier, block in copies:
+                found = tier if key in self.maps.get(tier, {}) else self.where(key)
+                if not found:
+                    raise KeyError(f"{key} is in no history tier")
+                plan[found][0].append(self.maps[found][key])
+                plan[found][1].append(block)
+            reads = [(tier, slot) for tier in self.TIERS for slot in plan[tier][0]]
+            for read in reads:
+                self.reading[read] = self.reading.get(read, 0) + 1
+        job = RestoreJob(reads, None, len(copies) * self.slot_bytes, len(plan["gpu"][0]),
+                         len(plan["cpu"][0]), started, time.monotonic() + hold_s if hold_s else 0.0)
+        try:
+            batches = []
+            for tier in self.TIERS:
+                slots, blocks = plan[tier]
+                if slots:
+                    src_device = self.device if tier == "gpu" else "cpu"
+                    batches.append((tier, self._index(slots, src_device), self._index(blocks, self.device)))
+            self._run(self.restore_stream, self._restore_copy, batches)
+            if self.restore_stream is not None:
+                job.event = self.torch.cuda.Event()
+                job.event.record(self.restore_stream)
+        except BaseException:
+            self.end_restore(job)
+            raise
+        return job
+
+    def _restore_copy(self, batches) -> None:
+        for layer, view in enumerate(self.views):  # per layer: one batch per tier
+            for tier, slots, blocks in batches:
+                src = self.tiers[tier][layer].index_select(0, slots)
+                if src.device != view.device:
+                    src = src.to(view.device, non_blocking=True)
+                view.index_copy_(0, blocks, src)
+
+    def end_restore(self, job: RestoreJob) -> None:
+        with self.lock:
+            for read in job.reads:
+                left = self.reading.get(read, 0) - 1
+                if left > 0:
+                    self.reading[read] = left
+                    continue
+                self.reading.pop(read, None)
+                if read in self.deferred:
+                    self.deferred.discard(read)
+                    self.free[read[0]].append(read[1])
+            job.reads = []
+
+    def restore(self, copies) -> tuple[int, int, int]:
+        """Restore and wait for it (tests): returns (bytes, gpu-tier blocks, cpu-tier blocks)."""
+
+        job = self.begin_restore(copies)
+        try:
+            if job.event is not None:
+                job.event.synchronize()
+        finally:
+            self.end_restore(job)
+        return job.nbytes, job.gpu_blocks, job.cpu_blocks
+
+    # -- inspection --------------------------------------------------------------------------------
+
+    def read_slot(self, key: str) -> list[bytes]:
+        """The raw bytes of `key`'s slot, per layer (tests)."""
+
+        with self.lock:
+            tier = self.where(key)
+            if not tier:
+                raise KeyError(key)
+            slot = self.maps[tier][key]
+        out = []
+        for tensor in self.tiers[tier]:
+            flat = tensor[slot].detach().to("cpu").contiguous().view(-1).view(self.torch.uint8)
+            out.append(bytes(flat.numpy()))
+        return out
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"gpu_slots": self.slots["gpu"], "gpu_used": len(self.maps["gpu"]),
+                    "cpu_slots": self.slots["cpu"], "cpu_used": len(self.maps["cpu"]),
+                    "slot_bytes": self.slot_bytes}
+
+
+# --- the copier thread (history writes) ----------------------------------------------------------
+
+
+class HistoryCopier:
+    """Runs the sidecar's history writes (stage, demote, drop), in order, in a thread."""
+
+    POLL_S = 0.1
+
+    def __init__(self, ipc_dir: str, store: SlotStore | None, broken: str = "") -> None:
+        self.ipc_dir = ipc_dir
+        self.store = store
+        self.broken = broken  # why the store could not be built: every copy then fails
+        self.stopping = threading.Event()
+        self.errors = 0
+        # Test hooks (sidecar Debug messages named history_*).
+        self.fail_next_stages = 0
+        self.hold_stage_s = 0.0
+        self.thread = threading.Thread(target=self._run, name="kvbaton-history", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout_s)
+
+    def _run(self) -> None:
+        from ...control.client import Link
+
+        link = Link(self.ipc_dir, "history")
+        try:
+            link.send(slot_stats(self.store, self.broken))
+            while not self.stopping.is_set():
+                msgs = link.wait(self.POLL_S)
+                index = 0
+                while index < len(msgs):
+                    # Consecutive demotions (one admission makes room for several blocks) run
+                    # as one batch: one copy per layer, one fence.
+                    end = index
+                    while end < len(msgs) and type(msgs[end]) is m.DemoteCopy:
+                        end += 1
+                    try:
+                        if end - index > 1:
+                            replies = self._demote_batch(msgs[index:end])
+                        else:
+                            end = index + 1
+                            replies = [self._handle(msgs[index])]
+                    except Exception:  # never let one message end the copier
+                        self.errors += 1
+                        logger.exception("kvbaton history: could not handle %s", type(msgs[index]).__name__)
+                        replies = []
+                    for reply in replies:
+                        if reply is not None:
+                            link.send(reply)
+                    index = end
+                if msgs:
+                    link.send(slot_stats(self.store, self.broken))
+        finally:
+            link.close()
+
+    def _demote_batch(self, msgs) -> list:
+        keys = [msg.key for msg in msgs]
+        if self.store is None:
+            return [m.DemoteDone(key, False, self.broken or "no history store") for key in keys]
+        errors = self.store.demote_many(keys)
+        return [m.DemoteDone(key, err is None, "" if err is None else str(err)) for key, err in zip(keys, errors)]
+
+    def _handle(self, msg):
+        kind = type(msg)
+        store = self.store
+        if kind is m.StageCopies:
+            if self.hold_stage_s:
+                time.sleep(self.hold_stage_s)
+            started = time.perf_counter()
+            try:
+                if store is None:
+                    raise RuntimeError(self.broken or "no history store")
+                if self.fail_next_stages > 0:
+                    self.fail_next_stages -= 1
+                    raise RuntimeError("injected staging failure")
+                nbytes = store.stage(msg.copies)
+            except Exception as exc:
+                return m.StageDone(msg.ticket, False, error=str(exc))
+            return m.StageDone(msg.ticket, True, nbytes, time.perf_counter() - started)
+        if kind is m.DemoteCopy:
+            return self._demote_batch([msg])[0]
+        if kind is m.DropSlot:
+            if store is not None:
+                store.drop(msg.key, msg.tier)
+            return None
+        if kind is m.Debug:
+            if msg.key == "history_fail_next_stages":
+                self.fail_next_stages = int(msg.value)
+            elif msg.key == "history_hold_stage_s":
+                self.hold_stage_s = float(msg.value)
+            return None
+        logger.warning("kvbaton history: unexpected message %s", kind.__name__)
+        return None
+
+
+def slot_stats(store: SlotStore | None, broken: str = "") -> m.SlotStats:
+    if store is None:
+        return m.SlotStats(0, 0, 0, 0, 0, broken)
+    st = store.stats()
+    return m.SlotStats(st["gpu_slots"], st["gpu_used"], st["cpu_slots"], st["cpu_used"], st["slot_bytes"], broken)
+
+
+# --- restores (the engine thread) ----------------------------------------------------------------
+
+
+class RestoreRunner:
+    """Runs restores from the worker's `pump` on the engine thread; `poll` reports their ends."""
+
+    def __init__(self, store: SlotStore | None, broken: str = "") -> None:
+        self.store = store
+        self.broken = broken
+        self.jobs: list[tuple[str, RestoreJob]] = []  # (lease, job) in flight
+        # Test hooks (sidecar Debug messages named history_*restore*).
+        self.fail_next_restores = 0
+        self.hold_restore_s = 0.0
+
+    def start(self, msg: m.RestoreCopies) -> m.RestoreDone | None:
+        """Post the copies; a restore that cannot start is answered at once (failed)."""
+
+        try:
+            if self.store is None:
+                raise RuntimeError(self.broken or "no history store")
+            if self.fail_next_restores > 0:
+                self.fail_next_restores -= 1
+                raise RuntimeError("injected restore failure")
+            job = self.store.begin_restore(msg.copies, self.hold_restore_s)
+        except Exception as exc:
+            return m.RestoreDone(msg.lease, False, error=str(exc))
+        self.jobs.append((msg.lease, job))
+        return None
+
+    def poll(self) -> list[m.RestoreDone]:
+        if not self.jobs:
+            return []
+        done, pending = [], []
+        for lease, job in self.jobs:
+            try:
+                finished = job.done()
+            except Exception as exc:  # a device error surfaces here: the restore failed
+                self.store.end_restore(job)
+                done.append(m.RestoreDone(lease, False, error=str(exc)))
+                continue
+            if not finished:
+                pending.append((lease, job))
+                continue
+            self.store.end_restore(job)
+            done.append(m.RestoreDone(lease, True, job.nbytes, time.perf_counter() - job.started,
+                                      job.gpu_blocks, job.cpu_blocks))
+        self.jobs = pending
+        return done
+
+    def debug(self, msg: m.Debug) -> None:
+        if msg.key == "history_fail_next_restores":
+            self.fail_next_restores = int(msg.value)
+        elif msg.key == "history_hold_restore_s":
+            self.hold_restore_s = float(msg.value)

@@ -1,0 +1,168 @@
+"""Functions run inside an engine process by `EngineProcess.run_in_engine` (GPU or CPU engines).
+
+Light at import time (stdlib only): the engine child imports this module by reference when it
+unpickles a hook, after its environment (CUDA_VISIBLE_DEVICES...) is set.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def _worker():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker
+
+
+def _block_dim(tensor, num_blocks: int) -> int:
+    for dim, size in enumerate(tensor.shape):
+        if size == num_blocks:
+            return dim
+    raise ValueError(f"no dimension of {tuple(tensor.shape)} equals num_blocks={num_blocks}")
+
+
+def kv_layout_info(ctx) -> dict:
+    """What the connector's worker registered: shapes, strides, dtype, device, descriptor spans."""
+
+    worker = _worker()
+    tensors = list(worker.kv_caches.values())
+    first = tensors[0]
+    layout = worker.transport._layout
+    return {
+        "layers": len(tensors),
+        "shape": list(first.shape),
+        "stride": list(first.stride()),
+        "dtype": str(first.dtype),
+        "device": str(first.device),
+        "num_blocks": worker.num_blocks,
+        "block_size": worker.conn.block_size,
+        "block_nbytes_all_layers": layout.block_nbytes,
+        "spans_per_block_per_layer": len(layout.layers[0].spans),
+        "registered_regions": len(layout.regions),
+        "transport": type(worker.transport).__name__,
+        "descriptor_mode": getattr(worker.transport, "_descriptor_mode", None),
+        "prepped": getattr(worker.transport, "_local_dlist", None) is not None,
+        "kv_cache_layout": str(getattr(ctx.llm.llm_engine.vllm_config.cache_config,
+                                       "kv_cache_layout", "")),
+        "attn_backend": _attn_backend_name(ctx),
+    }
+
+
+def _attn_backend_name(ctx) -> str:
+    try:
+        runner = ctx.core.model_executor.driver_worker.worker.model_runner
+        groups = getattr(runner, "attn_groups", None) or []
+        for group_list in groups:
+            for group in group_list:
+                return group.backend.get_name()
+    except Exception as exc:  # informational only
+        return f"? ({type(exc).__name__})"
+    return "?"
+
+
+def read_token_slots(ctx, block_ids) -> tuple[tuple[int, ...], bytes]:
+    """The raw bytes of these KV blocks, every layer, as one uint8 array of shape
+    (layers, len(block_ids), block_size, bytes_per_token_slot), returned as (shape, bytes).
+
+    The token dimension is the first dimension (after the block one) of size block_size, which
+    holds for every vLLM layout in reference/vllm_connector.md §6 (the token dim is dim 2 of the
+    per-layer tensor in (B, 2, N, H, D), (2, B, N, H, D) and [B, H, N, C]).
+    """
+
+    import torch
+
+    worker = _worker()
+    num_blocks = worker.num_blocks
+    block_size = worker.conn.block_size
+    parts = []
+    for tensor in worker.kv_caches.values():
+        dim = _block_dim(tensor, num_blocks)
+        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=tensor.device)
+        picked = tensor.index_select(dim, index).movedim(dim, 0)
+        token_dim = next(d for d in range(1, picked.dim()) if picked.shape[d] == block_size)
+        picked = picked.movedim(token_dim, 1).contiguous()
+        parts.append(picked.view(torch.uint8).reshape(len(block_ids), block_size, -1))
+    stacked = torch.stack(parts).cpu()
+    return tuple(stacked.shape), stacked.numpy().tobytes()
+
+
+def copy_bench(ctx, block_ids, repeats: int = 20) -> dict:
+    """GPU copy ceilings for the bytes of one handoff, measured in this engine's process:
+
+    * `contiguous`: one device-to-device copy of the same number of bytes;
+    * `gather`: per layer, `index_select` of these very blocks out of the live KV cache into a
+      scratch tensor (what a same-process copy of the handoff's blocks costs).
+    Median of `repeats` after 3 warm-ups; CUDA events on GPU, perf_counter on CPU.
+    """
+
+    import torch
+
+    worker = _worker()
+    tensors = list(worker.kv_caches.values())
+    num_blocks = worker.num_blocks
+    device = tensors[0].device
+    dims = [_block_dim(t, num_blocks) for t in tensors]
+    per_block = sum(t.select(d, 0).numel() * t.element_size() for t, d in zip(tensors, dims))
+    nbytes = per_block * len(block_ids)
+    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
+    scratch = [torch.empty_like(t.index_select(d, index)) for t, d in zip(tensors, dims)]
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    cuda = device.type == "cuda"
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        samples = []
+        for _ in range(repeats):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    def gather():
+        for t, d, out in zip(tensors, dims, scratch):
+            torch.index_select(t, d, index, out=out)
+
+    contiguous_s = timed(lambda: dst.copy_(src))
+    gather_s = timed(gather)
+    del src, dst, scratch
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"nbytes": nbytes, "blocks": len(block_ids), "layers": len(tensors),
+            "contiguous_s": contiguous_s, "contiguous_GBps": nbytes / contiguous_s / 1e9,
+            "gather_s": gather_s, "gather_GBps": nbytes / gather_s / 1e9}
+
+
+def gpu_memory(ctx) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"device": torch.cuda.get_device_name(), "free_GiB": free / 2**30,
+            "total_GiB": total / 2**30, "allocated_GiB": torch.cuda.memory_allocated() / 2**30,
+            "reserved_GiB": torch.cuda.memory_reserved() / 2**30}
+
+
+def fill_blocks(ctx, block_ids, value: float) -> int:
+    """Overwrite these KV blocks of every layer with a constant (a marker for negative controls)."""
+
+    import torch
+
+    worker = _worker()
+    for tensor in worker.kv_caches.values():
+        dim = _block_dim(tensor, worker.num_blocks)
+        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=tensor.device)
+        tensor.index_fill_(dim, index, value)
+    return len(block_ids)

@@ -1,0 +1,407 @@
+"""Tiered KV history on P, end to end on real vLLM CPU engines.
+
+Three engines start once for the module:
+
+* P (producer) with history on, a tiny GPU budget (8 blocks: most of the history spills to the
+  CPU tier) and an engine KV cache of 96 blocks, small enough that vLLM's own prefix cache
+  forgets a document after a few other prompts;
+* D (consumer) reading P's handoffs;
+* S, a producer with history off (`gpu_history_bytes: 0`) and the same small cache: its plain
+  requests give the reference greedy outputs (a single engine computing everything), and its
+  handoffs show that with history off nothing is restored and outputs are still equal.
+
+A hot set of documents is prefilled through P/D, pushed out of P's prefix cache by other prompts,
+and revisited: P restores the prefix from history (both tiers) instead of recomputing it. Every
+test ends by checking that no ticket, load or lease is open, every block pool is whole, and the
+history copier's own slot books agree with the ledger's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl._api")
+
+from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt  # noqa: E402
+from kvbaton.core.log import read_log  # noqa: E402
+from kvbaton.core.replay import replay  # noqa: E402
+
+from . import engine_hooks  # noqa: E402
+from .engine_harness import EngineProcess  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+CONNECTOR = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
+BLOCK = 32
+BLOCK_BYTES = 16384  # the tiny model: 2 layers x 2 KV heads x 32 tokens x 2 x 64 x bf16
+ENGINE_BLOCKS = 96
+GPU_SLOTS, CPU_SLOTS = 8, 40
+LEASE_S = 1.0
+RETENTION_DEADLINE_S = 1.0
+# Prompt lengths around block boundaries: no full block, one, and not/just/not block aligned.
+DOC_LENGTHS = (16, 40, 333, 352, 465)
+MAX_TOKENS = 6
+_seeds = itertools.count(70_000)
+
+
+@pytest.fixture(scope="module")
+def hist(tmp_path_factory):
+    root = tmp_path_factory.mktemp("history")
+    model = build_tiny_model(root / "model")
+    events = root / "events"
+    small_cache = ENGINE_BLOCKS * BLOCK_BYTES
+    p = EngineProcess("P", model, cpu_core=0, log_dir=root, kv_cache_memory_bytes=small_cache,
+                      kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
+                          "event_log_dir": str(events), "gpu_history_bytes": GPU_SLOTS * BLOCK_BYTES,
+                          "cpu_history_bytes": CPU_SLOTS * BLOCK_BYTES, "history_lease_s": LEASE_S,
+                          "history_retention_deadline_s": RETENTION_DEADLINE_S}})
+    d = EngineProcess("D", model, cpu_core=1, log_dir=root,
+                      kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
+                          "event_log_dir": str(events)}})
+    s = EngineProcess("S", model, cpu_core=1, log_dir=root, kv_cache_memory_bytes=small_cache,
+                      kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
+                          "event_log_dir": str(events), "gpu_history_bytes": 0}})
+    engines = [p, d, s]
+    for engine in engines:
+        engine.launch()
+    try:
+        for engine in engines:
+            engine.wait_ready(300)
+        docs = [tiny_prompt(n, seed=500 + n) for n in DOC_LENGTHS]
+        refs = [s.generate([doc], max_tokens=MAX_TOKENS)[0]["token_ids"] for doc in docs]
+        yield SimpleNamespace(p=p, d=d, s=s, events=events, docs=docs, refs=refs, saved={}, timings={})
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def prefill(engine, prompt) -> dict:
+    out = engine.generate([prompt], max_tokens=1, kv_transfer_params_list=[{"do_remote_decode": True}])[0]
+    params = out["kv_transfer_params"]
+    assert params and params.get("do_remote_prefill") and "kvbaton" in params, params
+    return out
+
+
+def decode(hist, prompt, params) -> list[int]:
+    return hist.d.generate([prompt], max_tokens=MAX_TOKENS, kv_transfer_params_list=[params])[0]["token_ids"]
+
+
+def reference(hist, prompt) -> list[int]:
+    return hist.s.generate([prompt], max_tokens=MAX_TOKENS)[0]["token_ids"]
+
+
+def state(engine) -> dict:
+    return engine.call_connector("debug_state")
+
+
+def delta(before: dict, after: dict, key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def flush(engine, prompts: int = 8) -> None:
+    """Push everything out of the engine's own prefix cache with fresh plain prompts."""
+
+    engine.generate([tiny_prompt(400, seed=next(_seeds)) for _ in range(prompts)], max_tokens=1)
+
+
+def by_block(raw: list[bytes], nblocks: int) -> list[tuple[bytes, ...]]:
+    """`engine_hooks.read_blocks` returns layer-major bytes; regroup them per block."""
+
+    layers = len(raw) // nblocks if nblocks else 0
+    return [tuple(raw[layer * nblocks + block] for layer in range(layers)) for block in range(nblocks)]
+
+
+def settle_history(engine, timeout_s: float = 10.0) -> dict:
+    """Wait until no history copy is in flight (nothing staging or demoting, no writer)."""
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hist = state(engine)["history"]
+        moving = hist["by_state"].get("STAGING", 0) + hist["by_state"].get("DEMOTING", 0)
+        if not moving and not hist["writer"]:
+            return hist
+        assert time.monotonic() < deadline, hist
+        time.sleep(0.05)
+
+
+def assert_nothing_held(hist, timeout_s: float = 15.0) -> None:
+    """No open ticket, load or lease anywhere; every block pool whole; the copier's slot books
+    equal the ledger's tier usage; no violation, no connector error."""
+
+    deadline = time.monotonic() + timeout_s
+    engines = (hist.p, hist.d, hist.s)
+    while True:
+        hist.p.step(2)
+        states = [state(e) for e in engines]
+        stats = [e.wait_idle() for e in engines]
+        p_hist = states[0]["history"]
+        copier = hist.p.run_in_engine(engine_hooks.history_slots)
+        moving = p_hist["by_state"].get("STAGING", 0) + p_hist["by_state"].get("DEMOTING", 0)
+        clean = (all(not any(st["open"].values()) for st in states)
+                 and all(sc["free_blocks"] == sc["usable_blocks"] and sc["scheduler_requests"] == 0
+                         for sc in stats)
+                 and not moving and p_hist["pinned_blocks"] == 0 and p_hist["lease_contexts"] == 0
+                 and copier["gpu_used"] == p_hist["gpu_blocks"] and copier["cpu_used"] == p_hist["cpu_blocks"])
+        if clean:
+            for st in states:
+                assert st["violations"] == [] and st["connector_errors"] == 0
+            assert copier["errors"] == 0 and not copier["broken"]
+            assert p_hist["gpu_used_bytes"] <= p_hist["gpu_budget_bytes"]
+            assert p_hist["cpu_used_bytes"] <= p_hist["cpu_budget_bytes"]
+            assert states[0]["restores"]["asked"] == states[0]["restores"]["reserved"] == 0
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still held after {timeout_s} s: open {[st['open'] for st in states]}, "
+                                 f"pools {[(sc['free_blocks'], sc['usable_blocks']) for sc in stats]}, "
+                                 f"history {p_hist}, copier {copier}")
+        time.sleep(0.2)
+
+
+# -- tests ------------------------------------------------------------------------------------------
+
+
+def test_revisits_restore_from_both_tiers_bit_exact(hist):
+    p = hist.p
+    # First visit: P prefills (recomputes) every document; D decodes from the handoff.
+    for doc, ref in zip(hist.docs, hist.refs):
+        out = prefill(p, doc)
+        params = out["kv_transfer_params"]
+        full = len(doc) // BLOCK
+        raw = p.run_in_engine(engine_hooks.read_blocks, params["remote_block_ids"][:full]) if full else []
+        hist.saved[len(doc)] = by_block(raw, full)
+        hist.timings.setdefault("prefill_s", []).append(out["elapsed_s"])
+        assert decode(hist, doc, params) == ref
+    retained = settle_history(p)
+    assert retained["gpu_blocks"] == GPU_SLOTS and retained["cpu_blocks"] > 0  # spilled to CPU
+    assert retained["copier"]["gpu_used"] == GPU_SLOTS
+
+    flush(p)
+    before = state(p)["counters"]
+    restored_total = 0
+    for doc, ref in zip(hist.docs, hist.refs):
+        out = prefill(p, doc)
+        params = out["kv_transfer_params"]
+        restored = out["num_cached_tokens"] // BLOCK  # the local cache was flushed: all restored
+        if len(doc) >= BLOCK:
+            assert restored >= 1, f"a {len(doc)}-token document was not restored"
+        restored_total += restored
+        # Restored blocks hold the very bytes the first prefill computed (a block whose last
+        # token is recomputed after a whole-prompt hit is left out).
+        compare = min(restored, (len(doc) - 1) // BLOCK)
+        if compare:
+            now = by_block(p.run_in_engine(engine_hooks.read_blocks, params["remote_block_ids"][:compare]), compare)
+            assert now == hist.saved[len(doc)][:compare]
+        hist.timings.setdefault("restore_s", []).append(out["elapsed_s"])
+        assert decode(hist, doc, params) == ref
+    after = state(p)
+    hits_gpu = delta(before, after["counters"], "restores.hits.gpu")
+    hits_cpu = delta(before, after["counters"], "restores.hits.cpu")
+    assert hits_gpu > 0 and hits_cpu > 0, after["counters"]
+    assert hits_gpu + hits_cpu == restored_total
+    assert after["history"]["io"]["restored_gpu_blocks"] + after["history"]["io"]["restored_cpu_blocks"] \
+        >= restored_total
+    assert delta(before, after["counters"], "leases.released") == sum(1 for n in DOC_LENGTHS if n >= BLOCK)
+    first_ms = statistics.median(hist.timings["prefill_s"]) * 1e3
+    restore_ms = statistics.median(hist.timings["restore_s"]) * 1e3
+    print(f"\nP prefill of the documents, median: first visit {first_ms:.1f} ms, revisit restored from "
+          f"history {restore_ms:.1f} ms; hits GPU tier {hits_gpu}, CPU tier {hits_cpu}")
+    assert_nothing_held(hist)
+
+
+def test_history_off_engine_restores_nothing_and_outputs_match(hist):
+    s = hist.s
+    flush(s)
+    for doc, ref in zip(hist.docs, hist.refs):
+        params = prefill(s, doc)["kv_transfer_params"]
+        assert decode(hist, doc, params) == ref
+    st = state(s)
+    assert not st["history"]["enabled"]
+    assert not any(key.startswith(("history.", "leases.", "restores.")) for key in st["counters"]), st["counters"]
+    assert st["counters"].get("tickets.closed.released", 0) >= len(DOC_LENGTHS)
+    assert_nothing_held(hist)
+
+
+def test_failed_restore_recomputes(hist):
+    p = hist.p
+    doc, ref = hist.docs[-1], hist.refs[-1]
+    flush(p)
+    before = state(p)
+    p.call_connector("debug_set", "history_fail_next_restores", 1)
+    out = prefill(p, doc)
+    assert decode(hist, doc, out["kv_transfer_params"]) == ref
+    after = state(p)
+    assert after["history"]["io"]["restores_failed"] == before["history"]["io"]["restores_failed"] + 1
+    assert delta(before["counters"], after["counters"], "leases.released") == 1
+    assert delta(before["counters"], after["counters"], "restores.hits.gpu") == 0
+    assert delta(before["counters"], after["counters"], "restores.hits.cpu") == 0
+    assert_nothing_held(hist)
+
+
+def test_abort_while_restoring_frees_blocks_after_the_copy(hist):
+    p = hist.p
+    doc = hist.docs[-2]
+    flush(p)
+    before = state(p)["counters"]
+    p.call_connector("debug_set", "history_hold_restore_s", 1.0)
+    try:
+        request = f"abort-restoring-{uuid.uuid4().hex[:6]}"
+        p.submit(request, doc, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        time.sleep(0.4)
+        assert state(p)["restores"]["allocated"] == 1  # parked in WAITING_FOR_REMOTE_KVS, copying
+        p.abort(request)
+        time.sleep(1.2)
+    finally:
+        p.call_connector("debug_set", "history_hold_restore_s", 0)
+    after = state(p)["counters"]
+    assert delta(before, after, "leases.released") == 1  # the copy finished: no lease cut short
+    assert delta(before, after, "tickets.issued") == 0  # aborted: nothing handed off
+    assert_nothing_held(hist)
+
+
+def test_lease_expires_before_allocation_and_p_recomputes(hist):
+    p = hist.p
+    doc, ref = hist.docs[-1], hist.refs[-1]
+    flush(p)
+    before = state(p)["counters"]
+    request = f"stalled-{uuid.uuid4().hex[:6]}"
+    # One step asks history; then the engine loop stalls past the lease (nothing allocates it).
+    asked = p.run_in_engine(engine_hooks.submit_then_stall, request, doc, 1, {"do_remote_decode": True},
+                            LEASE_S + 0.6)
+    assert asked in ("asked", "reserved")  # a lease was asked for and is not allocated
+    out = p.results(60, [request])[request]
+    assert decode(hist, doc, out["kv_transfer_params"]) == ref
+    after = state(p)["counters"]
+    assert delta(before, after, "leases.expired") == 1
+    assert delta(before, after, "restores.hits.gpu") + delta(before, after, "restores.hits.cpu") == 0
+    assert_nothing_held(hist)
+
+
+def test_abort_before_allocation_releases_the_lease(hist):
+    p = hist.p
+    doc = hist.docs[-1]
+    flush(p)
+    before = state(p)["counters"]
+    request = f"abort-early-{uuid.uuid4().hex[:6]}"
+    asked = p.run_in_engine(engine_hooks.submit_then_stall, request, doc, 1, {"do_remote_decode": True}, 0.1, 0.2)
+    assert asked in ("asked", "reserved")  # a lease was asked for and is not allocated
+    time.sleep(0.3)
+    after = state(p)["counters"]
+    assert delta(before, after, "leases.cancelled") == 1
+    assert delta(before, after, "tickets.issued") == 0
+    assert_nothing_held(hist)
+
+
+def test_plain_requests_retain_history_when_asked(hist):
+    p = hist.p
+    doc = tiny_prompt(5 * BLOCK + 7, seed=next(_seeds))
+    ref = reference(hist, doc)
+    before = state(p)["counters"]
+    assert p.generate([doc], max_tokens=MAX_TOKENS)[0]["token_ids"] == ref  # default: not retained
+    settle_history(p)
+    mid = state(p)["counters"]
+    assert delta(before, mid, "tickets.issued") == 0 and delta(before, mid, "history.staged") == 0
+    old = p.run_in_engine(engine_hooks.set_connector_setting, "history_plain_requests", True)
+    assert old is False
+    try:
+        assert p.generate([doc], max_tokens=MAX_TOKENS)[0]["token_ids"] == ref
+        settle_history(p)
+        after = state(p)["counters"]
+        assert delta(mid, after, "tickets.issued") == 1  # claimed and released by P itself
+        assert delta(mid, after, "history.staged") == 5
+        flush(p)
+        out = p.generate([doc], max_tokens=MAX_TOKENS)[0]
+        assert out["token_ids"] == ref and out["num_cached_tokens"] == 5 * BLOCK
+        final = state(p)["counters"]
+        assert delta(after, final, "restores.hits.gpu") + delta(after, final, "restores.hits.cpu") == 5
+    finally:
+        p.run_in_engine(engine_hooks.set_connector_setting, "history_plain_requests", False)
+    assert_nothing_held(hist)
+
+
+def test_busy_writer_and_retention_deadline_return_blocks_on_time(hist):
+    p = hist.p
+    first, second = tiny_prompt(200, seed=next(_seeds)), tiny_prompt(200, seed=next(_seeds))
+    # P has seen the first prompt before, so its retention is admitted even when both tiers are
+    # full (it displaces older content) and becomes the writer.
+    p.generate([first], max_tokens=1)
+    before = state(p)["counters"]
+    hold_s = RETENTION_DEADLINE_S + 2.0  # the copy of the first retention takes this long
+    p.call_connector("debug_set", "history_hold_stage_s", hold_s)
+    try:
+        assert decode(hist, first, prefill(p, first)["kv_transfer_params"]) == reference(hist, first)
+        released_by = time.monotonic()  # D released the first ticket before its decode returned
+        # The first retention is still copying: the second finds the writer busy and closes.
+        assert decode(hist, second, prefill(p, second)["kv_transfer_params"]) == reference(hist, second)
+        mid = state(p)["counters"]
+        assert delta(before, mid, "history.dropped.busy_writer") == len(second) // BLOCK
+        while state(p)["open"]["tickets"]:  # the soft deadline closes the first ticket ...
+            time.sleep(0.05)
+        closed_after = time.monotonic() - released_by
+        assert closed_after < RETENTION_DEADLINE_S + 0.8 < hold_s  # ... not the end of the copy
+        assert p.wait_idle()["free_blocks"] == p.stats()["usable_blocks"]  # P has its blocks back
+        time.sleep(hold_s - closed_after + 0.3)  # the held copy ends; its slots are dropped
+    finally:
+        p.call_connector("debug_set", "history_hold_stage_s", 0)
+    after = state(p)["counters"]
+    assert delta(before, after, "history.dropped.deadline") == len(first) // BLOCK
+    assert_nothing_held(hist)
+
+
+def test_full_tiers_need_probation_to_displace(hist):
+    p = hist.p
+    capacity = GPU_SLOTS + CPU_SLOTS
+    for _ in range(12):  # fill both tiers with fresh 8-block documents
+        hist_state = settle_history(p)
+        if hist_state["gpu_blocks"] + hist_state["cpu_blocks"] == capacity:
+            break
+        doc = tiny_prompt(8 * BLOCK, seed=next(_seeds))
+        decode(hist, doc, prefill(p, doc)["kv_transfer_params"])
+    full = settle_history(p)
+    assert full["gpu_blocks"] + full["cpu_blocks"] == capacity
+
+    newcomer = tiny_prompt(8 * BLOCK + 5, seed=next(_seeds))
+    before = state(p)["counters"]
+    decode(hist, newcomer, prefill(p, newcomer)["kv_transfer_params"])
+    settle_history(p)
+    mid = state(p)["counters"]
+    assert delta(before, mid, "history.dropped.probation") == 8  # never seen: no displacement
+    assert delta(before, mid, "history.staged") == 0
+
+    # Seen once: now it displaces the least recently used leaves and is restorable.
+    assert decode(hist, newcomer, prefill(p, newcomer)["kv_transfer_params"]) == reference(hist, newcomer)
+    settle_history(p)
+    after = state(p)["counters"]
+    assert delta(mid, after, "history.staged") == 8
+    assert delta(mid, after, "history.removed.capacity") == 8
+    flush(p)
+    out = prefill(p, newcomer)
+    assert out["num_cached_tokens"] == 8 * BLOCK
+    assert decode(hist, newcomer, out["kv_transfer_params"]) == reference(hist, newcomer)
+    full = settle_history(p)
+    assert full["gpu_used_bytes"] == full["gpu_budget_bytes"] and full["cpu_used_bytes"] == full["cpu_budget_bytes"]
+    assert_nothing_held(hist)
+
+
+def test_engine_logs_replay_without_violations(hist):
+    logs = sorted(hist.events.glob("*.kvlog"))
+    assert len(logs) == 3
+    kinds = set()
+    for path in logs:
+        header, records = read_log(str(path))
+        result = replay(header, records)
+        assert result.events > 0
+        assert result.violating_events == 0 and result.first_divergence is None, path
+        kinds.update(type(record.event).__name__ for record in records if record.event is not None)
+    for kind in ("HistoryPublished", "HistoryDemoted", "RestoreRequested", "LeaseAllocated",
+                 "LeaseReadFinished", "LeaseReleased", "HistoryObserved"):
+        assert kind in kinds, kind

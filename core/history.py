@@ -301,6 +301,23 @@ class HistoryStore:
             prefix.append((key, RESTORABLE[blk.state]))
         return prefix
 
+    def ancestors(self, key: str) -> list[str] | None:
+        """Resident blocks above `key` (parent first), or None when one of them is mid-copy.
+
+        A restore whose keys start below the engine's own cached prefix pins those ancestors too:
+        an unpinned ancestor could be demoted, and a failed demotion drops its whole subtree.
+        """
+        chain: list[str] = []
+        blk = self.blocks.get(key)
+        while blk is not None and blk.parent:
+            blk = self.blocks.get(blk.parent)
+            if blk is None:
+                break
+            if blk.state not in RESTORABLE:
+                return None
+            chain.append(blk.key)
+        return chain
+
     def pin(self, keys) -> None:
         for key in keys:
             self.blocks[key].pins += 1

@@ -82,7 +82,7 @@ class LeaseBook:
         self._move(ls, trigger, dest)
         ls.deadline_ns = NEVER
         ls.outcome = outcome
-        self.history.unpin(ls.keys)
+        self.history.unpin(list(ls.keys) + (self.history.ancestors(ls.keys[0]) or []))
         self.counters.add("leases." + dest.lower())
         out.append(LeaseDone(ls.lease, ls.request, ok, outcome))
 
@@ -92,13 +92,14 @@ class LeaseBook:
         if e.lease in self.leases:
             return [reject(self.counters, "rq", e.lease, "duplicate lease")]
         prefix = self.history.restorable_prefix(e.keys)
-        if not prefix:
+        above = self.history.ancestors(prefix[0][0]) if prefix else None
+        if not prefix or above is None:
             self.counters.add("restores.miss")
             return [ReplyRestore(e.lease, e.request, ())]
         keys = tuple(key for key, _ in prefix)
         ls = Lease(e.lease, e.request, e.epoch, keys, tuple(t for _, t in prefix), RESERVED, NEVER)
         self.leases[e.lease] = ls
-        self.history.pin(keys)
+        self.history.pin(list(keys) + above)
         self.history.touch(keys)
         ls.deadline_ns = now + self.config.history_lease_ns
         self.deadlines.push(ls.deadline_ns, KIND_LEASE, ls.lease)
@@ -166,7 +167,7 @@ class LeaseBook:
         pins: dict[str, int] = {}
         for ls in self.leases.values():
             if ls.state in (RESERVED, ALLOCATED, READING):
-                for key in ls.keys:
+                for key in list(ls.keys) + (self.history.ancestors(ls.keys[0]) or []):
                     pins[key] = pins.get(key, 0) + 1
         return pins
 

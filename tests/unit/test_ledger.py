@@ -156,3 +156,20 @@ def test_retention_deadline_drops_the_copy_and_returns_blocks():
     assert "FreeEngineBlocks" in kinds(out) and p.history.blocks == {}
     assert p.counters["history.dropped.deadline"] == 2
     assert kinds(p.apply(ev.HistoryPublished(SECOND_NS, "t", True))) == ["Rejected"]
+
+
+def test_restore_below_the_root_pins_its_ancestors():
+    """A restore whose keys start below the engine's cached prefix pins the history blocks above
+    them too: otherwise an ancestor could be demoted, and a failed demotion drops its subtree,
+    leased blocks included."""
+
+    p = history_ledger(gpu_blocks=2, cpu_blocks=5)
+    retain(p, "a", ("A", "B"), 1)
+    assert p.apply(ev.RestoreRequested(2, "L", "q", 0, ("B",)))[0].keys == ("B",)
+    assert p.history.blocks["A"].pins == 1 and p.history.blocks["B"].pins == 1
+    out = retain(p, "x", ("X",), 3)
+    assert not any(isinstance(e, fx.DemoteHistory) for e in out)  # A and B are both held
+    assert p.check_invariants() == []
+    p.apply(ev.LeaseReleased(4, "L", "q", 0))
+    assert p.history.blocks["A"].pins == 0 and p.history.blocks["B"].pins == 0
+    assert p.check_invariants() == []

@@ -413,7 +413,19 @@ class Authority(xo.Actor):
     async def _claim(self, effect: fx.SendClaim) -> None:
         if self.cfg.debug_delay_claim_s:
             await asyncio.sleep(self.cfg.debug_delay_claim_s)
-        reply = await self._call(effect.source, "claim", effect.ticket, self.cfg.engine_id, effect.epoch)
+        # Just after an engine starts (its sidecar comes up a second or two after vLLM reports
+        # ready), or just after P finished the prefill (its fact may still be on the way to its
+        # sidecar), a claim can find nobody listening or an unknown ticket: retry briefly before
+        # calling it a miss. A claim is idempotent for the same (claimer, epoch).
+        deadline = time.monotonic() + 3.0
+        pause = 0.02
+        while True:
+            reply = await self._call(effect.source, "claim", effect.ticket, self.cfg.engine_id, effect.epoch)
+            retry = reply is None or (not reply[0] and reply[1] == "unknown ticket")
+            if not retry or time.monotonic() + pause > deadline:
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.5)
         now = self._now()
         if reply is not None and reply[0]:
             self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))

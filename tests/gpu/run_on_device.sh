@@ -5,7 +5,9 @@
 #
 # Env: BUDGET_S (default 540: seconds this script may take in all), KVBATON_GPU_TOPOLOGIES,
 #      SITE (default /tmp/site: where the kit installed vLLM), EXTRA=1 (also run
-#      tests/unit/test_transports_gpu.py when time is left).
+#      tests/unit/test_transports_gpu.py when time is left), DIAG=1 (first watch one engine's
+#      sidecar with tests/gpu/diag_sidecar.py), KVBATON_TREE_TAR (below), and the test's own
+#      KVBATON_GPU_* switches (tests/gpu/test_pd_gpu.py).
 set -uo pipefail
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-540}
@@ -49,7 +51,7 @@ print("kvbaton from", kvbaton.__file__)
 PY
 } 2>&1 | tee "$OUT/env.txt"
 
-if [ "${DIAG:-1}" = 1 ]; then
+if [ "${DIAG:-0}" = 1 ]; then
   # The engine's sidecar, watched with no defence on (see tests/gpu/kvb_gpu_connector.py).
   KVBATON_GPU_GUARD_STOP=0 KVBATON_GPU_SIDECAR_NEW_SESSION=0 timeout 150 python3 tests/gpu/diag_sidecar.py 10 \
     2>&1 | tee "$OUT/diag.log" | tail -n 80
@@ -62,14 +64,14 @@ timeout $(( $(left) - 30 )) python3 -m pytest tests/gpu/test_pd_gpu.py -v -s -rA
 rc=${PIPESTATUS[0]}
 echo "main run ($KVBATON_GPU_CONNECTOR connector): rc=$rc after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"
 
-if [ "$rc" != 0 ] && [ "${DIAG:-1}" = 1 ] && [ "$(left)" -gt 120 ]; then
+if [ "$rc" != 0 ] && [ "${DIAG:-0}" = 1 ] && [ "$(left)" -gt 120 ]; then
   # The same watch with both defences on, for comparison.
   rm -rf /tmp/kvb-diag
   KVBATON_GPU_GUARD_STOP=1 KVBATON_GPU_SIDECAR_NEW_SESSION=1 timeout 110 python3 tests/gpu/diag_sidecar.py 8 \
     2>&1 | tee "$OUT/diag_defended.log" | tail -n 40
 fi
 
-if [ "${EXTRA:-1}" = 1 ] && [ "$(left)" -gt 100 ]; then
+if [ "${EXTRA:-0}" = 1 ] && [ "$(left)" -gt 100 ]; then
   timeout $(( $(left) - 30 )) python3 -m pytest tests/unit/test_transports_gpu.py -v -s -rA -p no:cacheprovider \
     $(tmo 120) 2>&1 | tee "$OUT/pytest_transports.log"
   echo "transport tests: rc=${PIPESTATUS[0]} after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"

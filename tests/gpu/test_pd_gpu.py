@@ -75,6 +75,10 @@ LATENCY_REPEATS = int(os.environ.get("KVBATON_GPU_LATENCY_REPEATS", "5"))
 START_TIMEOUT_S = 600.0
 RESULT_TIMEOUT_S = 60.0  # a stuck handoff fails with the engines' stats instead of hanging
 SIDECAR_TIMEOUT_S = float(os.environ.get("KVBATON_GPU_SIDECAR_TIMEOUT_S", "120"))
+RACE_DEMO = os.environ.get("KVBATON_GPU_RACE_DEMO", "")  # "", "bug" or "fixed"
+# How long D may wait for P's sidecar in the demo (its claim_wait_s); a loaded 2-core machine
+# needs minutes to start a sidecar.
+RACE_TIMEOUT_S = float(os.environ.get("KVBATON_GPU_RACE_TIMEOUT_S", "240"))
 
 REPORT: dict = {}
 
@@ -493,3 +497,55 @@ def test_event_logs_replay_without_violations(pd):
         result = replay(header, records)
         assert result.events > 0
         assert result.violating_events == 0 and result.first_divergence is None, path
+
+
+@pytest.mark.skipif(RACE_DEMO not in ("bug", "fixed"),
+                    reason="opt-in: KVBATON_GPU_RACE_DEMO=bug|fixed (docs/GPU.md, problem 1)")
+def test_first_handoff_right_after_engine_start(tmp_path, monkeypatch):
+    """A handoff sent as soon as P and D report ready, while P's sidecar is still starting (its
+    start is delayed 5 s here, to make the window of a cold start deterministic). With
+    KVBATON_GPU_RACE_DEMO=bug (kvbaton as it is) D's claim is refused and the load misses
+    ("source unreachable": D recomputes); with =fixed, the proposed fix of `Authority._call`
+    (tests/gpu/sidecar_wrap.py) retries the refused claim and the handoff succeeds."""
+
+    monkeypatch.setenv("KVBATON_GPU_SIDECAR_WRAP", "1")
+    monkeypatch.setenv("KVBATON_GPU_SIDECAR_START_DELAY_S", "5")
+    monkeypatch.setenv("KVBATON_GPU_SIDECAR_DELAY_ROLE", "producer")
+    monkeypatch.setenv("KVBATON_GPU_PATCH_CALL_RETRY", "1" if RACE_DEMO == "fixed" else "0")
+    model = write_model(tmp_path / "model")
+    events = tmp_path / "events"
+    connector = {"kv_connector": "KvbatonConnector",
+                 "kv_connector_module_path": f"{__package__}.kvb_gpu_connector"}
+    extra = {} if ON_CPU else {"gpu_memory_utilization": 0.2}
+    common = dict(block_size=BLOCK, kv_cache_memory_bytes=min(KV_BYTES, 1 << 30),
+                  max_model_len=MAX_MODEL_LEN, log_dir=tmp_path, extra_engine_args=extra)
+    p = EngineProcess("P", model, cpu_core=0 if ON_CPU else None, env=_engine_env(None if ON_CPU else "0"),
+                      **common, kv_transfer_config={**connector, "kv_role": "kv_producer",
+                                                    "kv_connector_extra_config": {"event_log_dir": str(events)}})
+    d = EngineProcess("D", model, cpu_core=1 if ON_CPU else None, env=_engine_env(None if ON_CPU else "0"),
+                      **common, kv_transfer_config={**connector, "kv_role": "kv_consumer",
+                                                    "kv_connector_extra_config": {
+                                                        "event_log_dir": str(events),
+                                                        "claim_wait_s": RACE_TIMEOUT_S}})
+    try:
+        for engine in (p, d):
+            engine.launch()
+        for engine in (p, d):
+            engine.wait_ready(START_TIMEOUT_S)
+        length = 200
+        prompt = make_prompt(length, seed=4242)
+        out = p.generate([prompt], max_tokens=1, kv_transfer_params_list=[{"do_remote_decode": True}],
+                         timeout_s=RESULT_TIMEOUT_S)[0]
+        params = out["kv_transfer_params"]
+        assert params and "kvbaton" in params, out
+        result = d.generate([prompt], max_tokens=4, kv_transfer_params_list=[params],
+                            timeout_s=RACE_TIMEOUT_S + 30)[0]
+        counters = wait_for_sidecars([d], SIDECAR_TIMEOUT_S) and d.call_connector("debug_state")["counters"]
+        print(f"\nrace demo ({RACE_DEMO}): D counters {counters}, D elapsed {result['elapsed_s']:.2f} s")
+        if RACE_DEMO == "fixed":
+            assert counters.get("loads.done") == 1 and counters.get("loads.blocks") == math.ceil(length / BLOCK)
+        else:
+            assert counters.get("loads.missed") == 1, "the startup race did not show: no miss"
+    finally:
+        for engine in (p, d):
+            engine.stop()

@@ -603,7 +603,8 @@ class WorkerSide:
         else:
             from ...transports.nixl import NixlTransport
 
-            self.transport = NixlTransport(self.conn.engine_id)
+            self.transport = NixlTransport(self.conn.engine_id,
+                                           descriptor_mode=self.conn.settings.nixl_descriptor_mode)
         self.transport.register(layout, kv_caches)
         self.kv_caches = kv_caches  # kept for test hooks and history copies
         nth = self.conn.settings.debug_fail_every_nth_read

@@ -45,6 +45,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     event_log_hash_every: int = 1000
     # Transport: "nixl" (default) or "local" (one process, tests only).
     transport: str = "nixl"
+    # How NIXL reads are described: "per_read" builds each read's descriptors from the runs of
+    # adjacent blocks (one per layer for a contiguous prompt), "prepped" indexes per-block lists
+    # prepared once (vLLM's way), "auto" picks per_read for GPU caches (NIXL costs ~10 us per
+    # descriptor there) and prepped for CPU caches of up to 1M blocks x layers.
+    nixl_descriptor_mode: str = "auto"
     # vLLM's default load-failure policy is "fail"; kvbaton's recompute guarantee needs
     # "recompute", which the connector sets (on D, and on P when history restores are on)
     # unless this is false.
@@ -108,6 +113,9 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
     if settings.transport not in ("nixl", "local"):
         raise SettingsError(f"kvbaton: kv_connector_extra_config 'transport' must be 'nixl' or "
                             f"'local' (got {settings.transport!r})")
+    if settings.nixl_descriptor_mode not in ("auto", "prepped", "per_read"):
+        raise SettingsError(f"kvbaton: kv_connector_extra_config 'nixl_descriptor_mode' must be 'auto', "
+                            f"'prepped' or 'per_read' (got {settings.nixl_descriptor_mode!r})")
     if settings.event_log_dir:
         settings.event_log_dir = os.path.abspath(settings.event_log_dir)
     return settings

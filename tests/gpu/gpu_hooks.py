@@ -166,3 +166,153 @@ def fill_blocks(ctx, block_ids, value: float) -> int:
         index = torch.as_tensor(list(block_ids), dtype=torch.long, device=tensor.device)
         tensor.index_fill_(dim, index, value)
     return len(block_ids)
+
+
+# --- history on P (tests/gpu/test_history_gpu.py) -------------------------------------------------
+
+# Copies of engine blocks taken while a ticket held them, by tag, on the KV cache's device: the
+# reference that history slots and restored blocks are compared with, inside the engine (no
+# bytes cross the pipe).
+_SNAPSHOTS: dict = {}
+
+
+def _history_store():
+    history = getattr(_worker(), "history", None)
+    store = getattr(history, "store", None)
+    if store is None:
+        raise RuntimeError("this engine has no history slot store (history off, or it failed: "
+                           f"{getattr(history, 'broken', '')!r})")
+    return store
+
+
+def _token_bytes(blocks, block_size: int):
+    """`blocks` is [n, *block shape]: its raw bytes as uint8 [n, block_size, bytes per token slot]
+    (the token dimension is the first of size block_size, as in `read_token_slots`)."""
+
+    import torch
+
+    token_dim = next(d for d in range(1, blocks.dim()) if blocks.shape[d] == block_size)
+    flat = blocks.movedim(token_dim, 1).contiguous()
+    return flat.view(torch.uint8).reshape(flat.shape[0], block_size, -1)
+
+
+def history_store_info(ctx) -> dict:
+    """Where P's history tiers live: devices, whether the CPU tier is pinned, slots per tier."""
+
+    store = _history_store()
+    cpu = store.tiers["cpu"]
+    try:
+        pinned = bool(cpu) and all(t.is_pinned() for t in cpu)
+    except RuntimeError:  # a CPU-only torch may refuse to answer
+        pinned = False
+    return {"cuda": store.cuda, "kv_device": str(store.device),
+            "gpu_tier_device": str(store.tiers["gpu"][0].device) if store.tiers["gpu"] else None,
+            "cpu_tier_device": str(cpu[0].device) if cpu else None, "cpu_tier_pinned": pinned,
+            "layer_caches": len(store.views), **store.stats()}
+
+
+def snapshot_blocks(ctx, tag: str, block_ids) -> dict:
+    """Keep a copy of these engine blocks (every layer cache, the history store's own views)."""
+
+    import torch
+
+    store = _history_store()
+    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=store.device)
+    _SNAPSHOTS[tag] = [view.index_select(0, index) for view in store.views]
+    nonzero = any(bool(t.view(torch.uint8).any()) for t in _SNAPSHOTS[tag])
+    return {"blocks": len(block_ids), "nbytes": len(block_ids) * store.slot_bytes, "nonzero": nonzero}
+
+
+def compare_blocks(ctx, tag: str, block_ids, strict_tokens: int) -> dict:
+    """These engine blocks against the snapshot `tag` (same order), token slot by token slot,
+    every layer: mismatches among the first `strict_tokens` slots, and whether the rest match."""
+
+    import torch
+
+    store = _history_store()
+    saved = _SNAPSHOTS[tag]
+    n = len(block_ids)
+    block_size = _worker().conn.block_size
+    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=store.device)
+    same = []
+    for view, ref in zip(store.views, saved):
+        now = _token_bytes(view.index_select(0, index), block_size)
+        same.append((now == _token_bytes(ref[:n], block_size)).all(dim=2).reshape(-1))
+    same = torch.stack(same)  # (layer caches, n * block_size)
+    strict = min(int(strict_tokens), n * block_size)
+    bad = (~same[:, :strict]).nonzero()
+    return {"blocks": n, "tokens_compared": strict, "bytes_compared": strict * store.slot_bytes // block_size,
+            "mismatched_slots": int(bad.shape[0]), "first_mismatches": bad[:8].tolist(),
+            "rest_equal": bool(same[:, strict:].all()) if strict < n * block_size else True}
+
+
+def compare_history(ctx, tag: str, keys) -> dict:
+    """Where each key is (the copier's books: "gpu", "cpu" or "" when absent) and whether its
+    slot holds the bytes of the snapshot's block at the same position, bit for bit."""
+
+    import torch
+
+    store = _history_store()
+    saved = _SNAPSHOTS[tag]
+    with store.lock:
+        places = []
+        for key in keys:
+            tier = store.where(key)
+            places.append((tier, store.maps[tier][key] if tier else -1))
+    where = {"gpu": 0, "cpu": 0, "": 0}
+    equal = {"gpu": 0, "cpu": 0}
+    mismatched: list = []
+    for tier, _ in places:
+        where[tier] += 1
+    for tier in ("gpu", "cpu"):
+        rows = [i for i, (t, _) in enumerate(places) if t == tier]
+        if not rows:
+            continue
+        ok = torch.ones(len(rows), dtype=torch.bool, device=store.device)
+        for layer, ref in enumerate(saved):
+            tensor = store.tiers[tier][layer]
+            slots = torch.as_tensor([places[i][1] for i in rows], dtype=torch.long, device=tensor.device)
+            got = tensor.index_select(0, slots).to(store.device).reshape(len(rows), -1).view(torch.uint8)
+            want = ref.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=store.device))
+            ok &= (got == want.reshape(len(rows), -1).view(torch.uint8)).all(dim=1)
+        equal[tier] = int(ok.sum())
+        mismatched += [(tier, rows[i]) for i in (~ok).nonzero().flatten().tolist()[:8]]
+    return {"keys": len(keys), "where": where, "equal": equal, "mismatched": mismatched[:8]}
+
+
+def drop_snapshots(ctx) -> int:
+    count = len(_SNAPSHOTS)
+    _SNAPSHOTS.clear()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return count
+
+
+def reset_prefix_cache(ctx) -> bool:
+    """Forget vLLM's own prefix cache (True when it could: no block in use)."""
+
+    return bool(ctx.scheduler.reset_prefix_cache())
+
+
+def count_preemptions(ctx) -> int:
+    """Requests the scheduler preempted since this was first called (installed on first call:
+    after every `schedule()`, a request with `num_preemptions` or in PREEMPTED state counts)."""
+
+    scheduler = ctx.scheduler
+    seen = getattr(scheduler, "_kvb_preempted", None)
+    if seen is None:
+        seen = set()
+        scheduler._kvb_preempted = seen
+        original = scheduler.schedule
+
+        def schedule(*args, **kwargs):
+            out = original(*args, **kwargs)
+            for rid, request in scheduler.requests.items():
+                if getattr(request, "num_preemptions", 0) or str(request.status).endswith("PREEMPTED"):
+                    seen.add(rid)
+            return out
+
+        scheduler.schedule = schedule
+    return len(seen)

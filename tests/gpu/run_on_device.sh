@@ -6,8 +6,9 @@
 # Env: BUDGET_S (default 540: seconds this script may take in all), KVBATON_GPU_TOPOLOGIES,
 #      SITE (default /tmp/site: where the kit installed vLLM), EXTRA=1 (also run
 #      tests/unit/test_transports_gpu.py when time is left), DIAG=1 (first watch one engine's
-#      sidecar with tests/gpu/diag_sidecar.py), KVBATON_TREE_TAR (below), and the test's own
-#      KVBATON_GPU_* switches (tests/gpu/test_pd_gpu.py).
+#      sidecar with tests/gpu/diag_sidecar.py), HANDOFF=0 / HISTORY=0 (skip tests/gpu/test_pd_gpu.py
+#      / tests/gpu/test_history_gpu.py; both run by default, each with its own engines and log),
+#      KVBATON_TREE_TAR (below), and the tests' own KVBATON_GPU_* switches.
 set -uo pipefail
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-540}
@@ -59,10 +60,26 @@ if [ "${DIAG:-0}" = 1 ]; then
 fi
 
 export KVBATON_GPU_CONNECTOR=${KVBATON_GPU_CONNECTOR:-plain}
-timeout $(( $(left) - 30 )) python3 -m pytest tests/gpu/test_pd_gpu.py -v -s -rA -p no:cacheprovider \
-  --maxfail=2 $(tmo 200) 2>&1 | tee "$OUT/pytest.log" | grep -v "^E  " | tail -n 60
-rc=${PIPESTATUS[0]}
-echo "main run ($KVBATON_GPU_CONNECTOR connector): rc=$rc after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"
+export KVBATON_GPU_HISTORY_REPORT=${KVBATON_GPU_HISTORY_REPORT:-$OUT/gpu_history_report.json}
+rc=0
+if [ "${HANDOFF:-1}" = 1 ]; then
+  timeout $(( $(left) - 30 )) python3 -m pytest tests/gpu/test_pd_gpu.py -v -s -rA -p no:cacheprovider \
+    --maxfail=2 $(tmo 200) 2>&1 | tee "$OUT/pytest.log" | grep -v "^E  " | tail -n 60
+  rc=${PIPESTATUS[0]}
+  echo "main run ($KVBATON_GPU_CONNECTOR connector): rc=$rc after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"
+fi
+
+# History on P (both tiers, bit-exact restores, concurrency): its own three engines, one GPU.
+if [ "${HISTORY:-1}" = 1 ] && [ "$(left)" -gt 120 ]; then
+  timeout $(( $(left) - 30 )) python3 -m pytest tests/gpu/test_history_gpu.py -v -s -rA -p no:cacheprovider \
+    --maxfail=3 $(tmo 240) 2>&1 | tee "$OUT/pytest_history.log" | grep -v "^E  " | tail -n 60
+  hrc=${PIPESTATUS[0]}
+  echo "history run: rc=$hrc after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"
+  [ "$rc" = 0 ] && rc=$hrc
+elif [ "${HISTORY:-1}" = 1 ]; then
+  echo "history run: skipped, $(left) s left" | tee -a "$OUT/env.txt"
+  [ "$rc" = 0 ] && rc=1
+fi
 
 if [ "$rc" != 0 ] && [ "${DIAG:-0}" = 1 ] && [ "$(left)" -gt 120 ]; then
   # The same watch with both defences on, for comparison.

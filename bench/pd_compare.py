@@ -417,14 +417,18 @@ def copy_ceilings(nbytes: int, device: str) -> dict:
         return {}
     import torch
 
+    def sync() -> None:
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+
     def timed(fn) -> float:
         fn()
-        torch.cuda.synchronize()
+        sync()
         times = []
         for _ in range(5):
             start = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 

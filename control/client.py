@@ -45,16 +45,20 @@ def free_port(host: str) -> int:
 class Link:
     """A PUSH socket to the sidecar's inbox and a PULL socket for one kind of decision."""
 
-    def __init__(self, ipc_dir: str, listen: str) -> None:
+    def __init__(self, ipc_dir: str, listen: str | None) -> None:
+        """listen: which decisions to receive ("scheduler", "worker"...), or None to only send
+        (a second PULL on the same endpoint would get every other message)."""
         paths = ipc_paths(ipc_dir)
         self.ctx = zmq.Context.instance()
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.SNDHWM, 0)
         self.out.setsockopt(zmq.LINGER, 2000)
         self.out.connect(paths["inbox"])
-        self.inp = self.ctx.socket(zmq.PULL)
-        self.inp.setsockopt(zmq.LINGER, 0)
-        self.inp.connect(paths[listen])
+        self.inp = None
+        if listen is not None:
+            self.inp = self.ctx.socket(zmq.PULL)
+            self.inp.setsockopt(zmq.LINGER, 0)
+            self.inp.connect(paths[listen])
 
     def send(self, msg: m.Msg) -> None:
         try:
@@ -84,7 +88,8 @@ class Link:
 
     def close(self) -> None:
         self.out.close(2000)
-        self.inp.close(0)
+        if self.inp is not None:
+            self.inp.close(0)
 
 
 class SidecarHandle:

@@ -185,6 +185,17 @@ class Authority(xo.Actor):
                 if unseen:
                     self.followups.append(ev.HistoryObserved(self._now(), unseen))
         elif kind is fx.LoadResolved:
+            ctx = self.loads.get(effect.request)
+            if ctx is not None and ctx.get("early"):
+                # The scheduler allocated before P answered (allocate_before_claim): the
+                # allocation enters the ledger now, right after the grant. A miss ends the load
+                # (LoadFinished follows) and the blocks it allocated must be recomputed.
+                ctx["early"] = False
+                if effect.hit:
+                    self.followups.append(ev.LoadAllocated(self._now(), effect.request, ctx["dst"],
+                                                           max(1, self.cfg.debug_reads_per_load)))
+                else:
+                    ctx["invalid_on_finish"] = effect.reason not in ("aborted", "preempted")
             self._send(self.to_scheduler, m.Resolved(effect.request, effect.hit, effect.reason))
         elif kind is fx.SendClaim:
             self._spawn(self._claim(effect))
@@ -204,6 +215,8 @@ class Authority(xo.Actor):
             if ctx is not None and ctx.get("dst"):
                 # Only an allocated (async) load is parked in WAITING_FOR_REMOTE_KVS: vLLM waits
                 # for exactly one finished_recving for it, and asserts on any other.
+                if ctx.get("invalid_on_finish"):
+                    self._send(self.to_worker, m.InvalidBlocks(effect.request, tuple(ctx["dst"])))
                 self._send(self.to_worker, m.FinishedRecving(effect.request))
             self.loads.pop(effect.request, None)
         elif kind is fx.StageHistory:
@@ -323,6 +336,12 @@ class Authority(xo.Actor):
             ctx = self.loads.get(msg.request)
             if ctx is not None:
                 ctx["src"], ctx["dst"] = msg.src_blocks, msg.dst_blocks
+                load = self.ledger.loads.loads.get(msg.request)
+                if load is not None and load.state == "AWAITING_CLAIM":
+                    # Allocated before P answered the claim: held here until the answer (see
+                    # LoadResolved), so the ledger still sees claim, then allocation.
+                    ctx["early"] = True
+                    return
             effects = self._apply(ev.LoadAllocated(now, msg.request, msg.dst_blocks,
                                                    max(1, self.cfg.debug_reads_per_load)))
             if ctx is None or any(type(e) is fx.Rejected for e in effects):

@@ -45,6 +45,7 @@ from ...control.client import Link, SidecarHandle, free_port, ipc_dir_for
 from ...control.config import SidecarConfig
 from .history import HistoryPlan, history_plan
 from .settings import Settings, parse_settings
+from .worker_io import WorkerIo
 
 # Under vLLM's logger tree, so connector lines appear in the engine's log with vLLM's format.
 logger = logging.getLogger("vllm.kvbaton.connector")
@@ -358,11 +359,14 @@ class SchedulerSide:
             return 0, False  # no handoff, or already used: a preempted request recomputes
         if h.hit is None:
             self.drain()
-        if h.hit is None:
-            return None, False  # P has not answered yet: ask again next step
-        if not h.hit:
+        if h.hit is False:
             h.consumed = True
             return 0, False
+        if h.hit is None and not self.conn.settings.allocate_before_claim:
+            return None, False  # P has not answered yet: ask again next step
+        # Granted, or not answered yet (allocate_before_claim): waiting for P's answer would cost
+        # the request a whole engine step. The sidecar holds the allocation until P answers; a
+        # refused claim then reports the blocks invalid and vLLM recomputes them.
         count = h.num_tokens - num_computed_tokens
         if count <= 0:  # the local prefix cache already has it all: give the ticket back
             h.consumed = True
@@ -379,7 +383,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         h = self.handoffs.get(request.request_id)
-        if h is None or h.consumed or not h.hit:
+        if h is None or h.consumed or h.hit is False:
             return
         h.consumed = True  # allocation consumes the handoff: never read it twice
         block_ids = list(blocks.get_block_ids()[0])
@@ -577,10 +581,9 @@ class WorkerSide:
         self.sending: set[str] = set()
         self.recving: set[str] = set()
         self.load_errors: set[int] = set()
-        self.reads: dict[str, tuple[str, tuple[int, ...]]] = {}  # read id -> (request, dst blocks)
         self.bad_peers: dict[str, str] = {}
-        self.read_count = 0
         self.errors = 0
+        self.io: WorkerIo | None = None  # the control-plane thread (posts reads), once registered
         self.history = None  # P's history copier (a thread), when history is on
         self.restorer = None  # P's history restores (on this thread, from pump)
 
@@ -611,8 +614,12 @@ class WorkerSide:
         if nth:
             counter = itertools.count(1)
             self.transport.fault_hook = lambda read_id: next(counter) % nth == 0
-        self.link = Link(self.conn.ipc_dir, "worker")
+        # Decisions for the worker arrive on the io thread (reads start at once); the engine
+        # thread only sends, on its own socket.
+        self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers)
+        self.link = Link(self.conn.ipc_dir, None)
         self.link.send(m.WorkerReady(self.transport.local_metadata(), layout.fingerprint()))
+        self.io.start()
         if self.conn.history.enabled:
             self._start_history(kv_caches, layout)
 
@@ -635,9 +642,12 @@ class WorkerSide:
         self.restorer = RestoreRunner(store, broken)
 
     def pump(self) -> None:
+        """On the engine's thread: take what the io thread left for it (see worker_io.py)."""
         if self.link is None:
             return
-        for msg in self.link.drain():
+        inbox = self.io.inbox
+        while inbox:
+            msg = inbox.popleft()
             kind = type(msg)
             logger.debug("kvbaton worker: %s", msg)
             if kind is m.FinishedSending:
@@ -646,51 +656,13 @@ class WorkerSide:
                 self.recving.add(msg.request)
             elif kind is m.InvalidBlocks:
                 self.load_errors.update(msg.blocks)
-            elif kind is m.AddPeer:
-                try:
-                    self.transport.add_peer(msg.engine, msg.metadata)
-                    self.bad_peers.pop(msg.engine, None)
-                except Exception as exc:  # layout mismatch, bad metadata: every read fails
-                    self.bad_peers[msg.engine] = str(exc)
-                    logger.warning("kvbaton worker: cannot read from %s: %s", msg.engine, exc)
-            elif kind is m.PostRead:
-                self._post(msg)
             elif kind is m.RestoreCopies:
                 self._restore(msg)
             elif kind is m.Debug and msg.key.startswith("history_") and self.restorer is not None:
                 self.restorer.debug(msg)
-            elif kind is m.Debug and msg.key == "fail_next_reads":
-                remaining = [int(msg.value)]
-
-                def fail_next(read_id: str) -> bool:
-                    if remaining[0] > 0:
-                        remaining[0] -= 1
-                        return True
-                    return False
-
-                self.transport.fault_hook = fail_next
         if self.restorer is not None and self.restorer.jobs:
             for done in self.restorer.poll():
                 self.link.send(done)
-        if self.reads:
-            for result in self.transport.poll():
-                logger.debug("kvbaton worker: read done %s", result)
-                request, _dst = self.reads.pop(result.read_id, ("", ()))
-                if request:
-                    self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
-                                              result.nbytes, result.seconds))
-
-    def _post(self, msg: m.PostRead) -> None:
-        problem = self.bad_peers.get(msg.peer)
-        if problem is None:
-            try:
-                self.transport.start_read(msg.read, msg.peer, list(msg.src_blocks), list(msg.dst_blocks), None)
-                self.reads[msg.read] = (msg.request, msg.dst_blocks)
-                return
-            except Exception as exc:
-                problem = str(exc)
-        logger.warning("kvbaton worker: read %s for %s failed to start: %s", msg.read, msg.request, problem)
-        self.link.send(m.ReadDone(msg.request, msg.read, False, problem))
 
     def _restore(self, msg: m.RestoreCopies) -> None:
         if self.restorer is None:  # history is off here: the sidecar should not have asked
@@ -715,6 +687,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self.history is not None:
             self.history.stop()
+        if self.io is not None:
+            self.io.stop()
         if self.transport is not None:
             self.transport.close()
         if self.link is not None:

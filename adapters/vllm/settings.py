@@ -26,6 +26,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     claim_wait_s: float = 30.0
     read_grant_wait_s: float = 30.0
     heartbeat_interval_s: float = 10.0
+    # D allocates a handoff's blocks as soon as the request arrives, while its claim is still on
+    # the way to P (saves an engine step per handoff); a refused claim then costs a recompute of
+    # blocks already allocated. False: wait for P's answer before allocating.
+    allocate_before_claim: bool = True
     # History (P). `xavier_gpu_cache_bytes` is accepted as an alias of `gpu_history_bytes`.
     # 0 (or less than one engine block) turns history off; the direct handoff is unaffected.
     gpu_history_bytes: int = 256 << 20

@@ -54,6 +54,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # prepared once (vLLM's way), "auto" picks per_read for GPU caches (NIXL costs ~10 us per
     # descriptor there) and prepped for CPU caches of up to 1M blocks x layers.
     nixl_descriptor_mode: str = "auto"
+    # The engine process's GIL switch interval (Python's default is 5 ms): the worker's io
+    # thread posts granted reads and reports their end, and must not wait a whole interval for
+    # the GIL each time while the engine thread runs Python. Only ever lowered; 0 leaves it.
+    gil_switch_interval_s: float = 0.0005
     # vLLM's default load-failure policy is "fail"; kvbaton's recompute guarantee needs
     # "recompute", which the connector sets (on D, and on P when history restores are on)
     # unless this is false.
@@ -83,7 +87,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 _POSITIVE = ("unclaimed_ttl_s", "claim_lease_s", "claim_wait_s", "read_grant_wait_s",
              "heartbeat_interval_s", "history_lease_s", "history_retention_deadline_s",
              "debug_reads_per_load")
-_NON_NEGATIVE = ("gpu_history_bytes", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
+_NON_NEGATIVE = ("gpu_history_bytes", "gil_switch_interval_s", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
                  "debug_hold_first_read_s", "debug_fail_every_nth_read")
 
 

@@ -1,0 +1,211 @@
+"""Where a GPU handoff read's time goes: NixlTransport between two processes, vLLM-shaped caches.
+
+P and D each hold a Qwen2.5-0.5B-shaped KV cache (24 layers of (blocks, 2, 16, 2, 64) bf16, one
+allocation per layer, as vLLM 0.24 lays it out on GPU). D reads a 277-block prompt (54.5 MB) from
+P, the way the connector does, under several conditions, and splits each read's time into
+posting (`start_read` with inline posting: descriptors, initialize_xfer, transfer) and waiting
+for completion. Baselines in the same process: a torch copy of the same bytes between the same
+devices, and a per-layer gather of the same blocks.
+
+    python -m kvbaton.bench.nixl_gpu_read [--topology 1gpu|2gpu] [--repeats 10] [--out FILE]
+
+Conditions: contiguous blocks (one descriptor per layer), scattered blocks (one per block and
+layer), prepped descriptor lists, and a Python thread keeping the GIL busy (an engine thread) with
+Python's default 5 ms switch interval and with 0.5 ms. Needs CUDA and NIXL (the GPU machines);
+`--device cpu` runs the same on DRAM for a dry run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+
+LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD = 24, 10922, 16, 2, 64
+PROMPT_BLOCKS = 277
+
+
+def make_caches(torch, device: str, num_blocks: int) -> dict:
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros((num_blocks, 2, BLOCK, KV_HEADS, HEAD),
+                                                          dtype=torch.bfloat16, device=device)
+            for i in range(LAYERS)}
+
+
+def _prefill(conn, visible: str | None, device: str, num_blocks: int) -> None:
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    import torch
+
+    from kvbaton.transports import NixlTransport
+    from kvbaton.transports.layout import KvLayout
+
+    caches = make_caches(torch, device, num_blocks)
+    for index, tensor in enumerate(caches.values()):
+        tensor.view(torch.int16).fill_(index + 1)
+    transport = NixlTransport("P", descriptor_mode="per_read")
+    transport.register(KvLayout.from_kv_caches(caches, num_blocks, BLOCK), caches)
+    conn.send(transport.local_metadata())
+    conn.recv()  # until D is done
+    transport.close()
+
+
+class GilHog:
+    """A Python loop on another thread, like a busy engine thread."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        x = 0
+        while not self.stop.is_set():
+            for i in range(1000):
+                x += i * i
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def timed_reads(transport, peer: str, src: list[int], dst: list[int], repeats: int, tag: str) -> dict:
+    post, wait, total = [], [], []
+    for i in range(repeats + 1):
+        read_id = f"{tag}-{i}"
+        t0 = time.perf_counter()
+        transport.start_read(read_id, peer, src, dst, None)
+        t1 = time.perf_counter()
+        result = transport.wait(read_id, 30.0)
+        t2 = time.perf_counter()
+        if not result.ok:
+            return {"error": result.error}
+        if i:  # the first read pays for connection setup and IPC handle mapping
+            post.append(t1 - t0)
+            wait.append(t2 - t1)
+            total.append(t2 - t0)
+    nbytes = result.nbytes
+    return {"bytes": nbytes, "post_ms": statistics.median(post) * 1e3, "wait_ms": statistics.median(wait) * 1e3,
+            "total_ms": statistics.median(total) * 1e3, "max_ms": max(total) * 1e3,
+            "gbps": nbytes / statistics.median(total) / 1e9}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--topology", choices=("1gpu", "2gpu"), default="2gpu")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    cpu = args.device == "cpu"
+    num_blocks = 1024 if cpu else NUM_BLOCKS
+    if cpu:
+        p_visible = d_visible = None
+    else:
+        p_visible, d_visible = {"1gpu": ("0", "0"), "2gpu": ("0,1", "1,0")}[args.topology]
+        os.environ["CUDA_VISIBLE_DEVICES"] = d_visible
+    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=_prefill, args=(child, p_visible, "cpu" if cpu else "cuda:0", num_blocks),
+                              daemon=True)
+    process.start()
+    import torch
+
+    from kvbaton.transports import NixlTransport
+    from kvbaton.transports.layout import KvLayout
+
+    device = "cpu" if cpu else "cuda:0"
+    caches = make_caches(torch, device, num_blocks)
+    layout = KvLayout.from_kv_caches(caches, num_blocks, BLOCK)
+    metadata = parent.recv()
+    results: dict = {"topology": args.topology, "device": args.device, "prompt_blocks": PROMPT_BLOCKS}
+    contiguous = list(range(1, PROMPT_BLOCKS + 1))
+    rng = random.Random(0)
+    scattered_src = sorted(rng.sample(range(1, num_blocks), PROMPT_BLOCKS))
+    scattered_dst = rng.sample(range(1, num_blocks), PROMPT_BLOCKS)
+    try:
+        per_read = NixlTransport("D-per-read", descriptor_mode="per_read", post_in_thread=False)
+        per_read.register(layout, caches)
+        per_read.add_peer("P", metadata)
+        default_interval = sys.getswitchinterval()
+        results["per_read_contiguous"] = timed_reads(per_read, "P", contiguous, contiguous, args.repeats, "a")
+        results["per_read_scattered"] = timed_reads(per_read, "P", scattered_src, scattered_dst, args.repeats, "b")
+        with GilHog():
+            results["per_read_contiguous_gil_busy_5ms"] = timed_reads(per_read, "P", contiguous, contiguous,
+                                                                      args.repeats, "c")
+            sys.setswitchinterval(0.0005)
+            results["per_read_contiguous_gil_busy_0.5ms"] = timed_reads(per_read, "P", contiguous, contiguous,
+                                                                        args.repeats, "d")
+            sys.setswitchinterval(default_interval)
+        # In-thread posting (the transport's own helper), GIL busy: the connector's old path.
+        threaded = NixlTransport("D-threaded", descriptor_mode="per_read", post_in_thread=True)
+        caches2 = make_caches(torch, device, num_blocks)
+        threaded.register(KvLayout.from_kv_caches(caches2, num_blocks, BLOCK), caches2)
+        threaded.add_peer("P", metadata)
+        results["threaded_contiguous"] = timed_reads(threaded, "P", contiguous, contiguous, args.repeats, "e")
+        with GilHog():
+            results["threaded_contiguous_gil_busy_5ms"] = timed_reads(threaded, "P", contiguous, contiguous,
+                                                                      args.repeats, "f")
+        threaded.close()
+        del caches2
+        prepped = NixlTransport("D-prepped", descriptor_mode="prepped", post_in_thread=False)
+        caches3 = make_caches(torch, device, num_blocks)
+        prepped.register(KvLayout.from_kv_caches(caches3, num_blocks, BLOCK), caches3)
+        prepped.add_peer("P", metadata)
+        results["prepped_contiguous"] = timed_reads(prepped, "P", contiguous, contiguous, args.repeats, "g")
+        results["prepped_scattered"] = timed_reads(prepped, "P", scattered_src, scattered_dst, args.repeats, "h")
+        prepped.close()
+        del caches3
+        # Baselines: the same bytes with torch, between the same devices.
+        if not cpu:
+            src_dev = "cuda:1" if args.topology == "2gpu" and torch.cuda.device_count() > 1 else "cuda:0"
+            src = make_caches(torch, src_dev, PROMPT_BLOCKS + 1)
+            dst = make_caches(torch, device, num_blocks)
+            index = torch.tensor(contiguous, device=device)
+
+            def sync():
+                for i in range(torch.cuda.device_count()):
+                    torch.cuda.synchronize(i)
+
+            def run(fn, n=10):
+                fn()
+                sync()
+                times = []
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                return statistics.median(times)
+
+            flat_src = torch.empty(PROMPT_BLOCKS * 24 * 8192, dtype=torch.uint8, device=src_dev)
+            flat_dst = torch.empty_like(flat_src, device=device)
+            copy_s = run(lambda: flat_dst.copy_(flat_src, non_blocking=True))
+            layer_s = run(lambda: [d[1:PROMPT_BLOCKS + 1].copy_(s[1:], non_blocking=True)
+                                   for d, s in zip(dst.values(), src.values())])
+            nbytes = flat_src.numel()
+            results["torch_copy_one_buffer"] = {"bytes": nbytes, "ms": copy_s * 1e3, "gbps": nbytes / copy_s / 1e9}
+            results["torch_copy_per_layer"] = {"bytes": nbytes, "ms": layer_s * 1e3, "gbps": nbytes / layer_s / 1e9}
+        per_read.close()
+    finally:
+        parent.send("done")
+        process.join(30)
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -56,7 +56,8 @@ from kvbaton.core import events as ev  # noqa: E402
 from kvbaton.core.log import LogError, iter_records, read_header, read_log  # noqa: E402
 from kvbaton.core.replay import replay  # noqa: E402
 
-from ..integration import engine_hooks  # noqa: E402
+from ..integration import engine_hooks, history_checks  # noqa: E402
+from ..integration.history_checks import delta, state  # noqa: E402
 from ..integration.engine_harness import EngineProcess  # noqa: E402
 from . import gpu_hooks  # noqa: E402
 from .test_pd_gpu import (  # noqa: E402
@@ -169,12 +170,6 @@ def _write_report(root: Path, quiet: bool = False) -> None:
 # ------------------------------------------------------------------------------------- helpers
 
 
-def state(engine) -> dict:
-    return engine.call_connector("debug_state")
-
-
-def delta(before: dict, after: dict, key: str) -> int:
-    return after.get(key, 0) - before.get(key, 0)
 
 
 def prefill(engine, prompt) -> tuple[dict, dict]:
@@ -224,50 +219,11 @@ def ticket_keys(h, ticket: str, timeout_s: float = 10.0) -> list[str]:
 
 
 def settle_history(engine, timeout_s: float = 30.0) -> dict:
-    """Wait until no history copy is in flight (nothing staging or demoting, no writer)."""
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        hist = state(engine)["history"]
-        moving = hist["by_state"].get("STAGING", 0) + hist["by_state"].get("DEMOTING", 0)
-        if not moving and not hist["writer"]:
-            return hist
-        assert time.monotonic() < deadline, hist
-        time.sleep(0.05)
+    return history_checks.settle_history(engine, timeout_s)
 
 
 def assert_nothing_held(h, timeout_s: float = 30.0) -> None:
-    """No open ticket, load or lease anywhere; every block pool whole, no request left; no
-    history block pinned, no lease context, the copier's slot books equal the ledger's tier
-    usage; no violation, no connector error."""
-
-    deadline = time.monotonic() + timeout_s
-    engines = (h.p, h.d, h.s)
-    while True:
-        h.p.step(2)
-        states = [state(e) for e in engines]
-        stats = [e.wait_idle() for e in engines]
-        p_hist = states[0]["history"]
-        copier = h.p.run_in_engine(engine_hooks.history_slots)
-        moving = p_hist["by_state"].get("STAGING", 0) + p_hist["by_state"].get("DEMOTING", 0)
-        clean = (all(not any(st["open"].values()) for st in states)
-                 and all(sc["free_blocks"] == sc["usable_blocks"] and sc["scheduler_requests"] == 0
-                         for sc in stats)
-                 and not moving and p_hist["pinned_blocks"] == 0 and p_hist["lease_contexts"] == 0
-                 and copier["gpu_used"] == p_hist["gpu_blocks"] and copier["cpu_used"] == p_hist["cpu_blocks"])
-        if clean:
-            for st in states:
-                assert st["violations"] == [] and st["connector_errors"] == 0
-            assert copier["errors"] == 0 and not copier["broken"]
-            assert p_hist["gpu_used_bytes"] <= p_hist["gpu_budget_bytes"]
-            assert p_hist["cpu_used_bytes"] <= p_hist["cpu_budget_bytes"]
-            assert states[0]["restores"]["asked"] == states[0]["restores"]["reserved"] == 0
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still held after {timeout_s} s: open {[st['open'] for st in states]}, "
-                                 f"pools {[(sc['free_blocks'], sc['usable_blocks'], sc['scheduler_requests']) for sc in stats]}, "
-                                 f"history {p_hist}, copier {copier}")
-        time.sleep(0.2)
+    history_checks.assert_nothing_held((h.p, h.d, h.s), timeout_s)
 
 
 def placement(h) -> dict:

@@ -201,6 +201,9 @@ class PostRead(Msg, tag="post"):
     peer: str
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
+    # The load's last read: when it succeeds the worker reports the request received at once
+    # (and drops the sidecar's FinishedRecving that follows) instead of waiting a round trip.
+    last: bool = False
 
 
 class InvalidBlocks(Msg, tag="invalid"):

@@ -526,7 +526,7 @@ class Authority(xo.Actor):
         bounds = [len(dst) * i // reads for i in range(reads + 1)]
         lo, hi = bounds[index], bounds[index + 1]
         self._send(self.to_worker, m.PostRead(effect.request, effect.read, ctx["engine"],
-                                              tuple(src[lo:hi]), tuple(dst[lo:hi])))
+                                              tuple(src[lo:hi]), tuple(dst[lo:hi]), index == reads - 1))
 
     # -- calls from peers (P side) -----------------------------------------------------------------
 

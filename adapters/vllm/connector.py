@@ -585,6 +585,7 @@ class WorkerSide:
         self.bad_peers: dict[str, str] = {}
         self.errors = 0
         self.io: WorkerIo | None = None  # the control-plane thread (posts reads), once registered
+        self.reported_received: set[str] = set()  # reported at their last read's end
         self.history = None  # P's history copier (a thread), when history is on
         self.restorer = None  # P's history restores (on this thread, from pump)
 
@@ -662,7 +663,10 @@ class WorkerSide:
             if kind is m.FinishedSending:
                 self.sending.add(msg.request)
             elif kind is m.FinishedRecving:
-                self.recving.add(msg.request)
+                if msg.request in self.reported_received:
+                    self.reported_received.discard(msg.request)  # reported when its read ended
+                else:
+                    self.recving.add(msg.request)
             elif kind is m.InvalidBlocks:
                 self.load_errors.update(msg.blocks)
             elif kind is m.RestoreCopies:
@@ -672,6 +676,19 @@ class WorkerSide:
         if self.restorer is not None and self.restorer.jobs:
             for done in self.restorer.poll():
                 self.link.send(done)
+        if self.io.reads:
+            for result in self.transport.poll():
+                request, last = self.io.reads.pop(result.read_id, ("", False))
+                if not request:
+                    continue
+                logger.debug("kvbaton worker: read done %s", result)
+                self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
+                                          result.nbytes, result.seconds))
+                if result.ok and last:
+                    # The bytes are in place: vLLM may schedule the request next step. The
+                    # sidecar's FinishedRecving for it (after it books the read) is dropped.
+                    self.recving.add(request)
+                    self.reported_received.add(request)
 
     def _restore(self, msg: m.RestoreCopies) -> None:
         if self.restorer is None:  # history is off here: the sidecar should not have asked

@@ -3,11 +3,13 @@
 Without it the worker would see a granted read only when vLLM next calls into the connector
 (`start_load_kv` / `get_finished`, once per engine step), and see the read's end one step later:
 under load that is two steps (~20 ms each on a busy GPU engine) per handoff, while the copy itself
-takes well under a millisecond. This thread owns the link's receiving socket: it posts reads as
-soon as their grant arrives, polls the transport while reads are in flight and reports each
-read's end to the sidecar at once (on its own sending socket). Everything that must happen on the
-engine's thread (reporting finished requests to vLLM, history restores, which use the engine's
-CUDA stream) waits in `inbox` for the next `pump`.
+takes well under a millisecond. This thread owns the link's receiving socket and posts reads as
+soon as their grant arrives. It does not poll them: the engine thread does, at every step
+(`WorkerSide.pump`), reports each read's end to the sidecar and, for a load's last read that
+succeeded, reports the request received to vLLM in that same step (a poll loop here would take the
+GIL from the engine thread every fraction of a millisecond while reads are in flight). Everything
+that must happen on the engine's thread (reporting finished requests to vLLM, history restores,
+which use the engine's CUDA stream) waits in `inbox` for the next `pump`.
 """
 
 from __future__ import annotations
@@ -23,14 +25,7 @@ from ...control.client import Link
 
 logger = logging.getLogger("vllm.kvbaton.connector")
 
-IDLE_WAIT_S = 0.05  # no reads in flight: wake for messages only
-# Reads in flight: poll the transport after 0.2 ms, backing off to 2 ms. Measured on an H200: a
-# 54 MB read of one run per layer ends ~0.3 ms after posting, one of 6,648 scattered blocks is
-# posted in ~40 ms and ends soon after; each poll costs this thread a GIL acquisition that a busy
-# engine thread pays for, so long reads are not polled at full rate.
-BUSY_WAIT_MIN_S = 0.0002
-BUSY_WAIT_MAX_S = 0.002
-
+WAIT_S = 0.05  # how often the thread checks for stop between messages
 
 class WorkerIo:
     def __init__(self, ipc_dir: str, transport, bad_peers: dict[str, str]) -> None:
@@ -38,7 +33,8 @@ class WorkerIo:
         self.bad_peers = bad_peers
         self.link = Link(ipc_dir, "worker")  # this thread's own sockets (zmq sockets are per thread)
         self.inbox: collections.deque[m.Msg] = collections.deque()  # for the engine thread
-        self.reads: dict[str, str] = {}  # read id -> request
+        # read id -> (request, last read of its load): the engine thread polls these (pump)
+        self.reads: dict[str, tuple[str, bool]] = {}
         self.posted = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvbaton-worker-io", daemon=True)
@@ -52,17 +48,10 @@ class WorkerIo:
         self.link.close()
 
     def _main(self) -> None:
-        busy_wait_s = BUSY_WAIT_MIN_S
         while not self._stop.is_set():
             try:
-                wait_s = busy_wait_s if self.reads else IDLE_WAIT_S
-                posted = self.posted
-                for msg in self.link.wait(wait_s):
+                for msg in self.link.wait(WAIT_S):
                     self._handle(msg)
-                if self.posted != posted:  # a new read: poll it at full rate first
-                    busy_wait_s = BUSY_WAIT_MIN_S
-                if self.reads:
-                    busy_wait_s = BUSY_WAIT_MIN_S if self._collect() else min(busy_wait_s * 2, BUSY_WAIT_MAX_S)
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     return
@@ -97,23 +86,15 @@ class WorkerIo:
     def _post(self, msg: m.PostRead) -> None:
         problem = self.bad_peers.get(msg.peer)
         if problem is None:
+            # Booked before posting: a read can end inside start_read (CPU copies do), and the
+            # engine thread may poll it before start_read returns.
+            self.reads[msg.read] = (msg.request, msg.last)
             try:
                 self.transport.start_read(msg.read, msg.peer, list(msg.src_blocks), list(msg.dst_blocks), None)
-                self.reads[msg.read] = msg.request
                 self.posted += 1
                 return
             except Exception as exc:
+                self.reads.pop(msg.read, None)
                 problem = str(exc)
         logger.warning("kvbaton worker: read %s for %s failed to start: %s", msg.read, msg.request, problem)
         self.link.send(m.ReadDone(msg.request, msg.read, False, problem))
-
-    def _collect(self) -> bool:
-        """Report reads that ended; True if any did."""
-        results = self.transport.poll()
-        for result in results:
-            request = self.reads.pop(result.read_id, "")
-            if request:
-                logger.debug("kvbaton worker: read done %s", result)
-                self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
-                                          result.nbytes, result.seconds))
-        return bool(results)

@@ -64,6 +64,8 @@ KIND_LEASE = 2
 class LeaseBook:
     """All restore leases of one engine."""
 
+    on_closed = staticmethod(lambda ident: None)  # the ledger's hook: a lease just ended
+
     def __init__(self, config, deadlines: Deadlines, counters: Counters, history) -> None:
         self.config = config
         self.deadlines = deadlines
@@ -80,6 +82,7 @@ class LeaseBook:
 
     def _end(self, ls: Lease, trigger: str, dest: str, outcome: str, ok: bool, out: list[Effect]) -> None:
         self._move(ls, trigger, dest)
+        self.on_closed(ls.lease)
         ls.deadline_ns = NEVER
         ls.outcome = outcome
         self.history.unpin(list(ls.keys) + (self.history.ancestors(ls.keys[0]) or []))

@@ -10,6 +10,7 @@ are the same class, so one log format and one replay tool serve both.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 
 import msgspec
@@ -18,15 +19,18 @@ from . import events as ev
 from .common import Counters, Deadlines
 from .effects import Effect
 from .history import HistoryStore
-from .lease import KIND_LEASE, LeaseBook
-from .load import KIND_LOAD, LoadBook
 from .history import STAGING
+from .lease import KIND_LEASE, LeaseBook
+from .lease import SPEC as lease_spec
+from .load import KIND_LOAD, LoadBook
+from .load import SPEC as load_spec
 from .ticket import KIND_TICKET, TicketBook
+from .ticket import SPEC as ticket_spec
 
 SECOND_NS = 1_000_000_000
 # Bump when the snapshot that `state_hash` digests changes shape: replay then still re-checks old
 # logs' invariants but no longer compares their recorded hashes.
-STATE_HASH_VERSION = 1
+STATE_HASH_VERSION = 2  # 2: closed records are pruned after closed_retention_ns
 
 
 class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,6 +47,10 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_bytes: int = 0  # bytes of one engine block over all layers; 0 until the shell knows
     candidate_bytes_max: int = 64 << 20
     probation_max: int = 65536
+    # A closed ticket or ended lease (P) is kept this long (late answers, retries and operators'
+    # `replay --ticket` still find it), then dropped: a long-running P's ledger stays bounded by
+    # its request rate times this, not by its uptime. D's finished loads are kept (see Ledger).
+    closed_retention_ns: int = 300 * SECOND_NS
 
     def problems(self) -> list[str]:
         found = []
@@ -50,7 +58,7 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
             if getattr(self, name) < 0:
                 found.append(f"{name} must not be negative (got {getattr(self, name)})")
         for name in ("unclaimed_ttl_ns", "claim_lease_ns", "claim_wait_ns", "read_grant_wait_ns",
-                     "history_lease_ns", "retention_deadline_ns", "probation_max"):
+                     "history_lease_ns", "retention_deadline_ns", "probation_max", "closed_retention_ns"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive (got {getattr(self, name)})")
         return found
@@ -101,13 +109,43 @@ class Ledger:
             ev.Tick: self._tick,
         }
         self._expirers = {KIND_TICKET: t.expire_due, KIND_LOAD: ld.expire_due, KIND_LEASE: ls.expire_due}
+        # (closed at, kind, id) in closing order: what `_prune` drops once it is old enough.
+        self._closed: collections.deque[tuple[int, int, str]] = collections.deque()
+        self._books = {KIND_TICKET: t.tickets, KIND_LOAD: ld.loads, KIND_LEASE: ls.leases}
+        self._terminal = {KIND_TICKET: ticket_spec.terminal, KIND_LOAD: load_spec.terminal,
+                          KIND_LEASE: lease_spec.terminal}
+        # Tickets and leases are pruned; loads are not: a load that is gone cannot answer a late
+        # read grant with a release, and P would keep that ticket reading for good (found by the
+        # fuzzer with stale messages). D's loads stay until a tombstone scheme replaces them.
+        t.on_closed = lambda ident: self._record_closed(KIND_TICKET, ident)
+        ls.on_closed = lambda ident: self._record_closed(KIND_LEASE, ident)
 
     def apply(self, event: ev.Event) -> list[Effect]:
         # Time only moves forward inside the core: a late-stamped event is applied at `now_ns`.
         if event.at_ns > self.now_ns:
             self.now_ns = event.at_ns
         self.applied += 1
-        return self._handlers[type(event)](event, self.now_ns)
+        effects = self._handlers[type(event)](event, self.now_ns)
+        closed = self._closed
+        if closed and closed[0][0] <= self.now_ns - self.config.closed_retention_ns:
+            self._prune()
+        return effects
+
+    def _record_closed(self, kind: int, ident: str) -> None:
+        self._closed.append((self.now_ns, kind, ident))
+
+    def _prune(self) -> None:
+        """Drop records closed more than `closed_retention_ns` ago (counted as `pruned.*`)."""
+
+        horizon = self.now_ns - self.config.closed_retention_ns
+        closed = self._closed
+        while closed and closed[0][0] <= horizon:
+            _, kind, ident = closed.popleft()
+            book = self._books[kind]
+            record = book.get(ident)
+            if record is not None and record.state in self._terminal[kind]:
+                del book[ident]
+                self.counters.add(_PRUNED_COUNTER[kind])
 
     # -- handlers that span machines -------------------------------------------------------------
 
@@ -190,3 +228,4 @@ class Ledger:
 
 
 _HASH_ENCODER = msgspec.msgpack.Encoder(order="sorted")
+_PRUNED_COUNTER = {KIND_TICKET: "pruned.tickets", KIND_LOAD: "pruned.loads", KIND_LEASE: "pruned.leases"}

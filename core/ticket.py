@@ -94,6 +94,8 @@ KIND_TICKET = 0
 class TicketBook:
     """All of one engine's tickets, and the handlers that move them."""
 
+    on_closed = staticmethod(lambda ident: None)  # the ledger's hook: a ticket just closed
+
     def __init__(self, config, deadlines: Deadlines, counters: Counters, history) -> None:
         self.config = config
         self.deadlines = deadlines
@@ -117,6 +119,7 @@ class TicketBook:
 
     def _close(self, t: Ticket, trigger: str, reason: str, out: list[Effect]) -> None:
         self._move(t, trigger, CLOSED)
+        self.on_closed(t.ticket)
         t.close_reason = reason
         t.deadline_ns = NEVER
         t.returned = True

@@ -63,11 +63,16 @@ def sim_config(rng: random.Random, tier_full: bool) -> LedgerConfig:
     block_bytes = 1000
     gpu_blocks = rng.choice([0, 2, 4]) if tier_full else rng.choice([0, 8, 32])
     cpu_blocks = rng.choice([0, 2, 3]) if tier_full else rng.choice([0, 16, 64])
+    claim_wait_ns = rng.choice([100, 400, 1500]) * MS
+    read_grant_wait_ns = rng.choice([100, 400, 1500]) * MS
     return LedgerConfig(
         unclaimed_ttl_ns=rng.choice([200, 500, 2000]) * MS,
         claim_lease_ns=rng.choice([300, 1000, 4000]) * MS,
-        claim_wait_ns=rng.choice([100, 400, 1500]) * MS,
-        read_grant_wait_ns=rng.choice([100, 400, 1500]) * MS,
+        claim_wait_ns=claim_wait_ns,
+        read_grant_wait_ns=read_grant_wait_ns,
+        # Short, so sequences prune closed records and late answers meet records already gone
+        # (derived, not drawn: the random stream of older seeds stays the same).
+        closed_retention_ns=min(claim_wait_ns, read_grant_wait_ns),
         history_lease_ns=rng.choice([50, 300, 1000]) * MS,
         retention_deadline_ns=rng.choice([5, 20, 100]) * MS,
         gpu_history_bytes=gpu_blocks * block_bytes,
@@ -138,6 +143,7 @@ class Swarm:
         self.reads: dict[tuple[str, str], str] = {}  # (D, read) -> request
         self.read_ticket: dict[tuple[str, str], tuple[str, str]] = {}  # (D, read) -> (ticket, P request)
         self.ticket_request: dict[str, str] = {}
+        self.ticket_blocks: dict[str, tuple[int, ...]] = {}
         self.restore_blocks: dict[str, tuple[int, ...]] = {}
         self.lease_requests: dict[str, str] = {}
         self.next_id = 0
@@ -352,9 +358,8 @@ class Swarm:
 
         ticket, request = self.read_ticket.get((node.name, read), ("", ""))
         record = self.p.ledger.tickets.tickets.get(ticket)
-        if record is None:
-            return
-        for block in record.blocks:
+        blocks = record.blocks if record is not None else self.ticket_blocks.get(ticket, ())
+        for block in blocks:
             if self.p.owner.get(block) != request:
                 self.fail(self.p, [f"P0 engine: {node.name} reads block {block} of ticket {ticket} {when}, "
                                    f"but the block is now held by {self.p.owner.get(block)!r}"])
@@ -389,9 +394,11 @@ class Swarm:
         if blocks is None:
             return
         self.ticket_request[ticket] = request
+        self.ticket_blocks[ticket] = tuple(blocks)  # the oracle's own copy (records get pruned)
         self.local(p, ev.TicketIssued, {"ticket": ticket, "request": request, "blocks": blocks,
                                         "keys": keys[: self.rng.randint(0, n_blocks)]})
         if p.ledger.tickets.tickets.get(ticket) is None:  # rejected: the engine frees at once
+            self.ticket_blocks.pop(ticket, None)
             for block in blocks:
                 p.owner.pop(block, None)
                 p.free.add(block)

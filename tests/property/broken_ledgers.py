@@ -1,5 +1,6 @@
 """Deliberately broken ledgers: the fuzzer must catch each one (it has teeth)."""
 
+
 from kvbaton.core.common import NEVER
 from kvbaton.core.ledger import Ledger
 from kvbaton.core.ticket import CLAIMED, CLOSED, READING, TicketBook
@@ -56,6 +57,8 @@ def _ledger_with(book_class):
                         getattr(handler, "__self__", None), TicketBook):
                     self._handlers[event_type] = getattr(book, name)
             self._expirers[0] = book.expire_due
+            self._books[0] = book.tickets
+            book.on_closed = lambda ident: self._record_closed(0, ident)
 
     BrokenLedger.__name__ = book_class.__name__.replace("TicketBook", "Ledger")
     return BrokenLedger

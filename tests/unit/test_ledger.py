@@ -173,3 +173,35 @@ def test_restore_below_the_root_pins_its_ancestors():
     p.apply(ev.LeaseReleased(4, "L", "q", 0))
     assert p.history.blocks["A"].pins == 0 and p.history.blocks["B"].pins == 0
     assert p.check_invariants() == []
+
+
+def test_closed_records_are_pruned_after_retention_and_late_answers_are_refused():
+    retention = 5 * SECOND_NS
+    p = Ledger(LedgerConfig(closed_retention_ns=retention))
+    p.apply(ev.TicketIssued(1, "t", "r", (1, 2), ()))
+    p.apply(ev.ClaimRequested(2, "t", "D", 1))
+    p.apply(ev.ReleaseRequested(3, "t", "D", 1))
+    p.apply(ev.Tick(3 + retention - 1))
+    assert "t" in p.tickets.tickets  # still there for late answers and operators
+    p.apply(ev.Tick(3 + retention))
+    assert "t" not in p.tickets.tickets and p.counters["pruned.tickets"] == 1
+    late = p.apply(ev.ClaimRequested(4 + retention, "t", "D2", 1))
+    assert [type(e) for e in late] == [fx.ReplyClaim] and not late[0].granted
+    assert p.check_invariants() == []
+
+    # D keeps its finished loads: one that is gone could not answer a late read grant with a
+    # release (P would keep that ticket reading for good).
+    d = Ledger(LedgerConfig(closed_retention_ns=retention))
+    d.apply(ev.LoadRequested(1, "q", "t", "P", 1, 2))
+    d.apply(ev.ClaimRefused(2, "q", "t", 1, "expired"))
+    d.apply(ev.Tick(2 + 10 * retention))
+    assert d.loads.loads["q"].state == "MISSED"
+
+
+def test_an_open_ticket_is_never_pruned():
+    p = Ledger(LedgerConfig(closed_retention_ns=SECOND_NS, unclaimed_ttl_ns=100 * SECOND_NS))
+    p.apply(ev.TicketIssued(1, "open", "r", (1,), ()))
+    p.apply(ev.TicketIssued(2, "gone", "r2", (2,), ()))
+    p.apply(ev.AbandonRequested(3, "gone"))
+    p.apply(ev.Tick(50 * SECOND_NS))
+    assert "open" in p.tickets.tickets and "gone" not in p.tickets.tickets

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvbaton.core import events as ev
-from kvbaton.core.ledger import Ledger, LedgerConfig
+from kvbaton.core.ledger import STATE_HASH_VERSION, Ledger, LedgerConfig
 from kvbaton.core.log import LogError, LogHeader, LogWriter, read_log
 from kvbaton.core.replay import replay
 from kvbaton.sim.fuzz import write_log
@@ -108,7 +108,7 @@ def test_golden_logs_still_replay(name):
     assert result.events == expected["events"]
     assert result.violating_events == 0
     assert result.first_divergence is None
-    if header.hash_version == expected["hash_version"] == 1:
+    if header.hash_version == expected["hash_version"] == STATE_HASH_VERSION:
         assert result.state_hash == expected["state_hash"]
 
 

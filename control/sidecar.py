@@ -192,10 +192,13 @@ class Authority(xo.Actor):
                 # (LoadFinished follows) and the blocks it allocated must be recomputed.
                 ctx["early"] = False
                 if effect.hit:
+                    ctx["reads"] = max(1, self.cfg.debug_reads_per_load)  # fixed for this load
                     self.followups.append(ev.LoadAllocated(self._now(), effect.request, ctx["dst"],
-                                                           max(1, self.cfg.debug_reads_per_load)))
+                                                           ctx["reads"]))
                 else:
-                    ctx["invalid_on_finish"] = effect.reason not in ("aborted", "preempted")
+                    # Invalid for every reason but an abort (vLLM ignores an aborted request's
+                    # blocks): the parked request must never run on blocks nobody loaded.
+                    ctx["invalid_on_finish"] = effect.reason != "aborted"
             self._send(self.to_scheduler, m.Resolved(effect.request, effect.hit, effect.reason))
         elif kind is fx.SendClaim:
             self._spawn(self._claim(effect))
@@ -342,12 +345,17 @@ class Authority(xo.Actor):
                     # LoadResolved), so the ledger still sees claim, then allocation.
                     ctx["early"] = True
                     return
+            if ctx is not None:
+                ctx["reads"] = max(1, self.cfg.debug_reads_per_load)  # fixed for this load
             effects = self._apply(ev.LoadAllocated(now, msg.request, msg.dst_blocks,
-                                                   max(1, self.cfg.debug_reads_per_load)))
-            if ctx is None or any(type(e) is fx.Rejected for e in effects):
-                # The scheduler already parked the request: fail it so vLLM recomputes.
+                                                   ctx["reads"] if ctx is not None else 1))
+            if (ctx is None or any(type(e) is fx.Rejected for e in effects)) and msg.dst_blocks:
+                # The scheduler already parked the request: fail it so vLLM recomputes. (A
+                # zero-block allocation, a local prefix-cache hit, parks nothing: vLLM would
+                # assert on a finished_recving for a request it never parked.)
                 self._send(self.to_worker, m.InvalidBlocks(msg.request, msg.dst_blocks))
                 self._send(self.to_worker, m.FinishedRecving(msg.request))
+            if ctx is None or any(type(e) is fx.Rejected for e in effects):
                 self.loads.pop(msg.request, None)
         elif kind is m.CancelFact:
             event_type = ev.RequestPreempted if msg.preempted else ev.RequestAborted
@@ -491,6 +499,11 @@ class Authority(xo.Actor):
         else:
             reason = reply[1] if reply is not None else "source unreachable"
             self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
+            if status == "failed":
+                # The call may have reached P and been granted there: give the ticket back
+                # rather than leave P's blocks claimed for a whole idle lease.
+                self._spawn(self._call(effect.source, "release", effect.ticket, self.cfg.engine_id,
+                                       effect.epoch))
 
     async def _read_start(self, effect: fx.SendReadStart) -> None:
         ctx = self.loads.get(effect.request, {})
@@ -520,7 +533,7 @@ class Authority(xo.Actor):
         if ctx is None:
             return
         src, dst = ctx["src"], ctx["dst"]
-        reads = max(1, self.cfg.debug_reads_per_load)
+        reads = ctx.get("reads", 1)  # as the ledger was told at allocation
         index = int(effect.read.rsplit("/", 1)[1])
         # Sequential reads split the blocks into near-equal slices (one slice per read).
         bounds = [len(dst) * i // reads for i in range(reads + 1)]

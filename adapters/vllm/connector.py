@@ -232,6 +232,12 @@ class SchedulerSide:
             logger.info("kvbaton: setting kv_load_failure_policy='recompute' (a failed handoff or "
                         "history restore recomputes those tokens instead of failing the request)")
             kvt.kv_load_failure_policy = "recompute"
+        # Allocating before P answers turns a refused claim into blocks marked invalid: only
+        # sound when vLLM recomputes invalid blocks instead of failing the request.
+        self.allocate_early = s.allocate_before_claim and kvt.kv_load_failure_policy == "recompute"
+        if s.allocate_before_claim and not self.allocate_early and conn.is_consumer:
+            logger.warning("kvbaton: allocate_before_claim is off because kv_load_failure_policy is "
+                           "%r (a refused claim would fail the request)", kvt.kv_load_failure_policy)
         num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
         role = "both" if (conn.is_producer and conn.is_consumer) else (
             "producer" if conn.is_producer else "consumer")
@@ -360,10 +366,12 @@ class SchedulerSide:
             return 0, False  # no handoff, or already used: a preempted request recomputes
         if h.hit is None:
             self.drain()
+            if h.hit is None and not self.usable():
+                h.hit, h.reason = False, "sidecar down"
         if h.hit is False:
             h.consumed = True
             return 0, False
-        if h.hit is None and not self.conn.settings.allocate_before_claim:
+        if h.hit is None and not self.allocate_early:
             return None, False  # P has not answered yet: ask again next step
         # Granted, or not answered yet (allocate_before_claim): waiting for P's answer would cost
         # the request a whole engine step. The sidecar holds the allocation until P answers; a
@@ -621,7 +629,7 @@ class WorkerSide:
         # Decisions for the worker arrive on the io thread (reads start at once); the engine
         # thread only sends, on its own socket.
         interval = self.conn.settings.gil_switch_interval_s
-        if 0 < interval < sys.getswitchinterval():
+        if self.conn.is_consumer and 0 < interval < sys.getswitchinterval():
             # The io thread must get the GIL within a fraction of an engine step when a read is
             # granted or ends; with Python's 5 ms default a busy engine thread kept it for
             # 5-30 ms per read on GPU engines (reads of 14 MB took 7.7 ms median, 33 ms p90).

@@ -45,6 +45,9 @@ class WorkerIo:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        if self._thread.is_alive():  # stuck in a transfer: its sockets are still in use
+            logger.warning("kvbaton worker io: thread did not stop within 5 s; sockets left open")
+            return
         self.link.close()
 
     def _main(self) -> None:
@@ -53,7 +56,7 @@ class WorkerIo:
                 for msg in self.link.wait(WAIT_S):
                     self._handle(msg)
             except zmq.ZMQError as exc:
-                if self._stop.is_set():
+                if self._stop.is_set() or exc.errno == zmq.ETERM:
                     return
                 logger.warning("kvbaton worker io: socket error: %s", exc)
             except Exception:  # never let this thread die: reads would hang until their deadline

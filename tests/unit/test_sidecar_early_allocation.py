@@ -1,0 +1,93 @@
+"""The sidecar's side of `allocate_before_claim`: what the worker is told on every path.
+
+vLLM parks a request whose blocks were allocated for a load (WAITING_FOR_REMOTE_KVS) and needs
+exactly one finished_recving for it, with the blocks reported invalid first when nothing was
+loaded; a request that was not parked (zero blocks: a local prefix-cache hit) must get none, or
+vLLM's scheduler asserts. The authority is driven directly, its sockets replaced by a list.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvbaton.control import messages as m
+from kvbaton.control.config import SidecarConfig
+from kvbaton.control.sidecar import Authority
+from kvbaton.core import events as ev
+from kvbaton.core.ledger import LedgerConfig
+
+
+@pytest.fixture
+def authority(tmp_path):
+    cfg = SidecarConfig(engine_id="D", role="consumer", ledger=LedgerConfig(), address="127.0.0.1:1",
+                        ipc_dir=str(tmp_path / "ipc"))
+    a = Authority(msgspec.json.encode(cfg))
+    a.sent = []
+    a.to_worker, a.to_scheduler, a.to_history = "worker", "scheduler", "history"
+    a._send = lambda sock, msg: a.sent.append((sock, msg))
+    a._spawn = lambda coro: coro.close()  # no peer calls in these tests
+    return a
+
+
+def to_worker(a) -> list[tuple[str, tuple]]:
+    return [(type(msg).__name__, getattr(msg, "blocks", ())) for sock, msg in a.sent if sock == "worker"]
+
+
+def requested(a):
+    a._on_message(m.LoadFact("r1", "t1", "P", "127.0.0.1:2", 1, (5, 6)))
+
+
+def allocated(a, dst):
+    a._on_message(m.AllocatedFact("r1", (5, 6)[:len(dst)], dst))
+
+
+def refused(a):
+    a._apply(ev.ClaimRefused(a._now(), "r1", "t1", 1, "closed: expired"))
+
+
+def granted(a):
+    a._apply(ev.ClaimGranted(a._now(), "r1", "t1", 1))
+
+
+def test_allocated_before_a_refusal_recomputes_those_blocks(authority):
+    requested(authority)
+    allocated(authority, (10, 11))
+    assert to_worker(authority) == []  # held until P answers
+    refused(authority)
+    assert to_worker(authority) == [("InvalidBlocks", (10, 11)), ("FinishedRecving", ())]
+
+
+def test_allocated_before_a_grant_enters_the_ledger_after_it(authority):
+    requested(authority)
+    allocated(authority, (10, 11))
+    granted(authority)
+    load = authority.ledger.loads.loads["r1"]
+    assert load.state == "ALLOCATED" and load.blocks == (10, 11)
+    assert to_worker(authority) == []  # the read start goes to P first
+
+
+def test_aborted_while_the_claim_is_out_gets_one_finished_recving(authority):
+    requested(authority)
+    allocated(authority, (10, 11))
+    authority._on_message(m.CancelFact("r1", False))
+    assert to_worker(authority) == [("FinishedRecving", ())]
+
+
+def test_allocation_after_the_load_ended_recomputes(authority):
+    requested(authority)
+    refused(authority)
+    allocated(authority, (10, 11))
+    assert to_worker(authority) == [("InvalidBlocks", (10, 11)), ("FinishedRecving", ())]
+
+
+@pytest.mark.parametrize("order", ["refused_first", "allocated_first"])
+def test_zero_block_allocation_is_never_reported(authority, order):
+    requested(authority)
+    if order == "refused_first":
+        refused(authority)
+        allocated(authority, ())
+    else:
+        allocated(authority, ())
+        refused(authority)
+    assert to_worker(authority) == []

@@ -91,6 +91,8 @@ def build_app(engine, model_name: str):
             except asyncio.CancelledError:
                 await engine.abort(request_id)
                 raise
+            if final is None or not final.outputs:
+                return error(500, f"request {request_id} produced no output")
             completion = final.outputs[0]
             return JSONResponse({
                 "id": request_id, "object": "text_completion", "created": created, "model": model_name,

@@ -220,7 +220,10 @@ class Stack:
         self._router_stop = server
         self._router_thread = threading.Thread(target=server.run, daemon=True, name="router")
         self._router_thread.start()
+        deadline = time.monotonic() + 30
         while not server.started:
+            if not self._router_thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.system.name}: the router did not start on port {port}")
             time.sleep(0.05)
         self.router_url = f"http://127.0.0.1:{port}"
 

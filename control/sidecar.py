@@ -470,11 +470,18 @@ class Authority(xo.Actor):
         deadline = time.monotonic() + self.cfg.ledger.claim_wait_ns / 1e9
         pause = 0.02
         retried = 0
+        unknown_since = None
         while True:
             status, value = await self._try_call(effect.source, "claim", effect.ticket,
                                                  self.cfg.engine_id, effect.epoch)
             reply = value if status == "ok" else None
-            retry = status == "refused" or (reply is not None and not reply[0] and reply[1] == "unknown ticket")
+            unknown = reply is not None and not reply[0] and reply[1] == "unknown ticket"
+            if unknown and unknown_since is None:
+                unknown_since = time.monotonic()
+            # "Unknown ticket" is a race with P's own fact (milliseconds; seconds on a starved
+            # machine), not a reason to hold D's blocks for the whole claim wait: a restarted P,
+            # or one that pruned the ticket, never learns it.
+            retry = status == "refused" or (unknown and time.monotonic() - unknown_since < UNKNOWN_TICKET_RETRY_S)
             if not retry:
                 if status == "failed":
                     logger.warning("claim of ticket %s at %s failed: %r", effect.ticket, effect.source, value)
@@ -620,6 +627,10 @@ class Authority(xo.Actor):
 
     async def stop(self) -> None:
         await self.shutdown()
+
+
+# How long D keeps asking while P answers "unknown ticket" (within the claim wait).
+UNKNOWN_TICKET_RETRY_S = 8.0
 
 
 def _never_arrived(exc: BaseException) -> bool:

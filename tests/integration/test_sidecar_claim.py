@@ -215,3 +215,16 @@ def test_claim_retries_end_with_the_claim_wait(sidecars):
     time.sleep(1.5)
     assert claims_seen(sidecars.p, unknown) == asked  # no claim after the load gave up
     wait_closed(sidecars.d_short)
+
+
+def test_unknown_ticket_is_retried_for_a_short_window_only(sidecars):
+    """P keeps answering "unknown ticket" (restarted, or the ticket was pruned): D stops asking
+    after UNKNOWN_TICKET_RETRY_S, long before its 30 s claim wait, so a parked request recomputes."""
+
+    from kvbaton.control.sidecar import UNKNOWN_TICKET_RETRY_S
+
+    request = load(sidecars.d, sidecars.p.address, uuid.uuid4().hex)
+    resolved, took = wait_resolved(sidecars.d, request, 30.0)
+    assert resolved is not None and not resolved.hit and resolved.reason == "unknown ticket", resolved
+    assert UNKNOWN_TICKET_RETRY_S - 0.1 <= took < UNKNOWN_TICKET_RETRY_S + 5.0, took
+    wait_closed(sidecars.d)

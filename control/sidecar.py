@@ -502,7 +502,10 @@ class Authority(xo.Actor):
             retried += 1
         now = self._now()
         if reply is not None and reply[0]:
-            self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
+            effects = self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
+            if _forgotten(effects):  # the load was pruned meanwhile: give the ticket back
+                self._spawn(self._call(effect.source, "release", effect.ticket, self.cfg.engine_id,
+                                       effect.epoch))
         else:
             reason = reply[1] if reply is not None else "source unreachable"
             self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
@@ -528,7 +531,11 @@ class Authority(xo.Actor):
                                  effect.epoch, effect.read)
         now = self._now()
         if reply is not None and reply[0]:
-            self._apply(ev.ReadGranted(now, effect.request, effect.read))
+            effects = self._apply(ev.ReadGranted(now, effect.request, effect.read))
+            if _forgotten(effects):
+                # The load was pruned meanwhile: nobody will end the read P pinned for; end it.
+                self._spawn(self._call(effect.source, "read_end", effect.ticket, effect.read, False, True,
+                                       self.cfg.engine_id, effect.epoch))
         else:
             reason = reply[1] if reply is not None else "source unreachable"
             self._apply(ev.ReadRefused(now, effect.request, effect.read, reason))
@@ -627,6 +634,12 @@ class Authority(xo.Actor):
 
     async def stop(self) -> None:
         await self.shutdown()
+
+
+def _forgotten(effects: list) -> bool:
+    """The ledger no longer knows the load a grant is for (pruned): the grant must be undone."""
+
+    return any(type(e) is fx.Rejected and e.reason == "unknown load" for e in effects)
 
 
 # How long D keeps asking while P answers "unknown ticket" (within the claim wait).

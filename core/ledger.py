@@ -47,9 +47,9 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_bytes: int = 0  # bytes of one engine block over all layers; 0 until the shell knows
     candidate_bytes_max: int = 64 << 20
     probation_max: int = 65536
-    # A closed ticket or ended lease (P) is kept this long (late answers, retries and operators'
-    # `replay --ticket` still find it), then dropped: a long-running P's ledger stays bounded by
-    # its request rate times this, not by its uptime. D's finished loads are kept (see Ledger).
+    # A closed ticket, finished load or ended lease is kept this long (late answers, retries and
+    # operators' `replay --ticket` still find it), then dropped: a long-running engine's ledger
+    # stays bounded by its request rate times this, not by its uptime.
     closed_retention_ns: int = 300 * SECOND_NS
 
     def problems(self) -> list[str]:
@@ -114,10 +114,11 @@ class Ledger:
         self._books = {KIND_TICKET: t.tickets, KIND_LOAD: ld.loads, KIND_LEASE: ls.leases}
         self._terminal = {KIND_TICKET: ticket_spec.terminal, KIND_LOAD: load_spec.terminal,
                           KIND_LEASE: lease_spec.terminal}
-        # Tickets and leases are pruned; loads are not: a load that is gone cannot answer a late
-        # read grant with a release, and P would keep that ticket reading for good (found by the
-        # fuzzer with stale messages). D's loads stay until a tombstone scheme replaces them.
+        # A grant that arrives for a load already pruned is answered by the shell, which knows the
+        # call it made (control/sidecar.py `_forgotten`): it releases the ticket or ends the read,
+        # or P would keep that ticket reading for good (the fuzzer found this with stale messages).
         t.on_closed = lambda ident: self._record_closed(KIND_TICKET, ident)
+        ld.on_closed = lambda ident: self._record_closed(KIND_LOAD, ident)
         ls.on_closed = lambda ident: self._record_closed(KIND_LEASE, ident)
 
     def apply(self, event: ev.Event) -> list[Effect]:

@@ -104,6 +104,8 @@ KIND_LOAD = 1
 class LoadBook:
     """All of one decode engine's loads."""
 
+    on_closed = staticmethod(lambda ident: None)  # the ledger's hook: a load just ended
+
     def __init__(self, config, deadlines: Deadlines, counters: Counters) -> None:
         self.config = config
         self.deadlines = deadlines
@@ -125,6 +127,7 @@ class LoadBook:
         """Every terminal move ends in exactly one `LoadFinished`, whatever the path."""
 
         self._move(ld, trigger, dest)
+        self.on_closed(ld.request)
         ld.deadline_ns = NEVER
         ld.outcome = outcome
         self.counters.add(f"loads.{dest.lower()}")

@@ -144,6 +144,7 @@ class Swarm:
         self.read_ticket: dict[tuple[str, str], tuple[str, str]] = {}  # (D, read) -> (ticket, P request)
         self.ticket_request: dict[str, str] = {}
         self.ticket_blocks: dict[str, tuple[int, ...]] = {}
+        self.read_epoch: dict[tuple[str, str], int] = {}
         self.restore_blocks: dict[str, tuple[int, ...]] = {}
         self.lease_requests: dict[str, str] = {}
         self.next_id = 0
@@ -185,7 +186,19 @@ class Swarm:
             return
         event = event_type(at_ns=self.now, **fields)
         self.sent.append((to, event))
-        self.apply(self.nodes[to], event)
+        node = self.nodes[to]
+        self.apply(node, event)
+        if node is not self.p and event_type in (ev.ClaimGranted, ev.ReadGranted) and node.alive \
+                and fields["request"] not in node.ledger.loads.loads:
+            # D's shell (control/sidecar.py does the same): a grant for a load the ledger pruned
+            # is undone, or P would hold the ticket (a read pinned for good).
+            if event_type is ev.ClaimGranted:
+                self.send(P_NAME, ev.ReleaseRequested, ticket=fields["ticket"], claimer=to, epoch=fields["epoch"])
+            else:
+                ticket, _ = self.read_ticket.get((to, fields["read"]), ("", ""))
+                epoch = self.read_epoch.get((to, fields["read"]), 0)
+                self.send(P_NAME, ev.ReadFinished, ticket=ticket, read=fields["read"], ok=False)
+                self.send(P_NAME, ev.ReleaseRequested, ticket=ticket, claimer=to, epoch=epoch)
 
     def apply(self, node: Node, event: ev.Event) -> None:
         if not node.alive:
@@ -304,6 +317,7 @@ class Swarm:
         elif kind is fx.SendReadStart:
             self.reads[(node.name, effect.read)] = effect.request
             self.read_ticket[(node.name, effect.read)] = (effect.ticket, self.ticket_request.get(effect.ticket, ""))
+            self.read_epoch[(node.name, effect.read)] = effect.epoch
             if self.fault("expiry_between_reads"):
                 self.clock_jump(self.config.claim_lease_ns + MS)
             self.send(P_NAME, ev.ReadStarted, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch,

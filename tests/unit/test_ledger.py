@@ -189,13 +189,15 @@ def test_closed_records_are_pruned_after_retention_and_late_answers_are_refused(
     assert [type(e) for e in late] == [fx.ReplyClaim] and not late[0].granted
     assert p.check_invariants() == []
 
-    # D keeps its finished loads: one that is gone could not answer a late read grant with a
-    # release (P would keep that ticket reading for good).
     d = Ledger(LedgerConfig(closed_retention_ns=retention))
     d.apply(ev.LoadRequested(1, "q", "t", "P", 1, 2))
     d.apply(ev.ClaimRefused(2, "q", "t", 1, "expired"))
-    d.apply(ev.Tick(2 + 10 * retention))
     assert d.loads.loads["q"].state == "MISSED"
+    d.apply(ev.Tick(2 + retention))
+    assert "q" not in d.loads.loads and d.counters["pruned.loads"] == 1
+    # A grant for it now is "unknown load": the shell (control/sidecar.py) releases it at P.
+    assert d.apply(ev.ClaimGranted(3 + retention, "q", "t", 1))[0].reason == "unknown load"
+    assert d.open_counts() == {"tickets": 0, "loads": 0, "leases": 0}
 
 
 def test_an_open_ticket_is_never_pruned():

@@ -91,3 +91,47 @@ def test_zero_block_allocation_is_never_reported(authority, order):
         allocated(authority, ())
         refused(authority)
     assert to_worker(authority) == []
+
+
+def test_a_grant_for_a_pruned_load_is_undone_at_p(tmp_path):
+    """A load the ledger pruned cannot answer a late grant itself: the sidecar, which made the
+    call, releases the claim or ends the read at P (or P would hold the ticket for good)."""
+
+    import asyncio
+
+    from kvbaton.core import effects as fx
+
+    cfg = SidecarConfig(engine_id="D", role="consumer", ledger=LedgerConfig(closed_retention_ns=1000),
+                        address="127.0.0.1:1", ipc_dir=str(tmp_path / "ipc"))
+    a = Authority(msgspec.json.encode(cfg))
+    a.to_worker, a.to_scheduler, a.to_history = "worker", "scheduler", "history"
+    a._send = lambda sock, msg: None
+    spawned, calls = [], []
+    a._spawn = spawned.append
+
+    async def fake_call(address, method, *args):
+        calls.append((method, args))
+        return (True, "")
+
+    async def fake_try_call(address, method, *args):
+        return "ok", (True, "")
+
+    a._call, a._try_call = fake_call, fake_try_call
+    a._on_message(m.LoadFact("r1", "t1", "P", "127.0.0.1:2", 1, (5, 6)))
+    for coro in spawned:  # the claim it started: not needed here
+        coro.close()
+    spawned.clear()
+    a._apply(ev.ClaimRefused(a._now(), "r1", "t1", 1, "closed: expired"))
+    a._apply(ev.Tick(a._now() + 10_000))
+    assert "r1" not in a.ledger.loads.loads  # pruned
+
+    async def run(coro):
+        await coro
+        while spawned:
+            await spawned.pop(0)
+
+    asyncio.run(run(a._read_start(fx.SendReadStart("r1", "t1", "127.0.0.1:2", 1, "r1/0"))))
+    assert ("read_end", ("t1", "r1/0", False, True, "D", 1)) in calls
+    calls.clear()
+    asyncio.run(run(a._claim(fx.SendClaim("r1", "t1", "127.0.0.1:2", 1))))
+    assert ("release", ("t1", "D", 1)) in calls

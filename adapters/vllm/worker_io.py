@@ -35,7 +35,6 @@ class WorkerIo:
         self.inbox: collections.deque[m.Msg] = collections.deque()  # for the engine thread
         # read id -> (request, last read of its load): the engine thread polls these (pump)
         self.reads: dict[str, tuple[str, bool]] = {}
-        self.posted = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvbaton-worker-io", daemon=True)
 
@@ -94,7 +93,6 @@ class WorkerIo:
             self.reads[msg.read] = (msg.request, msg.last)
             try:
                 self.transport.start_read(msg.read, msg.peer, list(msg.src_blocks), list(msg.dst_blocks), None)
-                self.posted += 1
                 return
             except Exception as exc:
                 self.reads.pop(msg.read, None)

@@ -57,11 +57,13 @@ from kvbaton.core.log import LogError, iter_records, read_header  # noqa: E402
 
 from ..integration import engine_hooks, history_checks  # noqa: E402
 from ..integration.history_checks import delta, state  # noqa: E402
+from ..integration.log_checks import replay_engine_logs  # noqa: E402
 from ..integration.engine_harness import EngineProcess  # noqa: E402
 from . import gpu_hooks  # noqa: E402
 from .test_pd_gpu import (  # noqa: E402
     BLOCK, CONNECTOR, KV_BYTES, LAYERS, MAX_MODEL_LEN, RESULT_TIMEOUT_S, SIDECAR_TIMEOUT_S,
-    START_TIMEOUT_S, _engine_env, make_prompt, strict_length, wait_for_sidecars, write_model)
+    START_TIMEOUT_S, _engine_env, make_prompt, strict_length, wait_for_sidecars, write_model,
+    write_report)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -159,11 +161,7 @@ def _report_after_each_test(request):
 
 
 def _write_report(root: Path, quiet: bool = False) -> None:
-    path = Path(os.environ.get("KVBATON_GPU_HISTORY_REPORT") or (root.parent / "history_report.json"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(REPORT, indent=1, default=str) + "\n")
-    if not quiet:
-        print(f"\nhistory report written to {path}")
+    write_report(REPORT, root, "KVBATON_GPU_HISTORY_REPORT", "history_report.json", quiet)
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -484,7 +482,7 @@ def test_concurrent_handoffs_aborts_and_preemption_leak_nothing(h):
 
 
 def test_event_logs_replay_without_violations(h):
-    kinds = history_checks.replay_engine_logs(h.events)
+    kinds = replay_engine_logs(h.events, engines=3)
     expected = {"first_visit": ("HistoryPublished",), "spilled": ("HistoryDemoted",),
                 "restored": ("RestoreRequested", "LeaseAllocated", "LeaseReadFinished"),
                 "concurrency": ("RequestPreempted", "AbandonRequested", "RequestAborted")}

@@ -50,10 +50,9 @@ pytest.importorskip("nixl")
 
 import numpy as np  # noqa: E402
 
-from kvbaton.core.log import read_log  # noqa: E402
-from kvbaton.core.replay import replay  # noqa: E402
 
 from ..integration.engine_harness import EngineProcess, RemoteError  # noqa: E402
+from ..integration.log_checks import replay_engine_logs  # noqa: E402
 from . import gpu_hooks  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
@@ -259,12 +258,17 @@ def wait_for_sidecars(engines, timeout_s: float) -> dict:
     return waited
 
 
-def _write_report(root: Path, quiet: bool = False) -> None:
-    path = Path(os.environ.get("KVBATON_GPU_REPORT") or (root.parent / "report.json"))
+def write_report(report: dict, root: Path, env_var: str, name: str, quiet: bool = False) -> None:
+    """Write a JSON report where `env_var` says, else next to the run's folder."""
+    path = Path(os.environ.get(env_var) or (root.parent / name))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(REPORT, indent=1, default=str) + "\n")
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
     if not quiet:
-        print(f"\nreport written to {path}")
+        print(f"\n{name.replace('_', ' ').replace('.json', '')} written to {path}")
+
+
+def _write_report(root: Path, quiet: bool = False) -> None:
+    write_report(REPORT, root, "KVBATON_GPU_REPORT", "report.json", quiet)
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -490,13 +494,7 @@ def test_latency_and_bandwidth(pd):
 
 
 def test_event_logs_replay_without_violations(pd):
-    logs = sorted(pd.events.glob("*.kvlog"))
-    assert len(logs) == 2
-    for path in logs:
-        header, records = read_log(str(path))
-        result = replay(header, records)
-        assert result.events > 0
-        assert result.violating_events == 0 and result.first_divergence is None, path
+    replay_engine_logs(pd.events, engines=2)
 
 
 @pytest.mark.skipif(RACE_DEMO not in ("bug", "fixed"),

@@ -33,6 +33,7 @@ from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt  # no
 
 from . import engine_hooks, history_checks  # noqa: E402
 from .history_checks import delta, state  # noqa: E402
+from .log_checks import replay_engine_logs  # noqa: E402
 from .engine_harness import EngineProcess  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -348,7 +349,7 @@ def test_full_tiers_need_probation_to_displace(hist):
 
 
 def test_engine_logs_replay_without_violations(hist):
-    kinds = history_checks.replay_engine_logs(hist.events)
+    kinds = replay_engine_logs(hist.events, engines=3)
     for kind in ("HistoryPublished", "HistoryDemoted", "RestoreRequested", "LeaseAllocated",
                  "LeaseReadFinished", "LeaseReleased", "HistoryObserved"):
         assert kind in kinds, kind

@@ -21,11 +21,10 @@ pytest.importorskip("nixl._api")
 
 from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt  # noqa: E402
 from kvbaton.control.client import call_authority_sync  # noqa: E402
-from kvbaton.core.log import read_log  # noqa: E402
-from kvbaton.core.replay import replay  # noqa: E402
 
 from . import engine_hooks  # noqa: E402
 from .engine_harness import EngineProcess  # noqa: E402
+from .log_checks import replay_engine_logs  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -275,13 +274,7 @@ def test_idle_prefill_engine_does_not_delay_the_handoff(pd):
 
 
 def test_engine_logs_replay_without_violations(pd):
-    logs = sorted(pd.events.glob("*.kvlog"))
-    assert len(logs) == 2
-    for path in logs:
-        header, records = read_log(str(path))
-        result = replay(header, records)
-        assert result.events > 0
-        assert result.violating_events == 0 and result.first_divergence is None, path
+    replay_engine_logs(pd.events, engines=2)
 
 
 def test_decode_killed_after_claiming_lets_p_reclaim(pd):

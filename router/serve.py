@@ -168,24 +168,27 @@ class Deployment:
         return {e.url: e.control for e in self.engines if e.process is not None and (role is None or e.spec.role == role)}
 
     def stop(self) -> None:
-        for engine in self.engines:
-            if engine.process is not None and engine.process.poll() is None:
-                try:
-                    os.killpg(engine.process.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+        # Signal every engine's process group, also where the API server itself already died:
+        # its EngineCore, workers and sidecar live on in the group until told.
+        started = [engine for engine in self.engines if engine.process is not None]
+        for engine in started:
+            try:
+                os.killpg(engine.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + 20
-        for engine in self.engines:
-            if engine.process is None:
-                continue
+        for engine in started:
             try:
                 engine.process.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(engine.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                engine.process.wait()
+                pass
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))  # children exit after the server
+        for engine in started:
+            try:
+                os.killpg(engine.process.pid, signal.SIGKILL)  # whatever is left of the group
+            except ProcessLookupError:
+                pass
+            engine.process.wait()
 
 
 def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, prefill_kv_cache_bytes: int | None,

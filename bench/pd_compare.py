@@ -33,24 +33,29 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from . import hook_timing
 
 HERE = Path(__file__).resolve().parent
 KVBATON = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
 NATIVE = {"kv_connector": "NixlConnector"}
+# The same connectors with their hooks timed (bench/hook_timing.py), used when --hook-timing is on.
+TIMED = {"kvbaton": {"kv_connector": "TimedKvbatonConnector", "kv_connector_module_path": "kvbaton.bench.hook_timing"},
+         "native": {"kv_connector": "TimedNixlConnector", "kv_connector_module_path": "kvbaton.bench.hook_timing"}}
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free local port below the ephemeral range (see control.client.free_port)."""
+    from kvbaton.control.client import free_port as pick
+
+    return pick("127.0.0.1")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,6 +117,12 @@ class System:
     history: bool = True
     num_blocks: int | None = None  # num_gpu_blocks_override on P and D
     p_extra_blocks: int = 0  # native "plus": P gets this many blocks more
+    settings: dict = field(default_factory=dict)  # kvbaton connector settings on top of the defaults
+    timed: bool = False  # connector hooks timed (bench/hook_timing.py)
+
+    @property
+    def hook_dir(self) -> str:
+        return f"hooks-{'capped' if self.num_blocks else 'open'}"
 
 
 class Stack:
@@ -144,16 +155,20 @@ class Stack:
         else:
             env["CUDA_VISIBLE_DEVICES"] = {"1gpu": "0", "2gpu": "0,1" if role == "prefill" else "1,0"}[s.device]
             engine_args.append(f"gpu_memory_utilization={s.gpu_memory_utilization}")
+        if system.timed:
+            env["KVB_HOOK_TIMING_DIR"] = str(s.log_dir / system.name / system.hook_dir)
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         if system.connector == "kvbaton":
             control_port = free_port()
             extra = {"event_log_dir": str(s.log_dir / system.name / "events"), "control_port": control_port,
                      "gpu_history_bytes": (self.extra.get("gpu_history_bytes", 256 << 20) if system.history else 0),
-                     **({"cpu_history_bytes": self.extra["cpu_history_bytes"]} if "cpu_history_bytes" in self.extra else {})}
-            kv = {**KVBATON, "kv_role": kv_role, "kv_connector_extra_config": extra}
+                     **({"cpu_history_bytes": self.extra["cpu_history_bytes"]} if "cpu_history_bytes" in self.extra else {}),
+                     **system.settings}
+            kv = {**(TIMED["kvbaton"] if system.timed else KVBATON), "kv_role": kv_role,
+                  "kv_connector_extra_config": extra}
             self.controls[role] = f"127.0.0.1:{control_port}"
         else:
-            kv = {**NATIVE, "kv_role": kv_role}
+            kv = {**(TIMED["native"] if system.timed else NATIVE), "kv_role": kv_role}
             if s.device == "cpu":
                 kv["kv_buffer_device"] = "cpu"
         log = s.log_dir / system.name / f"{role}.log"
@@ -382,8 +397,10 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
         print(f"[{system.name}] engines up in {result['start_s']:.1f} s", flush=True)
         # Warm-up: first requests pay for peer setup / handshakes.
         asyncio.run(throughput(stack.router_url, plan["warmup"], 2, 4))
+        hook_dir = str(s.log_dir / system.name / system.hook_dir)
         for scenario in scenarios:
             t0 = time.perf_counter()
+            hooks_before = hook_timing.read_snapshot(hook_dir) if system.timed else {}
             if scenario == "throughput":
                 for c in plan["concurrency"]:
                     result[f"throughput_c{c}"] = asyncio.run(
@@ -396,6 +413,10 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
             elif scenario == "churn":
                 result["churn"] = asyncio.run(revisit(stack.router_url, [], plan["churn"], plan["revisit_tokens"]))
                 result["churn"] = result["churn"]["pressure"]
+            if system.timed:
+                time.sleep(1.2)  # the engines write their hook figures every 0.5 s
+                result.setdefault("hooks", {})[scenario] = hook_timing.difference(
+                    hooks_before, hook_timing.read_snapshot(hook_dir))
             print(f"[{system.name}] {scenario} done in {time.perf_counter() - t0:.1f} s: "
                   f"{json.dumps({k: v for k, v in result.items() if k.startswith(scenario[:5])}, default=str)[:600]}",
                   flush=True)
@@ -502,6 +523,23 @@ def print_tables(results: dict[str, dict]) -> None:
                   f"{ratio(r['ttft_p50_ms'], ref['ttft_p50_ms']):>15}{r['failed']:>8}")
 
 
+def print_hooks(results: dict[str, dict]) -> None:
+    rows = [(name, scenario, side, figures) for name, r in results.items()
+            for scenario, sides in (r.get("hooks") or {}).items() for side, figures in sorted(sides.items())]
+    if not rows:
+        return
+    print("\n== connector hooks inside the engines (bench/hook_timing.py) ==")
+    print(f"{'system':<16}{'scenario':<12}{'engine side':<36}{'step p50':>9}{'p90':>7}{'reqs/step':>10}"
+          f"{'tok/step':>9}{'hooks us/step':>14}  biggest hooks (us/step)")
+    for name, scenario, side, f in rows:
+        top = sorted(f["hooks"].items(), key=lambda kv: -kv[1]["us_per_step"])[:3]
+        step = f["step"]
+        print(f"{name:<16}{scenario:<12}{side:<36}{step.get('p50_ms', float('nan')):>9.2f}"
+              f"{step.get('p90_ms', float('nan')):>7.2f}{f.get('requests_per_step', 0):>10.1f}"
+              f"{f.get('tokens_per_step', 0):>9.0f}"
+              f"{f['hook_us_per_step']:>14.0f}  " + ", ".join(f"{k} {v['us_per_step']:.0f}" for k, v in top))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "1gpu", "2gpu"), default="2gpu")
@@ -523,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--gpu-history-mib", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hook-timing", action=argparse.BooleanOptionalAction, default=True,
+                        help="time both connectors' hooks inside the engines (bench/hook_timing.py)")
     parser.add_argument("--log-dir", default="/tmp/kvb-compare")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
@@ -542,11 +582,14 @@ def main(argv: list[str] | None = None) -> int:
     history_bytes = (4 << 20) if cpu else args.gpu_history_mib << 20
     history_blocks = history_bytes // block_bytes
     extra = {"gpu_history_bytes": history_bytes}
+    timed = args.hook_timing
     systems = {
-        "native": System("native", "native"),
-        "kvbaton": System("kvbaton", "kvbaton"),
-        "kvbaton-nohist": System("kvbaton-nohist", "kvbaton", history=False),
-        "native-plus": System("native-plus", "native", p_extra_blocks=history_blocks),
+        "native": System("native", "native", timed=timed),
+        "kvbaton": System("kvbaton", "kvbaton", timed=timed),
+        "kvbaton-nohist": System("kvbaton-nohist", "kvbaton", history=False, timed=timed),
+        "native-plus": System("native-plus", "native", p_extra_blocks=history_blocks, timed=timed),
+        # D keeps Python's 5 ms GIL switch interval (the A/B for `gil_switch_interval_s`).
+        "kvbaton-gil5": System("kvbaton-gil5", "kvbaton", settings={"gil_switch_interval_s": 0}, timed=timed),
     }
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]
@@ -561,15 +604,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted_systems:
         if name not in systems:
             raise SystemExit(f"unknown system {name!r} (known: {', '.join(systems)})")
-    # Uncapped scenarios: the two main systems. Capped scenarios: every system, engines capped.
+    # Uncapped scenarios: every system but native-plus. Capped scenarios: every system, engines capped.
     for name in wanted_systems:
         system = systems[name]
-        if uncapped and name in ("native", "kvbaton"):
+        if uncapped and name != "native-plus":
             results[name] = run_system(system, s, uncapped, plan, extra)
         # The churn control runs for the two main systems only (device time is scarce).
         capped_here = [x for x in capped if x != "churn" or name in ("native", "kvbaton")]
         if capped_here:
-            capped_system = System(system.name, system.connector, system.history, cap, system.p_extra_blocks)
+            capped_system = replace(system, num_blocks=cap)
             capped_result = run_system(capped_system, s, capped_here, plan, extra)
             results.setdefault(name, {}).update({k: v for k, v in capped_result.items()
                                                   if k in ("revisit", "churn", "error")})
@@ -593,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {key}: " + json.dumps({role: {k: v.get(k) for k in ("open", "transfer")}
                                                       for role, v in r[key].items()}, default=str)[:800])
     print_tables(results)
+    print_hooks(results)
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
         print(f"\nresults: {args.out}")

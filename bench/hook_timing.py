@@ -1,0 +1,208 @@
+"""Connector hook timing for benchmarks: the same wrapper around kvbaton's connector and vLLM's
+NixlConnector, so their per-step costs inside an engine can be compared in one run.
+
+vLLM loads `TimedKvbatonConnector` / `TimedNixlConnector` from this module
+(`kv_connector_module_path="kvbaton.bench.hook_timing"`). Each is a subclass of the real connector
+whose hooks are timed (perf_counter_ns around the call). Every half second, and at exit, the
+engine process writes its cumulative figures to `$KVB_HOOK_TIMING_DIR/<engine>-<side>-<pid>.json`:
+
+* per hook: calls, total seconds, longest call;
+* `step`: a histogram of the time between two scheduler steps (consecutive
+  `build_connector_meta` calls), the engine's step period while it is busy;
+* `batch`: scheduler steps that scheduled work, and their requests and tokens (the batch size, which
+  the step period depends on);
+* `forward`: a histogram of the worker's span from `start_load_kv` to the end of `get_finished`
+  (the model forward plus the connector's own work around it).
+
+The figures are cumulative so a caller can difference two snapshots around one scenario
+(`bench/pd_compare.py` does). Timing costs two clock reads per hook call, the same for both
+connectors.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+
+BUCKET_NS = 250_000  # histogram buckets of 0.25 ms
+BUCKETS = 800  # up to 200 ms; longer gaps (idle engine) land in the last bucket
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                   "request_finished", "update_connector_output")
+WORKER_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+                "get_block_ids_with_load_errors", "bind_connector_metadata", "clear_connector_metadata")
+
+
+class HookClock:
+    def __init__(self, engine: str, side: str) -> None:
+        self.directory = os.environ.get("KVB_HOOK_TIMING_DIR", "")
+        self.path = os.path.join(self.directory, f"{engine}-{side}-{os.getpid()}.json") if self.directory else ""
+        self.hooks: dict[str, list[float]] = {}  # name -> [calls, total_s, max_s]
+        self.step = [0] * BUCKETS
+        self.forward = [0] * BUCKETS
+        self.batch = [0, 0, 0]  # scheduler steps that ran something, their requests, their tokens
+        self.last_step_ns = 0
+        self.forward_start_ns = 0
+        if self.path:
+            os.makedirs(self.directory, exist_ok=True)
+            atexit.register(self.dump)
+            # A timer thread, not the hooks, writes the file: an idle engine calls no hook, and the
+            # last second of a scenario must reach the file before the caller reads it.
+            threading.Thread(target=self._dump_every, args=(0.5,), name="kvb-hook-timing", daemon=True).start()
+
+    def _dump_every(self, period_s: float) -> None:
+        while True:
+            time.sleep(period_s)
+            try:
+                self.dump()
+            except (RuntimeError, OSError):  # a hook added a name mid-dump: next time
+                continue
+
+    @staticmethod
+    def bucket(histogram: list[int], ns: int) -> None:
+        histogram[min(BUCKETS - 1, ns // BUCKET_NS)] += 1
+
+    def record(self, name: str, start_ns: int, end_ns: int) -> None:
+        entry = self.hooks.get(name)
+        if entry is None:
+            entry = self.hooks[name] = [0, 0.0, 0.0]
+        seconds = (end_ns - start_ns) / 1e9
+        entry[0] += 1
+        entry[1] += seconds
+        if seconds > entry[2]:
+            entry[2] = seconds
+        if name == "build_connector_meta":
+            if self.last_step_ns:
+                self.bucket(self.step, start_ns - self.last_step_ns)
+            self.last_step_ns = start_ns
+        elif name == "start_load_kv":
+            self.forward_start_ns = start_ns
+        elif name == "get_finished" and self.forward_start_ns:
+            self.bucket(self.forward, end_ns - self.forward_start_ns)
+            self.forward_start_ns = 0
+
+    def scheduled(self, scheduler_output) -> None:
+        tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0
+        if tokens:
+            self.batch[0] += 1
+            self.batch[1] += len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
+            self.batch[2] += tokens
+
+    def dump(self) -> None:
+        if not self.path:
+            return
+        data = {"hooks": {k: list(v) for k, v in list(self.hooks.items())}, "step": list(self.step), "forward": list(self.forward), "batch": list(self.batch), "bucket_ns": BUCKET_NS,
+                "time": time.time()}
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as out:
+            json.dump(data, out)
+        os.replace(tmp, self.path)
+
+
+def _timed(base: type, label: str) -> type:
+    def wrap(name: str):
+        original = getattr(base, name)
+
+        def hook(self, *args, **kwargs):
+            if name == "build_connector_meta" and args:
+                self._hook_clock.scheduled(args[0])
+            start = time.perf_counter_ns()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                self._hook_clock.record(name, start, time.perf_counter_ns())
+
+        hook.__name__ = name
+        return hook
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        base.__init__(self, vllm_config, role, kv_cache_config)
+        engine = str(getattr(vllm_config.kv_transfer_config, "kv_role", "engine"))
+        side = "scheduler" if getattr(role, "name", str(role)).upper().endswith("SCHEDULER") else "worker"
+        self._hook_clock = HookClock(f"{label}-{engine}", side)
+
+    namespace = {"__init__": __init__}
+    for name in SCHEDULER_HOOKS + WORKER_HOOKS:
+        if hasattr(base, name):
+            namespace[name] = wrap(name)
+    return type(f"Timed{base.__name__}", (base,), namespace)
+
+
+def __getattr__(name: str):
+    # Built on first use: importing vLLM's connectors at module import would slow every importer.
+    if name == "TimedKvbatonConnector":
+        from kvbaton.adapters.vllm import KvbatonConnector
+
+        cls = _timed(KvbatonConnector, "kvbaton")
+    elif name == "TimedNixlConnector":
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        cls = _timed(KVConnectorFactory._registry["NixlConnector"](), "native")
+    else:
+        raise AttributeError(name)
+    globals()[name] = cls
+    return cls
+
+
+# ------------------------------------------------------------------------- reading the files
+
+def read_snapshot(directory: str) -> dict[str, dict]:
+    """Every engine side's cumulative figures in `directory`, keyed by file name."""
+
+    out = {}
+    if not directory or not os.path.isdir(directory):
+        return out
+    for name in os.listdir(directory):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(directory, name)) as handle:
+                    out[name[:-5]] = json.load(handle)
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def _histogram_summary(counts: list[int], bucket_ns: int) -> dict:
+    total = sum(counts)
+    if not total:
+        return {"count": 0}
+
+    def quantile(q: float) -> float:
+        target, seen = q * total, 0
+        for index, count in enumerate(counts):
+            seen += count
+            if seen >= target:
+                return (index + 0.5) * bucket_ns / 1e6
+        return len(counts) * bucket_ns / 1e6
+
+    busy = sum(counts[:-1])  # the last bucket collects idle gaps
+    busy_ms = sum(c * (i + 0.5) * bucket_ns / 1e6 for i, c in enumerate(counts[:-1]))
+    return {"count": total, "p50_ms": quantile(0.5), "p90_ms": quantile(0.9), "p99_ms": quantile(0.99),
+            "busy_mean_ms": busy_ms / busy if busy else 0.0}
+
+
+def difference(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per engine side: what happened between two snapshots (hooks per step, step period)."""
+
+    out = {}
+    for key, now in after.items():
+        then = before.get(key, {"hooks": {}, "step": [0] * BUCKETS, "forward": [0] * BUCKETS, "batch": [0, 0, 0]})
+        bucket_ns = now.get("bucket_ns", BUCKET_NS)
+        step = [a - b for a, b in zip(now["step"], then["step"])]
+        forward = [a - b for a, b in zip(now["forward"], then["forward"])]
+        steps = max(sum(step), sum(forward), 1)
+        hooks = {}
+        for name, (calls, total, longest) in now["hooks"].items():
+            calls0, total0, _ = then["hooks"].get(name, (0, 0.0, 0.0))
+            if calls - calls0:
+                hooks[name] = {"calls": calls - calls0, "us_per_call": (total - total0) / (calls - calls0) * 1e6,
+                               "us_per_step": (total - total0) / steps * 1e6, "max_ms": longest * 1e3}
+        working, reqs, tokens = (a - b for a, b in zip(now.get("batch", [0, 0, 0]), then.get("batch", [0, 0, 0])))
+        out[key.rsplit("-", 1)[0]] = {
+            "working_steps": working, "requests_per_step": reqs / working if working else 0.0,
+            "tokens_per_step": tokens / working if working else 0.0,
+            "hooks": hooks, "hook_us_per_step": sum(h["us_per_step"] for h in hooks.values()),
+            "step": _histogram_summary(step, bucket_ns), "forward": _histogram_summary(forward, bucket_ns)}
+    return out

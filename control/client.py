@@ -36,7 +36,36 @@ def ipc_dir_for(engine_id: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"kvb-{safe}")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = (int(x) for x in handle.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str) -> int:
+    """A port free now, chosen below the kernel's ephemeral range when it can be.
+
+    The port is bound later by another process (the sidecar, an engine), and a port from the
+    ephemeral range may be taken meanwhile by any outgoing connection on the machine (it
+    happened under benchmark load: a sidecar could not bind). Ports below the range are only
+    taken by programs that bind them on purpose."""
+
+    import random
+
+    low, _high = _ephemeral_range()
+    if low > 12000:
+        rng = random.Random()
+        for _ in range(64):
+            port = rng.randrange(10000, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -145,6 +174,10 @@ class SidecarHandle:
         for msg in self.backlog:
             if type(msg) is m.Ready:
                 self.ready = True
+                if msg.address and msg.address != self.address:
+                    logger.warning("kvbaton: sidecar of engine %s listens at %s, not %s (that port "
+                                   "was taken)", self.config.engine_id, msg.address, self.address)
+                    self.address = msg.address
             else:
                 kept.append(msg)
         self.backlog = kept
@@ -179,10 +212,42 @@ class SidecarHandle:
 AUTHORITY_UID = "kvbaton-authority"
 
 
-async def call_authority(address: str, method: str, *args, timeout_s: float = 10.0):
-    """Call an engine's sidecar (P's `abandon`, `debug_state`, ...) from any asyncio program."""
+class CallTimeout(TimeoutError):
+    """A call to a sidecar got no answer in time."""
+
+
+def _retrieve(task) -> None:
+    if not task.cancelled():
+        task.exception()  # an abandoned call's late failure is not news
+
+
+async def bounded(awaitable, timeout_s: float, what: str):
+    """Await a call for at most `timeout_s`; raise CallTimeout after that.
+
+    On timeout the call is cancelled but not awaited. asyncio.wait_for would wait for the
+    cancelled call to finish, and an xoscar call answers its cancellation by asking the peer to
+    cancel too and waiting for that answer: a peer that is stopped, wedged, or not an xoscar pool
+    at all (another program took its port) never answers, and the caller would hang for good."""
 
     import asyncio
+
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except BaseException:  # the caller itself was cancelled
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise CallTimeout(f"{what}: no answer within {timeout_s:g} s")
+    return task.result()
+
+
+async def call_authority(address: str, method: str, *args, timeout_s: float = 10.0):
+    """Call an engine's sidecar (P's `abandon`, `debug_state`, ...) from any asyncio program.
+    Raises CallTimeout when it does not answer within `timeout_s`."""
 
     import xoscar as xo
 
@@ -190,25 +255,32 @@ async def call_authority(address: str, method: str, *args, timeout_s: float = 10
         ref = await xo.actor_ref(address, AUTHORITY_UID)
         return await getattr(ref, method)(*args)
 
-    return await asyncio.wait_for(call(), timeout_s)
+    return await bounded(call(), timeout_s, f"sidecar {address} ({method})")
 
 
 def call_authority_sync(address: str, method: str, *args, timeout_s: float = 10.0):
-    """The same, for scripts and tests without an event loop."""
+    """The same, for scripts and tests without an event loop. Returns within about
+    `timeout_s` + 1 s whatever the peer does."""
 
     import asyncio
 
-    async def call_and_wind_down():
-        try:
-            return await call_authority(address, method, *args, timeout_s=timeout_s)
-        finally:
-            # xoscar leaves a listener task per connection; end them inside this loop.
-            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-
-    return asyncio.run(call_and_wind_down())
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(call_authority(address, method, *args, timeout_s=timeout_s))
+    finally:
+        # xoscar leaves a listener task per connection (and an abandoned call, after a timeout):
+        # cancel them and give them a moment, but never wait on a peer that does not answer.
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
+        for task in pending:
+            if task.done():
+                _retrieve(task)
+            else:  # still waiting on the peer: dropped with the loop, quietly
+                task._log_destroy_pending = False
+        loop.close()
 
 
 def _unpin() -> None:

@@ -12,10 +12,14 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     role: str  # "producer", "consumer" or "both"
     ledger: LedgerConfig
     address: str  # host:port of the xoscar pool
+    # The port was picked for us (not set by the operator): when another program took it before
+    # the sidecar could bind, the sidecar binds another one and says so in its Ready message.
+    port_chosen: bool = False
     ipc_dir: str
     log_path: str = ""
     hash_every: int = 1000
     heartbeat_interval_s: float = 10.0
+    call_timeout_s: float = 10.0  # a call to a peer's sidecar that gets no answer by then failed
     tick_interval_s: float = 0.02
     parent_pid: int = 0
     debug_reads_per_load: int = 1

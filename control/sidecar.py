@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
 import os
 import shutil
@@ -43,6 +44,7 @@ from ..core import events as ev
 from ..core.ledger import Ledger, LedgerConfig
 from ..core.log import LogHeader, LogWriter
 from . import messages as m
+from .client import bounded, free_port
 from .config import SidecarConfig, ipc_paths
 
 logger = logging.getLogger("kvbaton.sidecar")
@@ -435,8 +437,11 @@ class Authority(xo.Actor):
         is not created yet), or `("failed", exc)` for any other failure (it may have got it)."""
 
         try:
-            ref = await self._ref(address)
-            return "ok", await getattr(ref, method)(*args)
+            # Bounded: a peer that is stopped or wedged (or whose port another program took)
+            # never answers, and xoscar would wait for it forever. A timeout may have reached it.
+            ref = await bounded(self._ref(address), self.cfg.call_timeout_s, f"connect to {address}")
+            return "ok", await bounded(getattr(ref, method)(*args), self.cfg.call_timeout_s,
+                                       f"{method} at {address}")
         except Exception as exc:
             self.peer_refs.pop(address, None)
             return ("refused" if _never_arrived(exc) else "failed"), exc
@@ -671,9 +676,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+async def _create_pool(cfg: SidecarConfig):
+    address = cfg.address
+    for attempt in range(8):
+        try:
+            return await xo.create_actor_pool(address, n_process=0)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or not cfg.port_chosen or attempt == 7:
+                raise
+            host = address.rsplit(":", 1)[0]
+            taken, address = address, f"{host}:{free_port(host)}"
+            logger.warning("control address %s is taken: listening at %s instead", taken, address)
+
+
 async def _main(config_json: bytes) -> None:
     cfg = msgspec.json.decode(config_json, type=SidecarConfig)
-    pool = await xo.create_actor_pool(cfg.address, n_process=0)
+    pool = await _create_pool(cfg)
     ref = await xo.create_actor(Authority, config_json, address=pool.external_address, uid=AUTHORITY_UID)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,9 +20,10 @@ CONNECTOR = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kv
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free local port below the ephemeral range (see control.client.free_port)."""
+    from kvbaton.control.client import free_port as pick
+
+    return pick("127.0.0.1")
 
 
 def cuda_device_count() -> int:

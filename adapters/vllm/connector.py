@@ -248,8 +248,10 @@ class SchedulerSide:
                                  cpu_default_bytes=num_blocks * plan.block_bytes)
         config = SidecarConfig(
             engine_id=conn.engine_id, role=role, ledger=ledger, address=f"{s.control_host}:{port}",
+            port_chosen=not s.control_port,
             ipc_dir=conn.ipc_dir, log_path=log_path, hash_every=s.event_log_hash_every,
-            heartbeat_interval_s=s.heartbeat_interval_s, parent_pid=os.getpid(),
+            heartbeat_interval_s=s.heartbeat_interval_s, call_timeout_s=s.peer_call_timeout_s,
+            parent_pid=os.getpid(),
             debug_reads_per_load=s.debug_reads_per_load,
             debug_pause_between_reads_s=s.debug_pause_between_reads_s,
             debug_hold_first_read_s=s.debug_hold_first_read_s,

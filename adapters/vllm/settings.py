@@ -26,6 +26,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     claim_wait_s: float = 30.0
     read_grant_wait_s: float = 30.0
     heartbeat_interval_s: float = 10.0
+    # A call to a peer's sidecar (claim, read grant, heartbeat, release) that gets no answer by
+    # then has failed: a stopped or wedged peer must not hold a claim or a read forever.
+    peer_call_timeout_s: float = 10.0
     # D allocates a handoff's blocks as soon as the request arrives, while its claim is still on
     # the way to P (saves an engine step per handoff); a refused claim then costs a recompute of
     # blocks already allocated. False: wait for P's answer before allocating.
@@ -85,7 +88,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 _POSITIVE = ("unclaimed_ttl_s", "claim_lease_s", "claim_wait_s", "read_grant_wait_s",
-             "heartbeat_interval_s", "history_lease_s", "history_retention_deadline_s",
+             "heartbeat_interval_s", "peer_call_timeout_s", "history_lease_s", "history_retention_deadline_s",
              "debug_reads_per_load")
 _NON_NEGATIVE = ("gpu_history_bytes", "gil_switch_interval_s", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
                  "debug_hold_first_read_s", "debug_fail_every_nth_read")

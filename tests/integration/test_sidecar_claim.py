@@ -33,17 +33,50 @@ START_TIMEOUT_S = 180.0  # a loaded 2-core machine needs a while to start a side
 LONG_WAIT_S = 120.0  # D's claim wait where the test expects a hit
 SHORT_WAIT_S = 2.5  # D's claim wait where the test expects the retries to end with it
 OLD_BOUND_S = 3.0  # the fixed retry bound before claim_wait_ns was used
+CALL_TIMEOUT_S = 1.0  # peer call timeout of the sidecar that meets a silent peer
 
 
-def start_sidecar(root, name: str, role: str, claim_wait_s: float = 30.0, port: int | None = None):
+def start_sidecar(root, name: str, role: str, claim_wait_s: float = 30.0, port: int | None = None,
+                  call_timeout_s: float = 10.0, port_chosen: bool = False):
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
     address = f"127.0.0.1:{port or free_port('127.0.0.1')}"
     config = SidecarConfig(
         engine_id=engine_id, role=role, address=address, ipc_dir=ipc_dir_for(engine_id),
         ledger=LedgerConfig(claim_wait_ns=int(claim_wait_s * SECOND_NS)),
         log_path=str(root / "events" / f"{engine_id}.kvlog"), heartbeat_interval_s=1.0,
-        parent_pid=os.getpid())
+        parent_pid=os.getpid(), call_timeout_s=call_timeout_s, port_chosen=port_chosen)
     return SidecarHandle.start(config, str(root / "logs"))
+
+
+class SilentServer:
+    """Listens and accepts, never answers: a stopped or wedged peer, or another program on the
+    port. Connections stay open until close()."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.connections: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                self.connections.append(self.sock.accept()[0])
+            except OSError:
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        for conn in self.connections:
+            conn.close()
+        self.sock.close()
 
 
 def wait_resolved(handle: SidecarHandle, request: str, timeout_s: float) -> tuple[m.Resolved | None, float]:
@@ -99,6 +132,8 @@ def sidecars(tmp_path_factory):
     root = tmp_path_factory.mktemp("sidecar-claim")
     handles = {"p": start_sidecar(root, "P", "producer"),
                "d": start_sidecar(root, "D", "consumer", claim_wait_s=LONG_WAIT_S),
+               "d_impatient": start_sidecar(root, "Dimpatient", "consumer", claim_wait_s=LONG_WAIT_S,
+                                            call_timeout_s=CALL_TIMEOUT_S),
                "d_short": start_sidecar(root, "Dshort", "consumer", claim_wait_s=SHORT_WAIT_S)}
     try:
         for handle in handles.values():
@@ -228,3 +263,66 @@ def test_unknown_ticket_is_retried_for_a_short_window_only(sidecars):
     assert resolved is not None and not resolved.hit and resolved.reason == "unknown ticket", resolved
     assert UNKNOWN_TICKET_RETRY_S - 0.1 <= took < UNKNOWN_TICKET_RETRY_S + 5.0, took
     wait_closed(sidecars.d)
+
+
+def test_claim_to_a_silent_peer_ends_with_the_call_timeout(sidecars):
+    """Something at P's address accepts the connection and never answers (a stopped P, or another
+    program on its port): the claim fails after the peer call timeout, not at the end of the
+    2-minute claim wait (xoscar alone would wait for ever), and the parked request recomputes."""
+
+    server = SilentServer()
+    try:
+        request = load(sidecars.d_impatient, server.address, uuid.uuid4().hex)
+        resolved, took = wait_resolved(sidecars.d_impatient, request, 30.0)
+    finally:
+        server.close()
+    assert resolved is not None and not resolved.hit and resolved.reason == "source unreachable", resolved
+    print(f"\nmissed after {took:.3f} s")
+    assert CALL_TIMEOUT_S - 0.1 <= took < CALL_TIMEOUT_S + 5.0, took
+    wait_closed(sidecars.d_impatient)
+
+
+def test_call_authority_returns_when_the_peer_never_answers():
+    """The router's and tools' calls to a sidecar end with CallTimeout against a silent peer."""
+
+    from kvbaton.control.client import CallTimeout
+
+    server = SilentServer()
+    started = time.monotonic()
+    try:
+        with pytest.raises(CallTimeout, match="no answer within 1 s"):
+            call_authority_sync(server.address, "debug_state", timeout_s=1.0)
+    finally:
+        server.close()
+    assert time.monotonic() - started < 4.0
+
+
+def test_sidecar_listens_elsewhere_when_its_chosen_port_was_taken(sidecars):
+    """The engine picked a port and another program bound it before the sidecar could: the
+    sidecar listens on another port and its Ready tells the engine where (tickets carry it)."""
+
+    server = SilentServer()
+    handle = start_sidecar(sidecars.root, "Pmoved", "producer", port=server.port, port_chosen=True)
+    try:
+        handle.wait_ready(START_TIMEOUT_S)
+        assert handle.address != server.address
+        assert state(handle)["open"] == {"tickets": 0, "loads": 0, "leases": 0}
+    finally:
+        handle.stop()
+        server.close()
+
+
+def test_sidecar_on_an_operator_port_that_is_taken_fails_clearly(sidecars):
+    """An operator-set control port is never silently changed: the sidecar exits, and its
+    error names the address."""
+
+    from kvbaton.control.client import SidecarError
+
+    server = SilentServer()
+    handle = start_sidecar(sidecars.root, "Pfixed", "producer", port=server.port)
+    try:
+        with pytest.raises(SidecarError, match="address already in use|Address already in use"):
+            handle.wait_ready(START_TIMEOUT_S)
+    finally:
+        handle.stop()
+        server.close()

@@ -11,8 +11,7 @@ engine process writes its cumulative figures to `$KVB_HOOK_TIMING_DIR/<engine>-<
   `build_connector_meta` calls), the engine's step period while it is busy;
 * `batch`: scheduler steps that scheduled work, and their requests and tokens (the batch size, which
   the step period depends on);
-* `forward`: a histogram of the worker's span from `start_load_kv` to the end of `get_finished`
-  (the model forward plus the connector's own work around it).
+* on the worker side, steps are counted by `get_finished` (called once per engine step).
 
 The figures are cumulative so a caller can difference two snapshots around one scenario
 (`bench/pd_compare.py` does). Timing costs two clock reads per hook call, the same for both
@@ -41,10 +40,8 @@ class HookClock:
         self.path = os.path.join(self.directory, f"{engine}-{side}-{os.getpid()}.json") if self.directory else ""
         self.hooks: dict[str, list[float]] = {}  # name -> [calls, total_s, max_s]
         self.step = [0] * BUCKETS
-        self.forward = [0] * BUCKETS
         self.batch = [0, 0, 0]  # scheduler steps that ran something, their requests, their tokens
         self.last_step_ns = 0
-        self.forward_start_ns = 0
         if self.path:
             os.makedirs(self.directory, exist_ok=True)
             atexit.register(self.dump)
@@ -77,11 +74,6 @@ class HookClock:
             if self.last_step_ns:
                 self.bucket(self.step, start_ns - self.last_step_ns)
             self.last_step_ns = start_ns
-        elif name == "start_load_kv":
-            self.forward_start_ns = start_ns
-        elif name == "get_finished" and self.forward_start_ns:
-            self.bucket(self.forward, end_ns - self.forward_start_ns)
-            self.forward_start_ns = 0
 
     def scheduled(self, scheduler_output) -> None:
         tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0
@@ -93,7 +85,7 @@ class HookClock:
     def dump(self) -> None:
         if not self.path:
             return
-        data = {"hooks": {k: list(v) for k, v in list(self.hooks.items())}, "step": list(self.step), "forward": list(self.forward), "batch": list(self.batch), "bucket_ns": BUCKET_NS,
+        data = {"hooks": {k: list(v) for k, v in list(self.hooks.items())}, "step": list(self.step), "batch": list(self.batch), "bucket_ns": BUCKET_NS,
                 "time": time.time()}
         tmp = self.path + ".tmp"
         with open(tmp, "w") as out:
@@ -188,11 +180,12 @@ def difference(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dic
 
     out = {}
     for key, now in after.items():
-        then = before.get(key, {"hooks": {}, "step": [0] * BUCKETS, "forward": [0] * BUCKETS, "batch": [0, 0, 0]})
+        then = before.get(key, {"hooks": {}, "step": [0] * BUCKETS, "batch": [0, 0, 0]})
         bucket_ns = now.get("bucket_ns", BUCKET_NS)
         step = [a - b for a, b in zip(now["step"], then["step"])]
-        forward = [a - b for a, b in zip(now["forward"], then["forward"])]
-        steps = max(sum(step), sum(forward), 1)
+        # One scheduler step per build_connector_meta, one worker step per get_finished.
+        steps = max(1, sum(step) or (now["hooks"].get("get_finished", (0,))[0]
+                                     - then["hooks"].get("get_finished", (0,))[0]))
         hooks = {}
         for name, (calls, total, longest) in now["hooks"].items():
             calls0, total0, _ = then["hooks"].get(name, (0, 0.0, 0.0))
@@ -204,5 +197,5 @@ def difference(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dic
             "working_steps": working, "requests_per_step": reqs / working if working else 0.0,
             "tokens_per_step": tokens / working if working else 0.0,
             "hooks": hooks, "hook_us_per_step": sum(h["us_per_step"] for h in hooks.values()),
-            "step": _histogram_summary(step, bucket_ns), "forward": _histogram_summary(forward, bucket_ns)}
+            "step": _histogram_summary(step, bucket_ns)}
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -36,13 +37,13 @@ def ipc_dir_for(engine_id: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"kvb-{safe}")
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
-            low, high = (int(x) for x in handle.read().split())
-            return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str) -> int:
@@ -53,13 +54,10 @@ def free_port(host: str) -> int:
     happened under benchmark load: a sidecar could not bind). Ports below the range are only
     taken by programs that bind them on purpose."""
 
-    import random
-
-    low, _high = _ephemeral_range()
+    low = _ephemeral_low()
     if low > 12000:
-        rng = random.Random()
         for _ in range(64):
-            port = rng.randrange(10000, low)
+            port = random.randrange(10000, low)
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 try:
                     sock.bind((host, port))
@@ -234,13 +232,11 @@ async def bounded(awaitable, timeout_s: float, what: str):
     task = asyncio.ensure_future(awaitable)
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    except BaseException:  # the caller itself was cancelled
-        task.cancel()
-        task.add_done_callback(_retrieve)
-        raise
+    finally:  # timed out, or the caller itself was cancelled: abandon the call
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieve)
     if not done:
-        task.cancel()
-        task.add_done_callback(_retrieve)
         raise CallTimeout(f"{what}: no answer within {timeout_s:g} s")
     return task.result()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -63,6 +64,17 @@ class RouterThread:
                 pass
             time.sleep(0.2)
         raise RuntimeError("the router did not come up")
+
+    def dump_tasks(self) -> None:
+        """After a failed request: where the router's requests are waiting, on stderr (a demo that
+        fails under load once in a while left no trace of where a request stalled)."""
+
+        print(f"router tasks after a failed request ({time.strftime('%H:%M:%S')}):", file=sys.stderr)
+        try:  # read from another thread while the loop runs: best effort
+            for task in list(asyncio.all_tasks(self.loop)):
+                task.print_stack(limit=8, file=sys.stderr)
+        except RuntimeError as exc:
+            print(f"  (could not list them: {exc})", file=sys.stderr)
 
     def stop(self) -> None:
         if self.stop_event is not None:
@@ -116,6 +128,7 @@ def run_demo(args) -> int:
                 latencies.append(time.perf_counter() - started)
             except Exception as exc:  # reported in the table, and the demo fails
                 failures.append(f"completion: {exc}")
+                router.dump_tasks()
 
         def stream(prompt_ids: list[int], walk_away: bool = False) -> None:
             nonlocal requests

@@ -10,7 +10,7 @@ devices, and a per-layer gather of the same blocks.
     python -m kvbaton.bench.nixl_gpu_read [--topology 1gpu|2gpu] [--repeats 10] [--out FILE]
 
 Conditions: contiguous blocks (one descriptor per layer), scattered blocks (one per block and
-layer), prepped descriptor lists, and a Python thread keeping the GIL busy (an engine thread) with
+layer), D's landing area for scattered destinations, prepped descriptor lists, and a Python thread keeping the GIL busy (an engine thread) with
 Python's default 5 ms switch interval and with 0.5 ms. Needs CUDA and NIXL (the GPU machines);
 `--device cpu` runs the same on DRAM for a dry run.
 """
@@ -157,6 +157,26 @@ def main(argv: list[str] | None = None) -> int:
                                                                       args.repeats, "f")
         threaded.close()
         del caches2
+        # D's landing area: scattered destination blocks read packed, then scattered by the
+        # device. Against the same reads straight into the scattered blocks.
+        scattered_dst_only = rng.sample(range(1, num_blocks), PROMPT_BLOCKS)
+        results["per_read_contiguous_src_scattered_dst"] = timed_reads(
+            per_read, "P", contiguous, scattered_dst_only, args.repeats, "i")
+        landing = NixlTransport("D-landing", descriptor_mode="per_read", post_in_thread=False,
+                                landing_bytes=2 * PROMPT_BLOCKS * layout.block_nbytes)
+        caches4 = make_caches(torch, device, num_blocks)
+        landing.register(KvLayout.from_kv_caches(caches4, num_blocks, BLOCK), caches4)
+        landing.add_peer("P", metadata)
+        results["landing_contiguous_src_scattered_dst"] = timed_reads(
+            landing, "P", contiguous, scattered_dst_only, args.repeats, "j")
+        results["landing_scattered"] = timed_reads(landing, "P", scattered_src, scattered_dst,
+                                                   args.repeats, "k")
+        # Every landed block holds P's pattern for its layer (P fills layer i with i + 1).
+        wrong = [i for i, tensor in enumerate(caches4.values())
+                 if not bool((tensor.view(torch.int16)[scattered_dst_only] == i + 1).all())]
+        results["landing_check"] = {"layers_wrong": wrong, "stats": dict(landing.stats)}
+        landing.close()
+        del caches4
         prepped = NixlTransport("D-prepped", descriptor_mode="prepped", post_in_thread=False)
         caches3 = make_caches(torch, device, num_blocks)
         prepped.register(KvLayout.from_kv_caches(caches3, num_blocks, BLOCK), caches3)

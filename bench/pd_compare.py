@@ -590,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         "native-plus": System("native-plus", "native", p_extra_blocks=history_blocks, timed=timed),
         # D keeps Python's 5 ms GIL switch interval (the A/B for `gil_switch_interval_s`).
         "kvbaton-gil5": System("kvbaton-gil5", "kvbaton", settings={"gil_switch_interval_s": 0}, timed=timed),
+        # D reads straight into its engine blocks, however scattered (the A/B for landing_bytes).
+        "kvbaton-direct": System("kvbaton-direct", "kvbaton", settings={"landing_bytes": 0}, timed=timed),
     }
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]

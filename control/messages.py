@@ -109,6 +109,8 @@ class ReadDone(Msg, tag="rdone"):
     error: str = ""
     nbytes: int = 0
     seconds: float = 0.0
+    descriptors: int = 0  # as the transport posted it (0: not reported)
+    landed: bool = False  # through D's landing area (see transports/landing.py)
 
 
 # --- history copier (a thread of P's worker) and P's worker -> sidecar -------------------------

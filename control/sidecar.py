@@ -369,6 +369,8 @@ class Authority(xo.Actor):
         elif kind is m.ReadDone:
             stats = self.transfer
             stats["reads"] += 1
+            stats["descriptors"] = stats.get("descriptors", 0) + msg.descriptors
+            stats["landed"] = stats.get("landed", 0) + int(msg.landed)
             if msg.ok:
                 stats["bytes"] += msg.nbytes
                 stats["seconds"] += msg.seconds

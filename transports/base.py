@@ -42,6 +42,8 @@ class ReadResult(msgspec.Struct, frozen=True):
         destination blocks (0 when nothing was posted), so the caller knows they hold garbage.
     seconds: wall time from start_read until the transport saw the completion (includes the
         polling delay of whoever called poll/wait).
+    descriptors: how many descriptors the read was posted as (0 when the transport does not say).
+    landed: the read went through a landing area and was scattered into place.
     """
 
     read_id: str
@@ -49,6 +51,8 @@ class ReadResult(msgspec.Struct, frozen=True):
     error: str | None
     nbytes: int
     seconds: float
+    descriptors: int = 0
+    landed: bool = False
 
 
 # A test hook: called with the read id when a read starts; returning True makes that read fail

@@ -74,6 +74,7 @@ import numpy as np
 
 from .base import (NOTIFY_DECODER, NOTIFY_ENCODER, FaultHook, NotifyEnvelope, PendingReadIds,
                    ReadResult, TransportError, TransportUnavailable)
+from .landing import LandingArea, landing_order, run_counts
 from .layout import (DescriptorPlan, KvLayout, check_block_ids, coalesce_runs,
                      descriptors_for_runs)
 from .local import UnknownPeer
@@ -207,6 +208,8 @@ class _InFlight:
     started: float
     nbytes: int
     injected_error: str | None = None  # set when fault_hook made this read a partial one
+    descriptors: int = 0
+    landing: tuple[int, int, np.ndarray] | None = None  # (start, count, dst blocks in pair order)
 
 
 class NixlTransport:
@@ -214,7 +217,8 @@ class NixlTransport:
 
     def __init__(self, engine_id: str, *, backends: Sequence[str] = ("UCX",),
                  descriptor_mode: str = "auto", dram_hugepages: bool = True,
-                 post_in_thread: bool = True, progress_interval_s: float | None = 0.02) -> None:
+                 post_in_thread: bool = True, progress_interval_s: float | None = 0.02,
+                 landing_bytes: int = 0, landing_min_runs_saved: int = 2) -> None:
         """
         Args:
             engine_id: this engine's id as peers know it; names the agent and signs notifications.
@@ -239,6 +243,15 @@ class NixlTransport:
                 thread's pause was being changed at the time). An idle vLLM engine makes no NIXL
                 calls, so the transport makes them. Cost when idle: +0.3% of a core at 20 ms,
                 +0.8% at 5 ms. None turns it off.
+            landing_bytes: size of a landing area on the cache's device (transports/landing.py);
+                0 (the default) reads straight into the destination blocks. With one, a read
+                whose destination blocks are scattered lands packed and is scattered by the
+                device: one descriptor per layer and source run instead of per run on both sides.
+                It also makes "auto" describe CPU reads per read (a prepped list cannot point
+                into the area).
+            landing_min_runs_saved: use the landing area for a read when it saves at least this
+                many runs (each run costs one descriptor per layer; the scatter costs about one
+                kernel launch per layer); 0 lands every read that fits.
         """
         if descriptor_mode not in ("auto", "prepped", "per_read"):
             raise ValueError(f"descriptor_mode must be 'auto', 'prepped' or 'per_read', "
@@ -253,6 +266,14 @@ class NixlTransport:
         self._dram_hugepages = dram_hugepages
         self._post_in_thread = post_in_thread
         self._progress_interval_s = progress_interval_s
+        if landing_bytes < 0 or landing_min_runs_saved < 0:
+            raise ValueError(f"landing_bytes and landing_min_runs_saved must be >= 0, not "
+                             f"{landing_bytes} and {landing_min_runs_saved}")
+        self._landing_bytes = int(landing_bytes)
+        self._landing_min_runs_saved = int(landing_min_runs_saved)
+        self._landing: LandingArea | None = None
+        self._landing_events: dict[str, Any] = {}  # read id -> CUDA event its collector waits on
+        self.stats = {"reads": 0, "landed": 0, "landing_full": 0, "descriptors": 0}
         self._agent: Any = None
         self._layout: KvLayout | None = None
         self._mem_type = ""
@@ -294,6 +315,16 @@ class NixlTransport:
             self._agent = self._create_agent()
             regions = [(region.addr, region.nbytes, region.device_index, "")
                        for region in layout.regions]
+            if self._landing_bytes:
+                try:
+                    self._landing = LandingArea(layout, kv_caches, self._landing_bytes)
+                except Exception as error:  # out of memory, odd layout: read directly instead
+                    logger.warning("NIXL transport %s: no landing area (%s: %s); reads go "
+                                   "straight into the destination blocks", self.engine_id,
+                                   type(error).__name__, error)
+                else:
+                    region = self._landing.region
+                    regions.append((region.addr, region.nbytes, region.device_index, ""))
             self._registration = self._agent.register_memory(regions, mem_type=self._mem_type)
             self._layout = layout
             if self._use_prepped(layout):
@@ -381,6 +412,10 @@ class NixlTransport:
             self._finished.clear()
             for result in results:
                 self._read_ids.release(result.read_id)
+            events = [self._landing_events.pop(r.read_id) for r in results
+                      if r.read_id in self._landing_events]
+        for event in events:  # the caller's later kernels run after the scatter
+            self._landing.order_after(event)
         return results
 
     def wait(self, read_id: str, timeout_s: float) -> ReadResult:
@@ -400,6 +435,9 @@ class NixlTransport:
                 result = self._finished.pop(read_id, None)
                 if result is not None:
                     self._read_ids.release(read_id)
+                    event = self._landing_events.pop(read_id, None)
+                    if event is not None:
+                        event.synchronize()  # a waiter expects the blocks in place on return
                     return result
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
@@ -438,6 +476,8 @@ class NixlTransport:
             if self._local_dlist is not None:
                 _release_quietly(self._local_dlist, "local descriptor list")
                 self._local_dlist = None
+            if self._landing is not None:
+                self._landing.close()
             if self._registration is not None:
                 try:
                     agent.deregister_memory(self._registration)
@@ -522,7 +562,7 @@ class NixlTransport:
         return self._layout
 
     def _use_prepped(self, layout: KvLayout) -> bool:
-        if self._descriptor_mode == "per_read":
+        if self._descriptor_mode == "per_read" or self._landing is not None:
             return False
         if self._descriptor_mode == "prepped":
             return True
@@ -585,19 +625,55 @@ class NixlTransport:
                                                    peer.dlist, remote_indices, job.notif_msg)
             moved, error = nbytes, None
         else:
-            plan = descriptors_for_runs(peer.layout, layout,
-                                        coalesce_runs(job.src_blocks, job.dst_blocks))
-            handle = self._initialize(plan, peer, job.notif_msg)
+            landing = self._reserve_landing(job)
+            if landing is None:
+                plan = descriptors_for_runs(peer.layout, layout,
+                                            coalesce_runs(job.src_blocks, job.dst_blocks))
+                handle = self._initialize(plan, peer, job.notif_msg)
+            else:
+                start, count, src_sorted, dst_sorted = landing
+                plan = descriptors_for_runs(
+                    peer.layout, self._landing.layout_for(start, count),
+                    coalesce_runs(src_sorted.tolist(), range(count)))
+                try:
+                    handle = self._initialize(plan, peer, job.notif_msg)
+                except BaseException:
+                    self._landing.release(start, count)
+                    raise
+                landing = (start, count, dst_sorted)
             moved, error = nbytes, None
+            self.stats["descriptors"] += len(plan)
         in_flight = _InFlight(job.read_id, job.peer_id, handle, job.started, moved, error)
+        if not job.inject_fault and peer.dlist is None:
+            in_flight.descriptors = len(plan)
+            in_flight.landing = landing
+        self.stats["reads"] += 1
         try:
             state = self._agent.transfer(handle)
         except Exception:
             _release_quietly(handle, f"read {job.read_id!r}")
+            if in_flight.landing is not None:
+                self._landing.release(*in_flight.landing[:2])
             raise
         self._in_flight[job.read_id] = in_flight
         if state != "PROC":  # DONE (CMA copies inside transfer) or ERR: settle it now
             self._settle(in_flight, state)
+
+    def _reserve_landing(self, job: _ReadJob):
+        """(start, count, src sorted, dst in the same order) when this read should land packed
+        and the area has room; None to read straight into the destination blocks."""
+        if self._landing is None or not job.dst_blocks:
+            return None
+        src_sorted, dst_sorted = landing_order(job.src_blocks, job.dst_blocks)
+        direct, landed = run_counts(src_sorted, dst_sorted)
+        if direct - landed < self._landing_min_runs_saved:
+            return None
+        start = self._landing.reserve(len(job.dst_blocks))
+        if start is None:
+            self.stats["landing_full"] += 1
+            return None
+        self.stats["landed"] += 1
+        return start, len(job.dst_blocks), src_sorted, dst_sorted
 
     def _initialize(self, plan: DescriptorPlan, peer: _Peer, notif_msg: bytes) -> Any:
         local = _with_device_column(plan.dst, self._layout.device_index)
@@ -619,9 +695,28 @@ class NixlTransport:
     def _settle(self, in_flight: _InFlight, state: str) -> None:
         del self._in_flight[in_flight.read_id]
         _release_quietly(in_flight.handle, f"read {in_flight.read_id!r}")
+        if in_flight.landing is not None:
+            start, count, dst_blocks = in_flight.landing
+            if state != "DONE":
+                self._landing.release(start, count)  # nothing to put in place
+            else:
+                try:
+                    event = self._landing.scatter(start, count, dst_blocks)
+                except Exception as error:
+                    # The engine's blocks may be partly written: the read failed (the caller
+                    # recomputes them).
+                    self._finish(in_flight.read_id, ok=False, error=f"landing scatter failed: "
+                                 f"{type(error).__name__}: {error}", nbytes=in_flight.nbytes,
+                                 started=in_flight.started, landed=True)
+                    return
+                if event is not None:
+                    with self._state_lock:
+                        self._landing_events[in_flight.read_id] = event
+        landed = in_flight.landing is not None
         if state == "DONE" and in_flight.injected_error is None:
             self._finish(in_flight.read_id, ok=True, error=None, nbytes=in_flight.nbytes,
-                         started=in_flight.started)
+                         started=in_flight.started, descriptors=in_flight.descriptors,
+                         landed=landed)
         elif state == "DONE":
             self._finish(in_flight.read_id, ok=False, error=in_flight.injected_error,
                          nbytes=in_flight.nbytes, started=in_flight.started)
@@ -631,8 +726,9 @@ class NixlTransport:
                          nbytes=in_flight.nbytes, started=in_flight.started)
 
     def _finish(self, read_id: str, *, ok: bool, error: str | None, nbytes: int,
-                started: float) -> None:
-        result = ReadResult(read_id, ok, error, nbytes, time.perf_counter() - started)
+                started: float, descriptors: int = 0, landed: bool = False) -> None:
+        result = ReadResult(read_id, ok, error, nbytes, time.perf_counter() - started,
+                            descriptors, landed)
         with self._read_finished:
             self._finished[read_id] = result
             self._read_finished.notify_all()

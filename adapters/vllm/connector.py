@@ -620,8 +620,14 @@ class WorkerSide:
 
             # The worker io thread posts reads itself (inline): a second thread in between
             # would add a GIL handoff per read.
+            settings = self.conn.settings
+            landing = settings.landing_bytes
+            if landing < 0:  # auto: where a reader's scattered blocks cost descriptors (GPU)
+                landing = (256 << 20) if self.conn.is_consumer and layout.device_type == "cuda" else 0
             self.transport = NixlTransport(self.conn.engine_id, post_in_thread=False,
-                                           descriptor_mode=self.conn.settings.nixl_descriptor_mode)
+                                           descriptor_mode=settings.nixl_descriptor_mode,
+                                           landing_bytes=landing,
+                                           landing_min_runs_saved=settings.landing_min_runs_saved)
         self.transport.register(layout, kv_caches)
         self.kv_caches = kv_caches  # kept for test hooks and history copies
         nth = self.conn.settings.debug_fail_every_nth_read
@@ -693,7 +699,8 @@ class WorkerSide:
                     continue
                 logger.debug("kvbaton worker: read done %s", result)
                 self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
-                                          result.nbytes, result.seconds))
+                                          result.nbytes, result.seconds, result.descriptors,
+                                          result.landed))
                 if result.ok and last:
                     # The bytes are in place: vLLM may schedule the request next step. The
                     # sidecar's FinishedRecving for it (after it books the read) is dropped.

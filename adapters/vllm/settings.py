@@ -57,6 +57,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # prepared once (vLLM's way), "auto" picks per_read for GPU caches (NIXL costs ~10 us per
     # descriptor there) and prepped for CPU caches of up to 1M blocks x layers.
     nixl_descriptor_mode: str = "auto"
+    # D's landing area (transports/landing.py): a read whose destination blocks are scattered
+    # lands packed there and the device scatters it (one descriptor per layer and source run
+    # instead of per run on both sides; NIXL costs ~10 us per descriptor on an H200). -1: 256 MiB
+    # on a reading engine whose cache is on CUDA, none on CPU; 0: none.
+    landing_bytes: int = -1
+    # Land a read when that saves at least this many runs; 0 lands every read that fits.
+    landing_min_runs_saved: int = 2
     # The engine process's GIL switch interval (Python's default is 5 ms): the worker's io
     # thread posts granted reads and reports their end, and must not wait a whole interval for
     # the GIL each time while the engine thread runs Python. Only ever lowered; 0 leaves it.
@@ -90,7 +97,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 _POSITIVE = ("unclaimed_ttl_s", "claim_lease_s", "claim_wait_s", "read_grant_wait_s",
              "heartbeat_interval_s", "peer_call_timeout_s", "history_lease_s", "history_retention_deadline_s",
              "debug_reads_per_load")
-_NON_NEGATIVE = ("gpu_history_bytes", "gil_switch_interval_s", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
+_NON_NEGATIVE = ("gpu_history_bytes", "landing_min_runs_saved", "gil_switch_interval_s", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
                  "debug_hold_first_read_s", "debug_fail_every_nth_read")
 
 
@@ -121,6 +128,9 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
     if settings.cpu_history_bytes < -1:
         raise SettingsError("kvbaton: kv_connector_extra_config 'cpu_history_bytes' must be >= 0 "
                             "(or -1 for the engine's KV cache size)")
+    if settings.landing_bytes < -1:
+        raise SettingsError("kvbaton: kv_connector_extra_config 'landing_bytes' must be >= 0 "
+                            "(or -1 for the default: 256 MiB on a reading GPU engine)")
     if settings.transport not in ("nixl", "local"):
         raise SettingsError(f"kvbaton: kv_connector_extra_config 'transport' must be 'nixl' or "
                             f"'local' (got {settings.transport!r})")

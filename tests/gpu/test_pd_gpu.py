@@ -18,6 +18,9 @@ What is proven, per prompt length (16, 100, 2576, 4432, 4440 tokens):
 recomputing, handoff GB/s against GPU copies of the same bytes) into a JSON report
 (`KVBATON_GPU_REPORT`, default `<log dir>/report.json`).
 
+`KVBATON_GPU_LANDING` (all, the default here / auto / off) picks how D's reads use its landing
+area (every read packed then scattered on D's GPU / only when that saves descriptors / never).
+
 Topologies: `1gpu` (P, D and S share GPU 0) always; `2gpu` (P on GPU 0; D and S on GPU 1) when
 two GPUs are visible. `KVBATON_GPU_TOPOLOGIES=2gpu` picks one. `KVBATON_GPU_ASYNC_SCHEDULING=0|1`
 forces vLLM's async scheduling off or on (unset: vLLM's default, on for GPU engines in 0.24).
@@ -147,6 +150,14 @@ def _topology_params():
     return params
 
 
+# D's landing area (transports/landing.py). "all" (default here): every read that fits lands
+# packed and is scattered by D's GPU, so the bit-exact tests prove that path; "auto": the
+# connector's default (land only when it saves descriptors); "off": straight reads only.
+LANDING = os.environ.get("KVBATON_GPU_LANDING", "all")
+LANDING_SETTINGS = {"all": {"landing_bytes": 256 << 20, "landing_min_runs_saved": 0},
+                    "auto": {}, "off": {"landing_bytes": 0}}[LANDING]
+
+
 def _engine_env(device: str | None) -> dict:
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0",  # flashinfer is not in the kit (vllm_gpu.md)
            # On one GPU without NVLink UCX refuses cuda_ipc READs unless this is set (the
@@ -186,7 +197,8 @@ def pd(request, tmp_path_factory):
     d = EngineProcess("D", model, cpu_core=cores[1], env=_engine_env(devices[1]), **common,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer",
                                           "kv_connector_extra_config": {
-                                              "event_log_dir": str(events), "heartbeat_interval_s": 1.0}})
+                                              "event_log_dir": str(events), "heartbeat_interval_s": 1.0,
+                                              **LANDING_SETTINGS}})
     s = EngineProcess("S", model, cpu_core=cores[2], env=_engine_env(devices[2]), **common)
     engines = [p, d, s]
     report = REPORT.setdefault(topology, {"topology": topology, "handoffs": [],
@@ -394,6 +406,8 @@ def test_handoff_output_and_kv_bits(pd, length):
         "loads_blocks": delta(before["counters"], after["counters"], "loads.blocks"),
         "transfer_bytes": moved,
         "transfer_s": delta(before["transfer"], after["transfer"], "seconds"),
+        "landed_reads": delta(before["transfer"], after["transfer"], "landed"),
+        "descriptors": delta(before["transfer"], after["transfer"], "descriptors"),
         "strict_slots": strict,
         "strict_bytes_compared": int(src[:, :strict].size),
         "strict_slots_equal": bool(same[:, :strict].all()),
@@ -411,6 +425,8 @@ def test_handoff_output_and_kv_bits(pd, length):
     assert src[:, : length - 1].any(), "P's KV is all zeros: nothing meaningful to compare"
     assert d_out["token_ids"] == ref["token_ids"]
     assert entry["loads_done"] == 1 and entry["loads_blocks"] == n_blocks, entry
+    if LANDING == "all":
+        assert entry["landed_reads"] >= 1, entry
     per_block = pd.report.get("kv_layout", {}).get("D", {}).get("block_nbytes_all_layers")
     if per_block:
         assert moved == n_blocks * per_block, entry

@@ -2,7 +2,7 @@
 
 Three single-process engines start once for the module: P (producer; its engine is *not* stepped
 while it holds tickets, so every handoff here proves D never waits for P's engine), D (consumer,
-prefix caching on) and S (a plain engine giving the reference greedy outputs). Every test ends by
+prefix caching on, every read through its landing area) and S (a plain engine giving the reference greedy outputs). Every test ends by
 checking, from the engines and sidecars themselves, that no block and no ticket leaked.
 """
 
@@ -45,7 +45,10 @@ def pd(tmp_path_factory):
                           "claim_lease_s": CLAIM_LEASE_S}})
     d = EngineProcess("D", model, cpu_core=1, log_dir=root,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
-                          "event_log_dir": str(events), "heartbeat_interval_s": 1.0}})
+                          "event_log_dir": str(events), "heartbeat_interval_s": 1.0,
+                          # Every read that fits goes through D's landing area (packed, then
+                          # scattered), so these tests prove that path on real engines too.
+                          "landing_bytes": 32 << 20, "landing_min_runs_saved": 0}})
     s = EngineProcess("S", model, cpu_core=0, log_dir=root)
     engines = [p, d, s]
     for engine in engines:
@@ -152,6 +155,8 @@ def test_transferred_kv_is_bit_identical(pd):
     received = pd.d.run_in_engine(engine_hooks.read_blocks, d_blocks)
     assert len(received) == len(source) > 0
     assert received == source
+    transfer = pd.d.call_connector("debug_state")["transfer"]
+    assert transfer["landed"] >= 1, transfer  # the bytes came through the landing area
     assert_nothing_held(pd)
 
 

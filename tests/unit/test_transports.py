@@ -511,6 +511,43 @@ def test_nixl_reads_between_two_processes(prefill_process, descriptor_mode, post
         decode.close()
 
 
+def test_nixl_landing_area_packs_scattered_destinations(prefill_process):
+    """A read into scattered D blocks lands packed (one descriptor per layer) and is scattered
+    into place bit-exactly; one that does not fit the area reads straight in; the area's
+    reservations all come back."""
+    _, _conn, metadata, expected = prefill_process
+    caches = nixl_caches(NIXL_NUM_BLOCKS)
+    layout = KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE)
+    decode = T.NixlTransport("D-landing", post_in_thread=False,
+                             landing_bytes=64 * layout.block_nbytes)
+    try:
+        decode.register(layout, caches)
+        decode.add_peer("P", metadata)
+        rng = random.Random(7)
+        destinations = rng.sample(range(NIXL_NUM_BLOCKS), 64 + 65 + 8)
+        packed_dst, too_big_dst, matching_dst = (destinations[:64], destinations[64:129],
+                                                 list(range(3000, 3008)))
+        decode.start_read("packed", "P", list(range(100, 164)), packed_dst, notify=None)
+        packed = decode.wait("packed", NIXL_TIMEOUT_S)
+        assert packed.ok, packed.error
+        assert packed.landed and packed.descriptors == len(layout.layers)
+        _check_blocks(caches, expected, layout, list(range(100, 164)), packed_dst)
+        # 65 blocks do not fit a 64-block area: straight into the destination blocks.
+        decode.start_read("too-big", "P", list(range(200, 265)), too_big_dst, notify=None)
+        too_big = decode.wait("too-big", NIXL_TIMEOUT_S)
+        assert too_big.ok and not too_big.landed and too_big.descriptors > 100
+        _check_blocks(caches, expected, layout, list(range(200, 265)), too_big_dst)
+        # Adjacent on both sides already: nothing to save, read directly.
+        decode.start_read("matching", "P", list(range(500, 508)), matching_dst, notify=None)
+        matching = decode.wait("matching", NIXL_TIMEOUT_S)
+        assert matching.ok and not matching.landed
+        _check_blocks(caches, expected, layout, list(range(500, 508)), matching_dst)
+        assert decode.stats["landed"] == 1 and decode.stats["landing_full"] == 1
+        assert decode._landing.free_blocks() == 64
+    finally:
+        decode.close()
+
+
 def _idle_prefill_main(conn, progress_interval_s) -> None:
     """A target that registers, publishes its metadata at once and then makes no call at all."""
     transports = _import_kvbaton_transports()

@@ -96,7 +96,8 @@ def history_plan(settings, kv_cache_config, is_producer: bool) -> HistoryPlan:
 class RestoreJob:
     """A restore in flight: its slots are being read until `done()` (then `SlotStore.end_read`)."""
 
-    __slots__ = ("reads", "event", "nbytes", "gpu_blocks", "cpu_blocks", "started", "ready_at")
+    __slots__ = ("reads", "event", "nbytes", "gpu_blocks", "cpu_blocks", "started", "ready_at",
+                 "tensors")
 
     def __init__(self, reads, event, nbytes, gpu_blocks, cpu_blocks, started, ready_at=0.0) -> None:
         self.reads = reads  # [(tier, slot)]
@@ -106,6 +107,10 @@ class RestoreJob:
         self.cpu_blocks = cpu_blocks
         self.started = started
         self.ready_at = ready_at  # test hook: not done before this time
+        # The index tensors the queued copies read. They were allocated on the engine's stream:
+        # freed before the copies ran, the engine's next allocations could reuse (and overwrite)
+        # them, and the copies would index out of bounds (a device-side assert kills the engine).
+        self.tensors = None
 
     def done(self) -> bool:
         if self.ready_at and time.monotonic() < self.ready_at:
@@ -330,6 +335,7 @@ class SlotStore:
                     batches.append((tier, self._index(slots, src_device), self._index(blocks, self.device)))
             self._run(self.restore_stream, self._restore_copy, batches)
             if self.restore_stream is not None:
+                job.tensors = batches  # alive until the event says the copies ran
                 job.event = self.torch.cuda.Event()
                 job.event.record(self.restore_stream)
         except BaseException:
@@ -357,6 +363,7 @@ class SlotStore:
                     self.deferred.discard(read)
                     self.free[read[0]].append(read[1])
             job.reads = []
+            job.tensors = None
 
     def restore(self, copies) -> tuple[int, int, int]:
         """Restore and wait for it (tests): returns (bytes, gpu-tier blocks, cpu-tier blocks)."""

@@ -595,7 +595,7 @@ class WorkerSide:
         self.bad_peers: dict[str, str] = {}
         self.errors = 0
         self.io: WorkerIo | None = None  # the control-plane thread (posts reads), once registered
-        self.reported_received: set[str] = set()  # reported at their last read's end
+        self.reported_received: set[str] = set()  # reported when their last read or restore ended
         self.history = None  # P's history copier (a thread), when history is on
         self.restorer = None  # P's history restores (on this thread, from pump)
 
@@ -690,8 +690,14 @@ class WorkerSide:
             elif kind is m.Debug and msg.key.startswith("history_") and self.restorer is not None:
                 self.restorer.debug(msg)
         if self.restorer is not None and self.restorer.jobs:
-            for done in self.restorer.poll():
+            for done, request in self.restorer.poll():
                 self.link.send(done)
+                if done.ok and request:
+                    # As for a load's last read: the bytes are in place, so vLLM may schedule
+                    # the request next step instead of after the sidecar's round trip (an
+                    # engine step later). The sidecar's FinishedRecving for it is dropped.
+                    self.recving.add(request)
+                    self.reported_received.add(request)
         if self.io.reads:
             for result in self.transport.poll():
                 request, last = self.io.reads.pop(result.read_id, ("", False))

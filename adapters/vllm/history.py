@@ -344,12 +344,21 @@ class SlotStore:
         return job
 
     def _restore_copy(self, batches) -> None:
+        torch = self.torch
         for layer, view in enumerate(self.views):  # per layer: one batch per tier
             for tier, slots, blocks in batches:
-                src = self.tiers[tier][layer].index_select(0, slots)
-                if src.device != view.device:
-                    src = src.to(view.device, non_blocking=True)
-                view.index_copy_(0, blocks, src)
+                source = self.tiers[tier][layer]
+                if source.device == view.device:
+                    view.index_copy_(0, blocks, source.index_select(0, slots))
+                    continue
+                # CPU tier into a CUDA cache: gather into *pinned* memory, so the upload is an
+                # asynchronous DMA on the restore stream. A plain index_select gives pageable
+                # memory, whose upload CUDA stages synchronously (3.2-3.5 GB/s measured against
+                # ~53 GB/s pinned). Torch's pinned allocator keeps the buffer until the copy ran.
+                staged = torch.empty((len(slots), *source.shape[1:]), dtype=source.dtype,
+                                     pin_memory=True)
+                torch.index_select(source, 0, slots, out=staged)
+                view.index_copy_(0, blocks, staged.to(view.device, non_blocking=True))
 
     def end_restore(self, job: RestoreJob) -> None:
         with self.lock:
@@ -516,7 +525,7 @@ class RestoreRunner:
     def __init__(self, store: SlotStore | None, broken: str = "") -> None:
         self.store = store
         self.broken = broken
-        self.jobs: list[tuple[str, RestoreJob]] = []  # (lease, job) in flight
+        self.jobs: list[tuple[str, str, RestoreJob]] = []  # (lease, request, job) in flight
         # Test hooks (sidecar Debug messages named history_*restore*).
         self.fail_next_restores = 0
         self.hold_restore_s = 0.0
@@ -533,26 +542,27 @@ class RestoreRunner:
             job = self.store.begin_restore(msg.copies, self.hold_restore_s)
         except Exception as exc:
             return m.RestoreDone(msg.lease, False, error=str(exc))
-        self.jobs.append((msg.lease, job))
+        self.jobs.append((msg.lease, msg.request, job))
         return None
 
-    def poll(self) -> list[m.RestoreDone]:
+    def poll(self) -> list[tuple[m.RestoreDone, str]]:
+        """The restores that ended, each with its request."""
         if not self.jobs:
             return []
         done, pending = [], []
-        for lease, job in self.jobs:
+        for lease, request, job in self.jobs:
             try:
                 finished = job.done()
             except Exception as exc:  # a device error surfaces here: the restore failed
                 self.store.end_restore(job)
-                done.append(m.RestoreDone(lease, False, error=str(exc)))
+                done.append((m.RestoreDone(lease, False, error=str(exc)), request))
                 continue
             if not finished:
-                pending.append((lease, job))
+                pending.append((lease, request, job))
                 continue
             self.store.end_restore(job)
-            done.append(m.RestoreDone(lease, True, job.nbytes, time.perf_counter() - job.started,
-                                      job.gpu_blocks, job.cpu_blocks))
+            done.append((m.RestoreDone(lease, True, job.nbytes, time.perf_counter() - job.started,
+                                       job.gpu_blocks, job.cpu_blocks), request))
         self.jobs = pending
         return done
 

@@ -47,12 +47,20 @@ def _prefill(conn, visible: str | None, device: str, num_blocks: int) -> None:
 
     caches = make_caches(torch, device, num_blocks)
     for index, tensor in enumerate(caches.values()):
-        tensor.view(torch.int16).fill_(index + 1)
+        tensor.view(torch.int16).copy_(block_pattern(torch, tensor, index))
     transport = NixlTransport("P", descriptor_mode="per_read")
     transport.register(KvLayout.from_kv_caches(caches, num_blocks, BLOCK), caches)
     conn.send(transport.local_metadata())
     conn.recv()  # until D is done
     transport.close()
+
+
+def block_pattern(torch, tensor, layer: int):
+    """Every block of every layer holds its own value, so a block read into the wrong place
+    shows (int16 view, shaped like the tensor)."""
+    blocks = torch.arange(tensor.shape[0], device=tensor.device, dtype=torch.int32)
+    values = ((blocks * 37 + layer * 1009) % 30000 + 1).to(torch.int16)
+    return values.view(-1, *([1] * (tensor.dim() - 1))).expand(tensor.shape)
 
 
 class GilHog:
@@ -169,11 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         landing.add_peer("P", metadata)
         results["landing_contiguous_src_scattered_dst"] = timed_reads(
             landing, "P", contiguous, scattered_dst_only, args.repeats, "j")
+        # Every landed block holds its source block's value (P's block_pattern).
+        wrong = [i for i, tensor in enumerate(caches4.values())
+                 if not torch.equal(tensor.view(torch.int16)[scattered_dst_only],
+                                    block_pattern(torch, tensor, i)[contiguous])]
         results["landing_scattered"] = timed_reads(landing, "P", scattered_src, scattered_dst,
                                                    args.repeats, "k")
-        # Every landed block holds P's pattern for its layer (P fills layer i with i + 1).
-        wrong = [i for i, tensor in enumerate(caches4.values())
-                 if not bool((tensor.view(torch.int16)[scattered_dst_only] == i + 1).all())]
         results["landing_check"] = {"layers_wrong": wrong, "stats": dict(landing.stats)}
         landing.close()
         del caches4

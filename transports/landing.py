@@ -11,9 +11,11 @@ run; the device then scatters the blocks into the engine's cache with one `index
 
 Layout of a reservation of `n` blocks at block offset `s`: for each layer (in the KV layout's
 order) a segment of `n * layer.block_nbytes` bytes, starting at `s * block_nbytes + n * (bytes of
-the layers before it per block)`; pair `i`'s bytes of that layer sit at `segment + i *
-layer.block_nbytes`, its spans packed in order. A contiguous run of source blocks is then
-contiguous in the segment too.
+the layers before it per block)`. Within it, each span of a block (K and V are separate spans in
+a `(2, num_blocks, ...)` layout) has its own run of `n` rows, so pair `i`'s span `j` sits at
+`segment + j * n * span + i * span`, and a run of adjacent source blocks lands as one descriptor
+per span. (A layer whose spans differ in size, which vLLM does not produce, packs each block's
+spans together instead: one descriptor per block and span.)
 
 Ordering (CUDA): the scatter runs on the area's own stream after NIXL reported the read DONE and
 records an event. Whoever collects the result must order its later work after that event
@@ -154,6 +156,15 @@ class LandingArea:
 
     # -- reads --------------------------------------------------------------------------------
 
+    def _placement(self, layer, count: int) -> tuple[int, list[int]]:
+        """(row stride, offset of each span from the layer's segment) in a reservation of
+        `count` blocks (see the module docstring)."""
+
+        sizes = [span.nbytes for span in layer.spans]
+        if len(set(sizes)) == 1:  # one run of rows per span
+            return sizes[0], [j * count * sizes[0] for j in range(len(sizes))]
+        return layer.block_nbytes, [sum(sizes[:j]) for j in range(len(sizes))]
+
     def layout_for(self, start: int, count: int) -> KvLayout:
         """A KvLayout whose block `i` is pair `i` of the reservation: hand it to
         `descriptors_for_runs` as the destination, with runs over `range(count)`."""
@@ -161,13 +172,11 @@ class LandingArea:
         base = self.region.addr + start * self.block_nbytes
         layers = []
         for layer, before in zip(self.layout.layers, self._layer_starts):
-            packed, offset = [], 0
-            for span in layer.spans:
-                packed.append(BlockSpan(offset, span.nbytes))
-                offset += span.nbytes
+            stride, offsets = self._placement(layer, count)
+            spans = tuple(BlockSpan(offset, span.nbytes) for offset, span in zip(offsets, layer.spans))
             layers.append(msgspec.structs.replace(
                 layer, base_ptr=int(base + count * int(before)), block_dim=0,
-                block_stride_bytes=layer.block_nbytes, spans=tuple(packed), num_blocks=count))
+                block_stride_bytes=stride, spans=spans, num_blocks=count))
         return msgspec.structs.replace(self.layout, num_blocks=count, layers=tuple(layers),
                                        regions=(self.region,))
 
@@ -183,8 +192,9 @@ class LandingArea:
                 self.release(start, count)
                 return None
             with torch.cuda.stream(self.stream):
-                index = torch.as_tensor(dst_blocks, dtype=torch.long).to(self.device,
-                                                                         non_blocking=True)
+                # From pinned memory: an upload from pageable memory would wait for the stream.
+                index = torch.as_tensor(dst_blocks, dtype=torch.long).pin_memory().to(
+                    self.device, non_blocking=True)
                 self._scatter(start, count, index)
                 event = torch.cuda.Event()
                 event.record(self.stream)
@@ -204,16 +214,15 @@ class LandingArea:
         for layer, before, target, (_storage, offset) in zip(
                 self.layout.layers, self._layer_starts, self._layer_flats, self._targets):
             segment = base + count * int(before)
-            packed = 0
-            for span in layer.spans:
+            stride, offsets = self._placement(layer, count)
+            for span, placed in zip(layer.spans, offsets):
                 rows = span.nbytes // unit
                 into = torch.as_strided(target, (layer.num_blocks, rows),
                                         (layer.block_stride_bytes // unit, 1),
                                         (offset + span.offset) // unit)
-                source = torch.as_strided(self._flat, (count, rows), (layer.block_nbytes // unit, 1),
-                                          (segment + packed) // unit)
+                source = torch.as_strided(self._flat, (count, rows), (stride // unit, 1),
+                                          (segment + placed) // unit)
                 into.index_copy_(0, index, source)
-                packed += span.nbytes
 
     def order_after(self, event) -> None:
         """Make the calling thread's current CUDA stream wait for `event` (no host wait)."""

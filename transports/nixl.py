@@ -414,8 +414,9 @@ class NixlTransport:
                 self._read_ids.release(result.read_id)
             events = [self._landing_events.pop(r.read_id) for r in results
                       if r.read_id in self._landing_events]
-        for event in events:  # the caller's later kernels run after the scatter
-            self._landing.order_after(event)
+        landing = self._landing
+        for event in events if landing is not None else ():
+            landing.order_after(event)  # the caller's later kernels run after the scatter
         return results
 
     def wait(self, read_id: str, timeout_s: float) -> ReadResult:
@@ -436,9 +437,7 @@ class NixlTransport:
                 if result is not None:
                     self._read_ids.release(read_id)
                     event = self._landing_events.pop(read_id, None)
-                    if event is not None:
-                        event.synchronize()  # a waiter expects the blocks in place on return
-                    return result
+                    break
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
                     raise TimeoutError(f"read {read_id!r} not finished after {timeout_s} s; it is "
@@ -446,6 +445,9 @@ class NixlTransport:
                 # Back off from 20 us to 1 ms between progress checks; a finish wakes us sooner.
                 self._read_finished.wait(min(pause_s, remaining_s))
             pause_s = min(pause_s * 2, 1e-3)
+        if event is not None:
+            event.synchronize()  # a waiter expects the blocks in place on return (lock not held)
+        return result
 
     def take_notifications(self) -> list[tuple[str, bytes]]:
         # Non-blocking like poll: if the helper is inside a copy, return what it has collected;
@@ -478,6 +480,7 @@ class NixlTransport:
                 self._local_dlist = None
             if self._landing is not None:
                 self._landing.close()
+                self._landing = None  # its memory goes back now, not when the transport does
             if self._registration is not None:
                 try:
                     agent.deregister_memory(self._registration)
@@ -562,8 +565,10 @@ class NixlTransport:
         return self._layout
 
     def _use_prepped(self, layout: KvLayout) -> bool:
-        if self._descriptor_mode == "per_read" or self._landing is not None:
+        if self._descriptor_mode == "per_read":
             return False
+        if self._descriptor_mode == "auto" and self._landing is not None:
+            return False  # a prepped list cannot point into the landing area
         if self._descriptor_mode == "prepped":
             return True
         if layout.device_type != "cpu":
@@ -632,10 +637,10 @@ class NixlTransport:
                 handle = self._initialize(plan, peer, job.notif_msg)
             else:
                 start, count, src_sorted, dst_sorted = landing
-                plan = descriptors_for_runs(
-                    peer.layout, self._landing.layout_for(start, count),
-                    coalesce_runs(src_sorted.tolist(), range(count)))
                 try:
+                    plan = descriptors_for_runs(
+                        peer.layout, self._landing.layout_for(start, count),
+                        coalesce_runs(src_sorted.tolist(), range(count)))
                     handle = self._initialize(plan, peer, job.notif_msg)
                 except BaseException:
                     self._landing.release(start, count)
@@ -651,8 +656,9 @@ class NixlTransport:
         try:
             state = self._agent.transfer(handle)
         except Exception:
-            _release_quietly(handle, f"read {job.read_id!r}")
-            if in_flight.landing is not None:
+            released = _release_quietly(handle, f"read {job.read_id!r}")
+            if in_flight.landing is not None and released:
+                # (Not released: NIXL may still write there, so the reservation is never reused.)
                 self._landing.release(*in_flight.landing[:2])
             raise
         self._in_flight[job.read_id] = in_flight
@@ -694,11 +700,12 @@ class NixlTransport:
 
     def _settle(self, in_flight: _InFlight, state: str) -> None:
         del self._in_flight[in_flight.read_id]
-        _release_quietly(in_flight.handle, f"read {in_flight.read_id!r}")
+        released = _release_quietly(in_flight.handle, f"read {in_flight.read_id!r}")
         if in_flight.landing is not None:
             start, count, dst_blocks = in_flight.landing
             if state != "DONE":
-                self._landing.release(start, count)  # nothing to put in place
+                if released:  # nothing to put in place; a handle NIXL kept may still write
+                    self._landing.release(start, count)
             else:
                 try:
                     event = self._landing.scatter(start, count, dst_blocks)
@@ -707,7 +714,8 @@ class NixlTransport:
                     # recomputes them).
                     self._finish(in_flight.read_id, ok=False, error=f"landing scatter failed: "
                                  f"{type(error).__name__}: {error}", nbytes=in_flight.nbytes,
-                                 started=in_flight.started, landed=True)
+                                 started=in_flight.started, descriptors=in_flight.descriptors,
+                                 landed=True)
                     return
                 if event is not None:
                     with self._state_lock:
@@ -752,11 +760,14 @@ def _as_str(name: Any) -> str:
     return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
 
 
-def _release_quietly(handle: Any, what: str) -> None:
+def _release_quietly(handle: Any, what: str) -> bool:
+    """Release a NIXL handle; False when NIXL refused (it may still be moving bytes)."""
     try:
         handle.release()
+        return True
     except Exception as error:  # NIXL keeps a handle it cannot cancel and retries at teardown
         logger.warning("NIXL could not release %s: %s", what, error)
+        return False
 
 
 def _with_device_column(pairs: np.ndarray, device_index: int) -> np.ndarray:

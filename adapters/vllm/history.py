@@ -333,12 +333,15 @@ class SlotStore:
                 if slots:
                     src_device = self.device if tier == "gpu" else "cpu"
                     batches.append((tier, self._index(slots, src_device), self._index(blocks, self.device)))
+            job.tensors = batches  # alive until the event says the copies ran
             self._run(self.restore_stream, self._restore_copy, batches)
             if self.restore_stream is not None:
-                job.tensors = batches  # alive until the event says the copies ran
                 job.event = self.torch.cuda.Event()
                 job.event.record(self.restore_stream)
         except BaseException:
+            if self.restore_stream is not None:
+                # Copies queued before the failure still read the slots and index tensors.
+                self.restore_stream.synchronize()
             self.end_restore(job)
             raise
         return job

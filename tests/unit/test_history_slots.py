@@ -237,7 +237,8 @@ def test_restore_runner_reports_ends_and_keeps_read_slots_from_reuse():
     assert len(store.free["gpu"]) == 0
     time.sleep(0.35)
     done = runner.poll()
-    assert [(d.lease, d.ok, d.gpu_blocks, d.cpu_blocks) for d in done] == [("L1", True, 1, 0)]
+    assert [(d.lease, d.ok, d.gpu_blocks, d.cpu_blocks, request) for d, request in done] == [
+        ("L1", True, 1, 0, "r1")]
     assert engine_block(caches, 10, 0) == saved
     assert len(store.free["gpu"]) == 1 and store.reading == {} and store.deferred == set()
     runner.debug(m.Debug("history_hold_restore_s", 0))

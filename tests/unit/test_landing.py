@@ -87,6 +87,26 @@ def test_a_contiguous_source_needs_one_descriptor_per_layer_span_however_scatter
     assert run_counts(*landing_order(src_blocks, dst_blocks))[1] == 1
 
 
+@pytest.mark.parametrize("layout_name", sorted(LAYOUT_FACTORIES))
+def test_every_layout_lands_a_contiguous_source_as_one_descriptor_per_layer_span(layout_name):
+    """K and V as separate spans ((2, num_blocks, ...) layouts) each get their own run of rows
+    in the reservation, so they too land as one descriptor per span and source run."""
+    num_blocks = 128
+    factory = LAYOUT_FACTORIES[layout_name]
+    src_caches, dst_caches = factory(num_blocks), factory(num_blocks)
+    fill_random_bits(src_caches, seed=5)
+    src_layout = KvLayout.from_kv_caches(src_caches, num_blocks, BLOCK_SIZE)
+    dst_layout = KvLayout.from_kv_caches(dst_caches, num_blocks, BLOCK_SIZE)
+    src_blocks = list(range(10, 60))
+    dst_blocks = random.Random(9).sample(range(num_blocks), 50)
+    area = LandingArea(dst_layout, dst_caches, 64 * dst_layout.block_nbytes)
+    spans = sum(len(layer.spans) for layer in dst_layout.layers)
+    assert land(area, src_layout, src_blocks, dst_blocks) <= spans
+    for name, layer in zip(dst_caches, dst_layout.layers):
+        assert torch.equal(block_view(dst_caches[name], layer)[dst_blocks],
+                           block_view(src_caches[name], layer)[src_blocks])
+
+
 def test_run_counts():
     src, dst = landing_order([5, 6, 7, 20], [9, 1, 2, 3])
     assert src.tolist() == [5, 6, 7, 20] and dst.tolist() == [9, 1, 2, 3]

@@ -592,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
         "kvbaton-gil5": System("kvbaton-gil5", "kvbaton", settings={"gil_switch_interval_s": 0}, timed=timed),
         # D reads straight into its engine blocks, however scattered (the A/B for landing_bytes).
         "kvbaton-direct": System("kvbaton-direct", "kvbaton", settings={"landing_bytes": 0}, timed=timed),
+        # P's history restores run inside the step that computes the rest (history_restore_sync).
+        "kvbaton-syncrestore": System("kvbaton-syncrestore", "kvbaton", settings={"history_restore_sync": True},
+                                      timed=timed),
     }
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]

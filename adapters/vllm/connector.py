@@ -32,7 +32,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -55,7 +55,13 @@ PARAMS_VERSION = 1
 
 @dataclass
 class KvbatonMetadata(KVConnectorMetadata):
-    """Nothing travels through vLLM's metadata: decisions reach workers over the sidecar link."""
+    """Decisions reach workers over the sidecar link, except synchronous history restores: the
+    worker must run those in the very step vLLM scheduled them, so they travel with the step.
+
+    `restores`: (lease, request, ((key, tier, engine block), ...)) per restore; tier "" lets the
+    worker find the key in whichever tier holds it."""
+
+    restores: list = field(default_factory=list)
 
 
 @dataclass
@@ -170,7 +176,8 @@ class KvbatonConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         self._scheduler.guard(self._scheduler.build_connector_meta, None, scheduler_output)
-        return KvbatonMetadata()
+        restores, self._scheduler.sync_restores = self._scheduler.sync_restores, []
+        return KvbatonMetadata(restores)
 
     def request_finished(self, request, block_ids):
         return self._scheduler.guard(self._scheduler.request_finished, (False, None), request, block_ids)
@@ -192,6 +199,9 @@ class KvbatonConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self._worker is not None:
             self._worker.guard(self._worker.pump)
+            meta = getattr(self, "_connector_metadata", None)
+            for lease, request, copies in getattr(meta, "restores", None) or ():
+                self._worker.guard(self._worker.restore_now, None, lease, request, copies)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -280,6 +290,8 @@ class SchedulerSide:
         self.keys_by_request: dict[str, list[str]] = {}
         self.offered: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.offered_max = max(4096, 4 * (plan.gpu_slots + plan.cpu_slots))
+        self.restore_sync = s.history_restore_sync
+        self.sync_restores: list = []  # for this step's metadata (see KvbatonMetadata)
 
     def guard(self, fn, fallback, *args):
         """Run a callback; an exception becomes a warning and a safe answer, never an engine crash."""
@@ -545,7 +557,17 @@ class SchedulerSide:
                 return 0, False
             return None, False
         if r.state == RESERVED:
-            return r.blocks * bs, True
+            if not self.restore_sync:
+                return r.blocks * bs, True
+            # A synchronous hit must leave vLLM a token to compute in this step (after an
+            # asynchronous load vLLM recomputes the last token itself; here it would schedule
+            # nothing and assert). The last block is still restored whole: the forward rewrites
+            # that token's slot after the copies, with the same values.
+            count = min(r.blocks * bs, len(request.prompt_token_ids or ()) - num_computed_tokens - 1)
+            if count <= 0:
+                self._release(rid, r)
+                return 0, False
+            return count, False
         return 0, False  # allocated or done: one restore per request
 
     def _restore_allocated(self, request, r: Restore, blocks, num_external_tokens: int) -> None:
@@ -559,7 +581,10 @@ class SchedulerSide:
         # overwrite a local hit.
         dst = tuple(block_ids[r.first: r.first + math.ceil(num_external_tokens / bs)])
         r.state = ALLOCATED
-        self.sidecar.send(m.LeaseAllocFact(r.lease, rid, dst))
+        if self.restore_sync:
+            keys = self._keys(request)[r.first: r.first + len(dst)]
+            self.sync_restores.append((r.lease, rid, tuple((key, "", block) for key, block in zip(keys, dst))))
+        self.sidecar.send(m.LeaseAllocFact(r.lease, rid, dst, self.restore_sync))
 
     def _release(self, rid: str, r: Restore) -> None:
         if r.state in (ASKED, RESERVED):
@@ -712,6 +737,28 @@ class WorkerSide:
                     # sidecar's FinishedRecving for it (after it books the read) is dropped.
                     self.recving.add(request)
                     self.reported_received.add(request)
+
+    def restore_now(self, lease: str, request: str, copies) -> None:
+        """A synchronous restore, in start_load_kv of the step that computes the request's
+        remaining tokens: the copies are queued, and this step's forward (on the engine's
+        stream) runs after them. One that cannot start marks its blocks failed, so vLLM
+        recomputes those tokens; the sidecar learns the end from RestoreDone either way."""
+        blocks = [block for _key, _tier, block in copies]
+        if self.restorer is None:
+            self.load_errors.update(blocks)
+            self.link.send(m.RestoreDone(lease, False, error="history is off on this worker"))
+            return
+        try:
+            failed = self.restorer.start(m.RestoreCopies(lease, request, tuple(copies)), sync=True)
+            if failed is None:
+                self.restorer.order_after_last()
+                return
+        except Exception as exc:  # vLLM counts these blocks as loaded: never leave them unmarked
+            failed = m.RestoreDone(lease, False, error=f"{type(exc).__name__}: {exc}")
+        logger.warning("kvbaton worker: restore %s for %s failed: %s; recomputing", lease, request,
+                       failed.error)
+        self.load_errors.update(blocks)
+        self.link.send(failed)
 
     def _restore(self, msg: m.RestoreCopies) -> None:
         if self.restorer is None:  # history is off here: the sidecar should not have asked

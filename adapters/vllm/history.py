@@ -533,8 +533,11 @@ class RestoreRunner:
         self.fail_next_restores = 0
         self.hold_restore_s = 0.0
 
-    def start(self, msg: m.RestoreCopies) -> m.RestoreDone | None:
-        """Post the copies; a restore that cannot start is answered at once (failed)."""
+    def start(self, msg: m.RestoreCopies, sync: bool = False) -> m.RestoreDone | None:
+        """Post the copies; a restore that cannot start is answered at once (failed).
+
+        sync: vLLM counts the blocks as loaded in this step (no finished_recving is reported
+        for the request); see `order_after_last`."""
 
         try:
             if self.store is None:
@@ -545,11 +548,19 @@ class RestoreRunner:
             job = self.store.begin_restore(msg.copies, self.hold_restore_s)
         except Exception as exc:
             return m.RestoreDone(msg.lease, False, error=str(exc))
-        self.jobs.append((msg.lease, msg.request, job))
+        self.jobs.append((msg.lease, "" if sync else msg.request, job))
         return None
 
+    def order_after_last(self) -> None:
+        """Make the engine's current stream wait for the last restore's copies (CUDA; on CPU
+        they are done already): the forward that reads the blocks is queued after this."""
+        job = self.jobs[-1][2]
+        if job.event is not None:
+            self.store.torch.cuda.current_stream(self.store.device).wait_event(job.event)
+
     def poll(self) -> list[tuple[m.RestoreDone, str]]:
-        """The restores that ended, each with its request."""
+        """The restores that ended, each with its request ("" for a synchronous one: vLLM
+        expects no finished_recving for it)."""
         if not self.jobs:
             return []
         done, pending = [], []

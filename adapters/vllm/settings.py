@@ -44,6 +44,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Which finished P requests leave their prompt in history: by default only handed-off ones
     # (their ticket is released by D). True: plain requests on P (no remote decode) too.
     history_plain_requests: bool = False
+    # How P loads a restore. False (async): vLLM parks the request until the copies are reported
+    # done, which costs it engine steps after the copies end (47 ms of a 145 ms 7B revisit was P's
+    # engine after its restore, docs/BENCHMARKS.md). True (sync): the copies run in the step that
+    # computes the request's remaining tokens, queued before its forward on the same stream.
+    history_restore_sync: bool = False
     # Control plane.
     control_host: str = "127.0.0.1"
     control_port: int = 0  # 0: pick a free port

@@ -106,7 +106,9 @@ def h(tmp_path_factory):
         extra["async_scheduling"] = os.environ["KVBATON_GPU_ASYNC_SCHEDULING"] == "1"
     common = dict(block_size=BLOCK, kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN,
                   log_dir=root, extra_engine_args=extra, env=_engine_env(device))
-    p_config = {"event_log_dir": str(events), "history_retention_deadline_s": RETENTION_DEADLINE_S}
+    p_config = {"event_log_dir": str(events), "history_retention_deadline_s": RETENTION_DEADLINE_S,
+                # KVBATON_GPU_RESTORE_SYNC=1: P's restores run inside the step (history_restore_sync).
+                "history_restore_sync": os.environ.get("KVBATON_GPU_RESTORE_SYNC") == "1"}
     if P_GPU_HISTORY_BYTES is not None:
         p_config["gpu_history_bytes"] = P_GPU_HISTORY_BYTES
     p = EngineProcess("P", model, cpu_core=cores[0], **common, max_num_seqs=32,

@@ -582,7 +582,14 @@ class SchedulerSide:
         dst = tuple(block_ids[r.first: r.first + math.ceil(num_external_tokens / bs)])
         r.state = ALLOCATED
         if self.restore_sync:
-            keys = self._keys(request)[r.first: r.first + len(dst)]
+            # vLLM already counts these tokens as computed: the worker must get an entry for
+            # every block, even one it can only fail (a key "" is in no tier: load error).
+            try:
+                keys = list(self._keys(request)[r.first: r.first + len(dst)])
+            except Exception:
+                logger.exception("kvbaton: keys of %s for its restore", rid)
+                keys = []
+            keys += [""] * (len(dst) - len(keys))
             self.sync_restores.append((r.lease, rid, tuple((key, "", block) for key, block in zip(keys, dst))))
         self.sidecar.send(m.LeaseAllocFact(r.lease, rid, dst, self.restore_sync))
 
@@ -743,17 +750,21 @@ class WorkerSide:
         remaining tokens: the copies are queued, and this step's forward (on the engine's
         stream) runs after them. One that cannot start marks its blocks failed, so vLLM
         recomputes those tokens; the sidecar learns the end from RestoreDone either way."""
-        blocks = [block for _key, _tier, block in copies]
+        blocks = [copy[-1] for copy in copies if isinstance(copy, (tuple, list)) and copy]
         if self.restorer is None:
             self.load_errors.update(blocks)
             self.link.send(m.RestoreDone(lease, False, error="history is off on this worker"))
             return
+        started = False
         try:
             failed = self.restorer.start(m.RestoreCopies(lease, request, tuple(copies)), sync=True)
             if failed is None:
+                started = True
                 self.restorer.order_after_last()
                 return
         except Exception as exc:  # vLLM counts these blocks as loaded: never leave them unmarked
+            if started:
+                self.restorer.abandon_last()  # its end is reported here, not by poll
             failed = m.RestoreDone(lease, False, error=f"{type(exc).__name__}: {exc}")
         logger.warning("kvbaton worker: restore %s for %s failed: %s; recomputing", lease, request,
                        failed.error)

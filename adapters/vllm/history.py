@@ -551,6 +551,15 @@ class RestoreRunner:
         self.jobs.append((msg.lease, "" if sync else msg.request, job))
         return None
 
+    def abandon_last(self) -> None:
+        """Forget the last restore after its copies ended (its failure is reported elsewhere)."""
+        _lease, _request, job = self.jobs.pop()
+        try:
+            if job.event is not None:
+                job.event.synchronize()
+        finally:
+            self.store.end_restore(job)
+
     def order_after_last(self) -> None:
         """Make the engine's current stream wait for the last restore's copies (CUDA; on CPU
         they are done already): the forward that reads the blocks is queued after this."""
@@ -566,6 +575,11 @@ class RestoreRunner:
         done, pending = [], []
         for lease, request, job in self.jobs:
             try:
+                if not request and job.event is not None:
+                    # A synchronous restore: its copies ran before the forward that just ended,
+                    # so this wait is short, and its end must not wait for a next step (an idle
+                    # engine has none; the lease would stay open, its keys pinned).
+                    job.event.synchronize()
                 finished = job.done()
             except Exception as exc:  # a device error surfaces here: the restore failed
                 self.store.end_restore(job)

@@ -48,6 +48,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # done, which costs it engine steps after the copies end (47 ms of a 145 ms 7B revisit was P's
     # engine after its restore, docs/BENCHMARKS.md). True (sync): the copies run in the step that
     # computes the request's remaining tokens, queued before its forward on the same stream.
+    # Known exposure: a sync restore that fails is recomputed, but vLLM (policy "recompute")
+    # keeps those blocks in its prefix cache meanwhile; a preemption or abort before the
+    # recompute can leave them holding bytes nobody wrote. Failures need a key lost between
+    # reservation and copy (rare), but this is why the setting is off by default.
     history_restore_sync: bool = False
     # Control plane.
     control_host: str = "127.0.0.1"

@@ -251,12 +251,15 @@ class SlotStore:
 
         errors: list[Exception | None] = []
         moves: list[tuple[str, int, int]] = []
+        moving: set[str] = set()
         with self.lock:
             for key in keys:
-                gslot = self.maps["gpu"].pop(key, None)
+                gslot = None if key in moving else self.maps["gpu"].get(key)
+                moving.add(key)
                 if gslot is None:
                     errors.append(KeyError(f"{key} is not in the GPU tier"))
                 elif not self.free["cpu"]:
+                    del self.maps["gpu"][key]
                     self._release("gpu", gslot)
                     errors.append(RuntimeError(f"no free CPU-tier slot ({self.slots['cpu']} slots)"))
                 else:
@@ -264,19 +267,24 @@ class SlotStore:
                     errors.append(None)
         if not moves:
             return errors
+        # While the copy runs the key stays in the GPU tier: a restore that looks it up meanwhile
+        # reads the GPU slot (only this thread writes slots, after this move), instead of finding
+        # the key in no tier and failing.
         try:
             self._run(self.stream, self._demote_copy, moves)
             self._fence(self.stream)
         except Exception as exc:
             with self.lock:
-                for _key, gslot, cslot in moves:
+                for key, gslot, cslot in moves:
+                    self.maps["gpu"].pop(key, None)
                     self._release("gpu", gslot)
                     self.free["cpu"].append(cslot)
             return [exc if err is None else err for err in errors]
         with self.lock:
             for key, gslot, cslot in moves:
+                self.maps["gpu"].pop(key, None)
                 self.maps["cpu"][key] = cslot
-                self._release("gpu", gslot)
+                self._release("gpu", gslot)  # deferred while a restore reads it
         return errors
 
     def _demote_copy(self, moves) -> None:

@@ -281,3 +281,24 @@ def test_cuda_tiers_stage_demote_restore_bit_exact():
     assert engine_block(caches, 10, 1) == saved[1]
     assert engine_block(caches, 11, 1) == saved[2]
     assert engine_block(caches, 12, 1) == saved[3]
+
+
+def test_a_key_being_demoted_stays_restorable_and_a_repeated_key_moves_once():
+    """A restore that looks a key up while its demotion copies (another thread) finds it in the
+    GPU tier rather than in no tier; a key named twice in one batch moves once."""
+    caches = make_caches()
+    store = SlotStore(caches, None, 4, 4)
+    store.stage([(3, "a")])
+    seen = []
+    original = store._demote_copy
+
+    def copy_and_look(moves):
+        seen.append(store.where("a"))  # mid-move, as a concurrent restore would see it
+        original(moves)
+
+    store._demote_copy = copy_and_look
+    errors = store.demote_many(["a", "a"])
+    assert seen == ["gpu"]
+    assert errors[0] is None and isinstance(errors[1], KeyError)
+    assert store.where("a") == "cpu"
+    assert len(store.free["cpu"]) == 3 and len(store.free["gpu"]) == 4

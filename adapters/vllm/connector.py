@@ -627,7 +627,10 @@ class WorkerSide:
         self.bad_peers: dict[str, str] = {}
         self.errors = 0
         self.io: WorkerIo | None = None  # the control-plane thread (posts reads), once registered
-        self.reported_received: set[str] = set()  # reported when their last read or restore ended
+        # Reported to vLLM when their last read or restore ended; the sidecar's FinishedRecving
+        # for them is dropped. Oldest first and bounded: if the sidecar never sends one (a
+        # rejected end), the entry must not stay for the engine's lifetime.
+        self.reported_received: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.history = None  # P's history copier (a thread), when history is on
         self.restorer = None  # P's history restores (on this thread, from pump)
 
@@ -712,7 +715,7 @@ class WorkerSide:
                 self.sending.add(msg.request)
             elif kind is m.FinishedRecving:
                 if msg.request in self.reported_received:
-                    self.reported_received.discard(msg.request)  # reported when its read ended
+                    del self.reported_received[msg.request]  # reported when its read ended
                 else:
                     self.recving.add(msg.request)
             elif kind is m.InvalidBlocks:
@@ -729,7 +732,7 @@ class WorkerSide:
                     # the request next step instead of after the sidecar's round trip (an
                     # engine step later). The sidecar's FinishedRecving for it is dropped.
                     self.recving.add(request)
-                    self.reported_received.add(request)
+                    self._mark_reported(request)
         if self.io.reads:
             for result in self.transport.poll():
                 request, last = self.io.reads.pop(result.read_id, ("", False))
@@ -743,7 +746,14 @@ class WorkerSide:
                     # The bytes are in place: vLLM may schedule the request next step. The
                     # sidecar's FinishedRecving for it (after it books the read) is dropped.
                     self.recving.add(request)
-                    self.reported_received.add(request)
+                    self._mark_reported(request)
+
+    REPORTED_MAX = 4096  # far more loads and restores than can be in flight at once
+
+    def _mark_reported(self, request: str) -> None:
+        self.reported_received[request] = None
+        while len(self.reported_received) > self.REPORTED_MAX:
+            self.reported_received.popitem(last=False)
 
     def restore_now(self, lease: str, request: str, copies) -> None:
         """A synchronous restore, in start_load_kv of the step that computes the request's

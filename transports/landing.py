@@ -7,7 +7,8 @@ interleaved): in the 0.5B benchmark every cold 4000-token prompt landed in 250 s
 6,000 descriptors, 66 ms per read, against ~1 ms for the same bytes in one run. With a landing
 area the destination is always one run, so a read needs one descriptor per layer and *source*
 run; the device then scatters the blocks into the engine's cache with one `index_copy_` per layer
-(and span), which costs microseconds of GPU time and a few hundred of the caller's CPU time.
+and span. Measured on one H200 (bench/nixl_gpu_read.py, 277 blocks, 54.5 MB): 2.33 ms landed
+against 74.7 ms straight into scattered blocks, and 1.39 ms for a read contiguous on both sides.
 
 Layout of a reservation of `n` blocks at block offset `s`: for each layer (in the KV layout's
 order) a segment of `n * layer.block_nbytes` bytes, starting at `s * block_nbytes + n * (bytes of

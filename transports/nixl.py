@@ -610,6 +610,7 @@ class NixlTransport:
         if peer is None:
             raise UnknownPeer(f"peer {job.peer_id!r} was removed before the read was posted")
         nbytes = len(job.dst_blocks) * layout.block_nbytes
+        descriptors, landing = 0, None  # reported for reads described here (not prepped/faulty)
         if not job.dst_blocks:
             if job.notif_msg:  # nothing to move, but the target still learns the read is done
                 self._agent.send_notif(peer.remote_name, job.notif_msg)
@@ -647,11 +648,10 @@ class NixlTransport:
                     raise
                 landing = (start, count, dst_sorted)
             moved, error = nbytes, None
-            self.stats["descriptors"] += len(plan)
-        in_flight = _InFlight(job.read_id, job.peer_id, handle, job.started, moved, error)
-        if not job.inject_fault and peer.dlist is None:
-            in_flight.descriptors = len(plan)
-            in_flight.landing = landing
+            descriptors = len(plan)
+            self.stats["descriptors"] += descriptors
+        in_flight = _InFlight(job.read_id, job.peer_id, handle, job.started, moved, error,
+                              descriptors, landing)
         self.stats["reads"] += 1
         try:
             state = self._agent.transfer(handle)

@@ -760,7 +760,7 @@ class WorkerSide:
         remaining tokens: the copies are queued, and this step's forward (on the engine's
         stream) runs after them. One that cannot start marks its blocks failed, so vLLM
         recomputes those tokens; the sidecar learns the end from RestoreDone either way."""
-        blocks = [copy[-1] for copy in copies if isinstance(copy, (tuple, list)) and copy]
+        blocks = [block for _key, _tier, block in copies]
         if self.restorer is None:
             self.load_errors.update(blocks)
             self.link.send(m.RestoreDone(lease, False, error="history is off on this worker"))

@@ -8,7 +8,6 @@ memmove (what NIXL does on one host), scatter, compare bit patterns with a logic
 
 from __future__ import annotations
 
-import ctypes
 import random
 
 import numpy as np
@@ -19,7 +18,8 @@ torch = pytest.importorskip("torch")
 from kvbaton.transports.landing import LandingArea, landing_order, run_counts  # noqa: E402
 from kvbaton.transports.layout import KvLayout, coalesce_runs, descriptors_for_runs  # noqa: E402
 
-from .test_transports import BLOCK_SIZE, LAYOUT_FACTORIES, block_view, fill_random_bits  # noqa: E402
+from .test_transports import (BLOCK_SIZE, LAYOUT_FACTORIES, apply_plan, block_view,  # noqa: E402
+                              paired_caches)
 
 
 def land(area: LandingArea, src_layout, src_blocks, dst_blocks) -> int:
@@ -35,8 +35,7 @@ def land(area: LandingArea, src_layout, src_blocks, dst_blocks) -> int:
         start + len(src_blocks)) * area.block_nbytes
     for addr, nbytes in plan.dst.tolist():
         assert lo <= addr and addr + nbytes <= hi, "a descriptor leaves its reservation"
-    for (src_addr, nbytes), (dst_addr, _) in zip(plan.src.tolist(), plan.dst.tolist()):
-        ctypes.memmove(dst_addr, src_addr, nbytes)
+    apply_plan(plan)
     assert area.scatter(start, len(src_blocks), dst_sorted) is None  # CPU: done on return
     return len(plan)
 
@@ -45,12 +44,7 @@ def land(area: LandingArea, src_layout, src_blocks, dst_blocks) -> int:
 def test_landed_reads_move_exactly_the_requested_blocks(layout_name):
     rng = random.Random(layout_name)
     num_blocks = 32
-    factory = LAYOUT_FACTORIES[layout_name]
-    src_caches, dst_caches = factory(num_blocks), factory(num_blocks)
-    fill_random_bits(src_caches, seed=1)
-    fill_random_bits(dst_caches, seed=2)
-    src_layout = KvLayout.from_kv_caches(src_caches, num_blocks, BLOCK_SIZE)
-    dst_layout = KvLayout.from_kv_caches(dst_caches, num_blocks, BLOCK_SIZE)
+    src_caches, dst_caches, src_layout, dst_layout = paired_caches(layout_name, num_blocks)
     area = LandingArea(dst_layout, dst_caches, 20 * dst_layout.block_nbytes)
     assert area.capacity == 20
     for trial in range(25):
@@ -74,10 +68,7 @@ def test_landed_reads_move_exactly_the_requested_blocks(layout_name):
 
 def test_a_contiguous_source_needs_one_descriptor_per_layer_span_however_scattered_the_destination():
     num_blocks = 256
-    src_caches = LAYOUT_FACTORIES["blocks_first"](num_blocks, num_layers=4)
-    dst_caches = LAYOUT_FACTORIES["blocks_first"](num_blocks, num_layers=4)
-    src_layout = KvLayout.from_kv_caches(src_caches, num_blocks, BLOCK_SIZE)
-    dst_layout = KvLayout.from_kv_caches(dst_caches, num_blocks, BLOCK_SIZE)
+    _src, dst_caches, src_layout, dst_layout = paired_caches("blocks_first", num_blocks, num_layers=4)
     dst_blocks = random.Random(3).sample(range(num_blocks), 100)
     src_blocks = list(range(40, 140))
     direct = descriptors_for_runs(src_layout, dst_layout, coalesce_runs(src_blocks, dst_blocks))
@@ -92,11 +83,7 @@ def test_every_layout_lands_a_contiguous_source_as_one_descriptor_per_layer_span
     """K and V as separate spans ((2, num_blocks, ...) layouts) each get their own run of rows
     in the reservation, so they too land as one descriptor per span and source run."""
     num_blocks = 128
-    factory = LAYOUT_FACTORIES[layout_name]
-    src_caches, dst_caches = factory(num_blocks), factory(num_blocks)
-    fill_random_bits(src_caches, seed=5)
-    src_layout = KvLayout.from_kv_caches(src_caches, num_blocks, BLOCK_SIZE)
-    dst_layout = KvLayout.from_kv_caches(dst_caches, num_blocks, BLOCK_SIZE)
+    src_caches, dst_caches, src_layout, dst_layout = paired_caches(layout_name, num_blocks)
     src_blocks = list(range(10, 60))
     dst_blocks = random.Random(9).sample(range(num_blocks), 50)
     area = LandingArea(dst_layout, dst_caches, 64 * dst_layout.block_nbytes)

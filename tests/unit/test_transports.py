@@ -74,6 +74,23 @@ def fill_random_bits(kv_caches: dict, seed: int) -> None:
         tensor.view(torch.int16).copy_(bits)
 
 
+def paired_caches(layout_name: str, num_blocks: int, **shape):
+    """A source and a destination cache of one layout, filled with different random bits, and
+    their layouts: (src caches, dst caches, src layout, dst layout)."""
+    factory = LAYOUT_FACTORIES[layout_name]
+    src_caches, dst_caches = factory(num_blocks, **shape), factory(num_blocks, **shape)
+    fill_random_bits(src_caches, seed=1)
+    fill_random_bits(dst_caches, seed=2)
+    return (src_caches, dst_caches, KvLayout.from_kv_caches(src_caches, num_blocks, BLOCK_SIZE),
+            KvLayout.from_kv_caches(dst_caches, num_blocks, BLOCK_SIZE))
+
+
+def apply_plan(plan) -> None:
+    """Do what NIXL does with a descriptor plan inside one process: memmove each pair."""
+    for (src_addr, nbytes), (dst_addr, _) in zip(plan.src.tolist(), plan.dst.tolist()):
+        ctypes.memmove(dst_addr, src_addr, nbytes)
+
+
 def block_view(tensor, layer) -> "torch.Tensor":
     """The layer with its block dimension first, as int16 bits."""
     return tensor.view(torch.int16).movedim(layer.block_dim, 0)
@@ -203,12 +220,7 @@ def test_descriptors_move_exactly_the_requested_blocks(layout_name):
     """Apply the descriptor plan with memmove (what NIXL does) and compare with a logical copy."""
     rng = random.Random(layout_name)
     num_blocks = 24
-    factory = LAYOUT_FACTORIES[layout_name]
-    src_caches, dst_caches = factory(num_blocks), factory(num_blocks)
-    fill_random_bits(src_caches, seed=1)
-    fill_random_bits(dst_caches, seed=2)
-    src_layout = KvLayout.from_kv_caches(src_caches, num_blocks, BLOCK_SIZE)
-    dst_layout = KvLayout.from_kv_caches(dst_caches, num_blocks, BLOCK_SIZE)
+    src_caches, dst_caches, src_layout, dst_layout = paired_caches(layout_name, num_blocks)
     for trial in range(20):
         count = rng.randint(1, num_blocks)
         src_blocks = rng.sample(range(num_blocks), count)
@@ -224,8 +236,7 @@ def test_descriptors_move_exactly_the_requested_blocks(layout_name):
         dst_ranges = sorted((int(a), int(n)) for a, n in plan.dst)
         for (a1, n1), (a2, _) in zip(dst_ranges, dst_ranges[1:]):
             assert a1 + n1 <= a2, "destination descriptors overlap"
-        for (src_addr, nbytes), (dst_addr, _) in zip(plan.src.tolist(), plan.dst.tolist()):
-            ctypes.memmove(dst_addr, src_addr, nbytes)
+        apply_plan(plan)
         for name in dst_caches:
             assert torch.equal(dst_caches[name].view(torch.int16), expected[name].view(torch.int16))
 

@@ -184,7 +184,16 @@ class SlotStore:
             event.synchronize()
 
     def _index(self, values, device) -> Any:
-        return self.torch.tensor(list(values), dtype=self.torch.long, device=device)
+        """An index tensor on `device`. A CUDA one is uploaded from pinned memory without blocking:
+        from pageable memory the calling thread would wait for everything its current stream has
+        queued (for the engine thread, up to a whole forward) before a restore even starts. Call
+        it under the stream that uses the index, so the upload is ordered before the copies."""
+
+        torch = self.torch
+        if torch.device(device).type != "cuda":
+            return torch.tensor(list(values), dtype=torch.long)
+        host = torch.tensor(list(values), dtype=torch.long).pin_memory()
+        return host.to(device, non_blocking=True)  # the pinned allocator keeps `host` until it ran
 
     def _release(self, tier: str, slot: int) -> None:
         """Give a slot back (lock held); one still being read is freed when the read ends."""
@@ -335,14 +344,8 @@ class SlotStore:
         job = RestoreJob(reads, None, len(copies) * self.slot_bytes, len(plan["gpu"][0]),
                          len(plan["cpu"][0]), started, time.monotonic() + hold_s if hold_s else 0.0)
         try:
-            batches = []
-            for tier in self.TIERS:
-                slots, blocks = plan[tier]
-                if slots:
-                    src_device = self.device if tier == "gpu" else "cpu"
-                    batches.append((tier, self._index(slots, src_device), self._index(blocks, self.device)))
-            job.tensors = batches  # alive until the event says the copies ran
-            self._run(self.restore_stream, self._restore_copy, batches)
+            job.tensors = []  # the index tensors: alive until the event says the copies ran
+            self._run(self.restore_stream, self._restore_copy, plan, job.tensors)
             if self.restore_stream is not None:
                 job.event = self.torch.cuda.Event()
                 job.event.record(self.restore_stream)
@@ -354,8 +357,13 @@ class SlotStore:
             raise
         return job
 
-    def _restore_copy(self, batches) -> None:
+    def _restore_copy(self, plan, batches) -> None:
         torch = self.torch
+        for tier in self.TIERS:  # indices uploaded on the restore stream, ahead of its copies
+            slots, blocks = plan[tier]
+            if slots:
+                src_device = self.device if tier == "gpu" else "cpu"
+                batches.append((tier, self._index(slots, src_device), self._index(blocks, self.device)))
         for layer, view in enumerate(self.views):  # per layer: one batch per tier
             for tier, slots, blocks in batches:
                 source = self.tiers[tier][layer]

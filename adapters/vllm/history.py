@@ -164,14 +164,23 @@ class SlotStore:
 
     # -- ordering ----------------------------------------------------------------------------------
 
-    def _run(self, stream, fn, *args) -> None:
-        """Run copies on `stream` after everything the calling thread's current stream queued
-        (CUDA), or synchronously (CPU)."""
+    def _run(self, stream, fn, *args, after_engine: bool = True) -> None:
+        """Run copies on `stream` (CUDA), or synchronously (CPU).
+
+        after_engine: first make `stream` wait for everything the calling thread's current stream
+        queued. Restores need it (their engine blocks may have just been freed by a request whose
+        last kernels are still queued). The copier's writes do not, and must not pay for it: on
+        the copier's thread the current stream is the device's default stream, where the engine
+        may have a whole forward queued, so a 0.05 ms copy would wait tens of ms behind it and
+        miss its retention's soft deadline. They read a finished ticket's full blocks (vLLM never
+        writes a full prompt block again, and the request's last step ended before its ticket
+        was issued) and history slots only this stream writes."""
 
         if stream is None:
             fn(*args)
             return
-        stream.wait_stream(self.torch.cuda.current_stream(self.device))
+        if after_engine:
+            stream.wait_stream(self.torch.cuda.current_stream(self.device))
         with self.torch.cuda.stream(stream):
             fn(*args)
 
@@ -229,9 +238,8 @@ class SlotStore:
             for _ in copies:
                 slots.append(free.pop())
         try:
-            blocks = self._index((block for block, _ in copies), self.device)
-            index = self._index(slots, self.device)
-            self._run(self.stream, self._stage_copy, blocks, index)
+            self._run(self.stream, self._stage_copy, [block for block, _ in copies], slots,
+                      after_engine=False)
             self._fence(self.stream)
         except BaseException:
             with self.lock:
@@ -242,7 +250,9 @@ class SlotStore:
                 self.maps["gpu"][key] = slot
         return len(copies) * self.slot_bytes
 
-    def _stage_copy(self, blocks, index) -> None:
+    def _stage_copy(self, engine_blocks, slots) -> None:
+        blocks = self._index(engine_blocks, self.device)  # uploaded on this stream, before use
+        index = self._index(slots, self.device)
         for view, tier in zip(self.views, self.tiers["gpu"]):
             tier.index_copy_(0, index, view.index_select(0, blocks))
 
@@ -280,7 +290,7 @@ class SlotStore:
         # reads the GPU slot (only this thread writes slots, after this move), instead of finding
         # the key in no tier and failing.
         try:
-            self._run(self.stream, self._demote_copy, moves)
+            self._run(self.stream, self._demote_copy, moves, after_engine=False)
             self._fence(self.stream)
         except Exception as exc:
             with self.lock:
@@ -296,16 +306,40 @@ class SlotStore:
                 self._release("gpu", gslot)  # deferred while a restore reads it
         return errors
 
+    # A demotion batch whose CPU slots form at most this many runs copies run by run; a more
+    # scattered one goes through one staging buffer and a host-side scatter.
+    DEMOTE_MAX_RUNS = 16
+
     def _demote_copy(self, moves) -> None:
+        """Copy GPU-tier slots into CPU-tier slots, per layer. On CUDA every device-to-host copy
+        is asynchronous into pinned memory (the CPU tier is pinned), so a batch costs one fence
+        at the end instead of one synchronous, pageable copy per layer."""
+
+        torch = self.torch
         if len(moves) == 1:
             _key, gslot, cslot = moves[0]
             for gpu, cpu in zip(self.tiers["gpu"], self.tiers["cpu"]):
                 cpu[cslot].copy_(gpu[gslot], non_blocking=self.cuda)
             return
+        moves = sorted(moves, key=lambda move: move[2])
+        runs = cpu_slot_runs([cslot for _, _, cslot in moves])
         gidx = self._index((g for _, g, _ in moves), self.device)
+        if len(runs) <= self.DEMOTE_MAX_RUNS:
+            for gpu, cpu in zip(self.tiers["gpu"], self.tiers["cpu"]):
+                gathered = gpu.index_select(0, gidx)  # freed on this stream: reused only after
+                for first, cslot, count in runs:
+                    cpu[cslot:cslot + count].copy_(gathered[first:first + count], non_blocking=self.cuda)
+            return
         cidx = self._index((c for _, _, c in moves), "cpu")
-        for gpu, cpu in zip(self.tiers["gpu"], self.tiers["cpu"]):
-            cpu.index_copy_(0, cidx, gpu.index_select(0, gidx).to("cpu"))
+        staged = []
+        for gpu in self.tiers["gpu"]:
+            host = torch.empty((len(moves), *gpu.shape[1:]), dtype=gpu.dtype, pin_memory=self.cuda)
+            host.copy_(gpu.index_select(0, gidx), non_blocking=self.cuda)
+            staged.append(host)
+        if self.cuda:
+            self.torch.cuda.current_stream(self.device).synchronize()  # this stream: the copies above
+        for host, cpu in zip(staged, self.tiers["cpu"]):
+            cpu.index_copy_(0, cidx, host)
 
     def drop(self, key: str, tier: str = "") -> bool:
         """Forget `key` wherever it is (the core names a tier; a key is only ever in one)."""
@@ -527,6 +561,20 @@ class HistoryCopier:
             return None
         logger.warning("kvbaton history: unexpected message %s", kind.__name__)
         return None
+
+
+def cpu_slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Ascending `slots` as runs of consecutive slots: (index of the run's first, first slot,
+    length)."""
+
+    runs: list[tuple[int, int, int]] = []
+    for index, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((index, slot, 1))
+    return runs
 
 
 def slot_stats(store: SlotStore | None, broken: str = "") -> m.SlotStats:

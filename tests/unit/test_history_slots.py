@@ -10,7 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvbaton.adapters.vllm.history import HistoryCopier, SlotStore, history_plan, kv_block_bytes  # noqa: E402
+from kvbaton.adapters.vllm.history import (  # noqa: E402
+    HistoryCopier,
+    SlotStore,
+    cpu_slot_runs,
+    history_plan,
+    kv_block_bytes,
+)
 from kvbaton.adapters.vllm.settings import parse_settings  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
 
@@ -260,6 +266,34 @@ def test_batched_demotions_are_bit_exact_and_free_every_gpu_slot():
     assert len(store.free["gpu"]) == 3 and store.free["cpu"] == []
 
 
+def test_cpu_slot_runs_groups_consecutive_slots():
+    assert cpu_slot_runs([]) == []
+    assert cpu_slot_runs([4]) == [(0, 4, 1)]
+    assert cpu_slot_runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_demotion_batches_land_bit_exact_by_runs_and_through_staging(scattered):
+    """A batch whose CPU slots form few runs copies run by run; a scattered one (more runs than
+    DEMOTE_MAX_RUNS) goes through a staging buffer. Both land every key's bytes in its slot."""
+    caches = make_caches(layers=2)
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
+    if scattered:  # every other CPU slot free: each demoted key is a run of its own
+        store.free["cpu"] = list(range(2 * NUM_BLOCKS - 2, -1, -2))
+    saved = {b: engine_block(caches, b, 0) for b in range(NUM_BLOCKS)}
+    order = list(range(NUM_BLOCKS))
+    random.Random(3).shuffle(order)  # stage in a shuffled order: GPU slots do not follow blocks
+    store.stage([(b, f"k{b}") for b in order])
+    keys = [f"k{b}" for b in range(NUM_BLOCKS)]
+    assert store.demote_many(keys) == [None] * NUM_BLOCKS
+    slots = sorted(store.maps["cpu"][key] for key in keys)
+    runs = len(cpu_slot_runs(slots))
+    assert (runs > store.DEMOTE_MAX_RUNS) == scattered
+    for b in range(NUM_BLOCKS):
+        assert store.where(f"k{b}") == "cpu"
+        assert store.read_slot(f"k{b}") == saved[b]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tiers_stage_demote_restore_bit_exact():
@@ -271,7 +305,17 @@ def test_cuda_tiers_stage_demote_restore_bit_exact():
               for i in range(3)}  # K/V-first, as FlashAttention lays it out
     store = SlotStore(caches, [1] * 3, gpu_slots=2, cpu_slots=3)
     assert store.cuda and all(t.is_pinned() for t in store.tiers["cpu"])
-    saved = {b: engine_block(caches, b, 1) for b in range(6)}
+    saved = {b: engine_block(caches, b, 1) for b in range(NUM_BLOCKS)}
+    # A scattered demotion batch (staging buffer) and a contiguous one (run copies), on a
+    # store of its own.
+    wide = SlotStore(caches, [1] * 3, gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
+    for free in (list(range(2 * NUM_BLOCKS - 2, -1, -2)), list(range(2 * NUM_BLOCKS - 1, -1, -1))):
+        wide.free["cpu"] = free
+        wide.stage([(b, f"w{b}") for b in range(NUM_BLOCKS)])
+        assert wide.demote_many([f"w{b}" for b in range(NUM_BLOCKS)]) == [None] * NUM_BLOCKS
+        assert all(wide.read_slot(f"w{b}") == saved[b] for b in range(NUM_BLOCKS))
+        for b in range(NUM_BLOCKS):
+            wide.drop(f"w{b}")
     store.stage([(1, "a"), (2, "b")])
     assert store.demote_many(["a", "b"]) == [None, None]
     store.stage([(3, "c")])

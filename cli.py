@@ -1,4 +1,4 @@
-"""The `kvbaton` command: serve, demo, replay, fuzz, bench."""
+"""The `kvbaton` command: serve, demo, replay, timings, fuzz, bench."""
 
 from __future__ import annotations
 
@@ -152,6 +152,37 @@ def cmd_serve(args) -> int:
     return run_serve(args)
 
 
+def cmd_timings(args) -> int:
+    from pathlib import Path
+
+    from .core.log import LogError, read_log
+    from .core.timings import format_timings, timings
+
+    paths: list[Path] = []
+    for given in args.logs:
+        path = Path(given)
+        if path.is_dir():
+            found = sorted(path.rglob("*.kvlog"))
+            if not found:
+                print(f"kvbaton timings: {path}: no *.kvlog event log under this folder", file=sys.stderr)
+                return 2
+            paths.extend(found)
+        else:
+            paths.append(path)
+    logs = []
+    for path in paths:
+        try:
+            header, records = read_log(str(path))
+        except (LogError, OSError) as exc:
+            print(f"kvbaton timings: {path}: {exc}", file=sys.stderr)
+            return 2
+        logs.append((header.role, header.config, [r.event for r in records if r.event is not None]))
+    result = timings(logs)
+    result["logs"] = [str(p) for p in paths]
+    print(json.dumps(result, indent=1) if args.json else format_timings(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbaton", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--diagram", action="store_true", help="print each machine as a mermaid diagram")
     p.add_argument("--quiet", action="store_true", help="only the summary")
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("timings", help="where handoffs, retentions and restores spent their time "
+                                       "(phase latencies from event logs)")
+    p.add_argument("logs", nargs="+", help="event logs, or folders holding them (a P and a D of one "
+                                           "host also join across the handoff)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_timings)
 
     p = sub.add_parser("fuzz", help="seeded swarm simulation of P/D lifecycles with injected faults")
     p.add_argument("--seed", type=int, default=1)

@@ -124,6 +124,11 @@ class System:
     def hook_dir(self) -> str:
         return f"hooks-{'capped' if self.num_blocks else 'open'}"
 
+    @property
+    def events_dir(self) -> str:
+        """This run's event logs (the capped run's apart, so `kvbaton timings` splits each)."""
+        return f"events-{'capped' if self.num_blocks else 'open'}"
+
 
 class Stack:
     """P and D engines with one connector, and the router in front of them."""
@@ -160,7 +165,7 @@ class Stack:
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         if system.connector == "kvbaton":
             control_port = free_port()
-            extra = {"event_log_dir": str(s.log_dir / system.name / "events"), "control_port": control_port,
+            extra = {"event_log_dir": str(s.log_dir / system.name / system.events_dir), "control_port": control_port,
                      "gpu_history_bytes": (self.extra.get("gpu_history_bytes", 256 << 20) if system.history else 0),
                      **({"cpu_history_bytes": self.extra["cpu_history_bytes"]} if "cpu_history_bytes" in self.extra else {}),
                      **system.settings}
@@ -430,7 +435,24 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
         print(f"[{system.name}] FAILED: {exc!r}", flush=True)
     finally:
         stack.stop()
+    events = s.log_dir / system.name / system.events_dir
+    if system.connector == "kvbaton" and events.is_dir():
+        try:  # where this run's handoffs, retentions and restores spent their time
+            result["timings"] = event_timings(events)
+        except Exception as exc:  # noqa: BLE001 - a figure, never a reason to lose the run
+            result["timings"] = {"error": repr(exc)}
     return result
+
+
+def event_timings(folder: Path) -> dict:
+    from ..core.log import read_log
+    from ..core.timings import timings
+
+    logs = []
+    for path in sorted(folder.glob("*.kvlog")):
+        header, records = read_log(str(path))
+        logs.append((header.role, header.config, [r.event for r in records if r.event is not None]))
+    return timings(logs)
 
 
 def copy_ceilings(nbytes: int, device: str) -> dict:
@@ -540,6 +562,17 @@ def print_hooks(results: dict[str, dict]) -> None:
               f"{f['hook_us_per_step']:>14.0f}  " + ", ".join(f"{k} {v['us_per_step']:.0f}" for k, v in top))
 
 
+def print_timings(results: dict) -> None:
+    from ..core.timings import format_timings
+
+    for name, r in results.items():
+        for key in ("timings", "timings_capped"):
+            found = r.get(key)
+            if found and "phases" in found:
+                print(f"\n== {name}: phases from the event logs ({'capped' if key.endswith('capped') else 'open'} "
+                      f"run; kvbaton timings) ==\n" + format_timings(found))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "1gpu", "2gpu"), default="2gpu")
@@ -623,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   if k in ("revisit", "churn", "error")})
             if "sidecars" in capped_result:
                 results[name]["sidecars_capped"] = capped_result["sidecars"]
+            if "timings" in capped_result:
+                results[name]["timings_capped"] = capped_result["timings"]
         if args.out:
             Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     ceilings = {}
@@ -642,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       for role, v in r[key].items()}, default=str)[:800])
     print_tables(results)
     print_hooks(results)
+    print_timings(results)
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
         print(f"\nresults: {args.out}")

@@ -41,13 +41,20 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Soft deadline of one retention's copies: a released ticket's engine blocks are held at most
     # this long while history copies them (what is not copied by then is dropped, counted).
     history_retention_deadline_s: float = 0.05
+    # How much of one released prompt a retention may copy into history (its leading blocks).
+    # -1: the GPU budget, so a whole prompt that fits is kept on its first visit (older content
+    # moves to the CPU tier). A 7B-shaped 4000-token prompt is 229 MB: under the core's former
+    # fixed 64 MiB only its first 73 of 250 blocks were kept per visit, so its next visits
+    # recomputed most of it while history grew by 73 blocks a visit.
+    history_retention_max_bytes: int = -1
     # Which finished P requests leave their prompt in history: by default only handed-off ones
     # (their ticket is released by D). True: plain requests on P (no remote decode) too.
     history_plain_requests: bool = False
     # How P loads a restore. False (async): vLLM parks the request until the copies are reported
-    # done, which costs it engine steps after the copies end (47 ms of a 145 ms 7B revisit was P's
-    # engine after its restore, docs/BENCHMARKS.md). True (sync): the copies run in the step that
-    # computes the request's remaining tokens, queued before its forward on the same stream.
+    # done, which costs it at least one engine step after the copies end (restore end -> ticket:
+    # P50 19 ms at 0.5B, 30 ms at 7B on one H200, docs/BENCHMARKS.md). True (sync): the copies
+    # run in the step that computes the request's remaining tokens, queued before its forward on
+    # the same stream (7B revisit P50 0.59x native against 0.67x async; 0.5B 0.82x against 0.68x).
     # Known exposure: a sync restore that fails is recomputed, but vLLM (policy "recompute")
     # keeps those blocks in its prefix cache meanwhile; a preemption or abort before the
     # recompute can leave them holding bytes nobody wrote. Failures need a key lost between
@@ -99,6 +106,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             retention_deadline_ns=max(1, int(self.history_retention_deadline_s * SECOND_NS)),
             gpu_history_bytes=self.gpu_history_bytes,
             cpu_history_bytes=cpu,
+            candidate_bytes_max=(self.history_retention_max_bytes if self.history_retention_max_bytes >= 0
+                                 else max(self.gpu_history_bytes, 0)),
             block_bytes=block_bytes,
         )
 
@@ -137,6 +146,9 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
     if settings.cpu_history_bytes < -1:
         raise SettingsError("kvbaton: kv_connector_extra_config 'cpu_history_bytes' must be >= 0 "
                             "(or -1 for the engine's KV cache size)")
+    if settings.history_retention_max_bytes < -1:
+        raise SettingsError("kvbaton: kv_connector_extra_config 'history_retention_max_bytes' must be >= 0 "
+                            "(or -1 for the GPU history budget)")
     if settings.landing_bytes < -1:
         raise SettingsError("kvbaton: kv_connector_extra_config 'landing_bytes' must be >= 0 "
                             "(or -1 for the default: 256 MiB on a reading GPU engine)")

@@ -174,6 +174,30 @@ def test_plan_sizes_slots_from_budgets():
                         Config(), True).cpu_slots == 0
 
 
+def test_a_retention_may_copy_the_whole_gpu_budget_by_default():
+    """One released prompt may fill the GPU tier (older content moves to CPU) unless capped."""
+    from kvbaton.adapters.vllm.settings import SettingsError
+    from kvbaton.core import effects as fx
+    from kvbaton.core import events as ev
+    from kvbaton.core.ledger import Ledger
+
+    block = 1 << 20
+    assert parse_settings({}).ledger_config(block, 0).candidate_bytes_max == 256 << 20
+    capped = parse_settings({"history_retention_max_bytes": 4 * block})
+    assert capped.ledger_config(block, 0).candidate_bytes_max == 4 * block
+    with pytest.raises(SettingsError, match="history_retention_max_bytes"):
+        parse_settings({"history_retention_max_bytes": -2})
+    # A 100-block prompt (more than the core's former fixed 64 MiB) is staged whole.
+    for settings, kept in ((parse_settings({}), 100), (capped, 4)):
+        ledger = Ledger(settings.ledger_config(block, 0))
+        keys = tuple(f"k{i}" for i in range(100))
+        ledger.apply(ev.TicketIssued(1, "t", "r", tuple(range(100)), keys))
+        ledger.apply(ev.ClaimRequested(2, "t", "d", 1))
+        effects = ledger.apply(ev.ReleaseRequested(3, "t", "d", 1))
+        staged = [e for e in effects if isinstance(e, fx.StageHistory)]
+        assert len(staged) == 1 and len(staged[0].copies) == kept
+
+
 def test_copier_answers_every_write_in_order(tmp_path):
     zmq = pytest.importorskip("zmq")
     from kvbaton.control.config import ipc_paths

@@ -1,0 +1,181 @@
+"""Where a handoff's time goes: phase latencies read from engines' event logs.
+
+Every event carries the shell's monotonic clock (`at_ns`), so one engine's log splits its own
+lifecycles into phases, and the logs of a P and a D on one host (one clock) also join across the
+handoff: ticket issued on P -> load requested on D. Pure: give it each log's role and events.
+
+Phases (each a list of milliseconds, reported as count / P50 / P90 / max):
+
+P (prefill), per ticket:
+  p.issued_to_claim        ticket issued -> D's first claim
+  p.claim_to_release       claim -> D's release (D held P's blocks this long)
+  p.retention              release -> history published (the copies into the GPU tier)
+P, per history restore (a revisit):
+  p.restore_to_allocated   restore asked -> vLLM allocated the blocks it lands in
+  p.restore_copy           copies posted -> ended (a synchronous restore: until its step ended)
+  p.restored_to_ticket     restore ended -> the request's ticket issued (P's engine computed the
+                           rest of the prompt and finished the request)
+D (decode), per load:
+  d.request_to_claim       load requested -> claim granted
+  d.claim_to_allocated     claim granted -> vLLM allocated the destination blocks
+  d.allocated_to_read      allocated -> read granted
+  d.read                   read granted -> last read finished
+  d.request_to_read_end    the whole load
+P and D together (same host), per ticket:
+  pd.ticket_to_load        P issued the ticket -> D asked for it (P's answer, the router, D's
+                           scheduler)
+
+Counters name what history dropped and why (replayed through the ledger, so they match what the
+engine counted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from . import events as ev
+from .ledger import Ledger, LedgerConfig
+
+PHASES = (
+    "p.issued_to_claim", "p.claim_to_release", "p.retention",
+    "p.restore_to_allocated", "p.restore_copy", "p.restored_to_ticket",
+    "d.request_to_claim", "d.claim_to_allocated", "d.allocated_to_read", "d.read", "d.request_to_read_end",
+    "pd.ticket_to_load",
+)
+COUNTER_PREFIXES = ("history.", "restores.", "tickets.closed.", "leases.", "loads.")
+
+
+def _ms(later: int, earlier: int) -> float:
+    return (later - earlier) / 1e6
+
+
+class _Phases(dict):
+    def add(self, name: str, value: float) -> None:
+        self.setdefault(name, []).append(value)
+
+
+def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int]) -> None:
+    ticket_of: dict[str, str] = {}  # ticket -> request
+    claimed: dict[str, int] = {}
+    released: dict[str, int] = {}
+    restores: dict[str, dict] = {}  # lease -> {request, asked, allocated, posted}
+    restored_at: dict[str, int] = {}  # request -> its restore's end
+    for e in events:
+        kind = type(e)
+        if kind is ev.TicketIssued:
+            issued[e.ticket] = e.at_ns
+            ticket_of[e.ticket] = e.request
+            ended = restored_at.pop(e.request, None)
+            if ended is not None:
+                phases.add("p.restored_to_ticket", _ms(e.at_ns, ended))
+        elif kind is ev.ClaimRequested:
+            if e.ticket in issued and e.ticket not in claimed:
+                claimed[e.ticket] = e.at_ns
+                phases.add("p.issued_to_claim", _ms(e.at_ns, issued[e.ticket]))
+        elif kind is ev.ReleaseRequested:
+            if e.ticket in claimed and e.ticket not in released:
+                released[e.ticket] = e.at_ns
+                phases.add("p.claim_to_release", _ms(e.at_ns, claimed[e.ticket]))
+        elif kind is ev.HistoryPublished:
+            start = released.pop(e.ticket, None)
+            if start is not None:
+                phases.add("p.retention", _ms(e.at_ns, start))
+        elif kind is ev.RestoreRequested:
+            if e.keys:
+                restores[e.lease] = {"request": e.request, "asked": e.at_ns}
+        elif kind is ev.LeaseAllocated:
+            r = restores.get(e.lease)
+            if r is not None and "allocated" not in r:
+                r["allocated"] = e.at_ns
+                phases.add("p.restore_to_allocated", _ms(e.at_ns, r["asked"]))
+        elif kind is ev.LeaseReadStarted:
+            r = restores.get(e.lease)
+            if r is not None:
+                r.setdefault("posted", e.at_ns)
+        elif kind is ev.LeaseReadFinished:
+            r = restores.pop(e.lease, None)
+            if r is not None and "posted" in r:
+                phases.add("p.restore_copy", _ms(e.at_ns, r["posted"]))
+                if e.ok:
+                    restored_at[r["request"]] = e.at_ns
+
+
+def _decode(events: Iterable[ev.Event], phases: _Phases, requested: dict[str, int]) -> None:
+    loads: dict[str, dict] = {}
+    for e in events:
+        kind = type(e)
+        if kind is ev.LoadRequested:
+            loads[e.request] = {"asked": e.at_ns}
+            requested.setdefault(e.ticket, e.at_ns)
+            continue
+        load = loads.get(getattr(e, "request", None))
+        if load is None:
+            continue
+        if kind is ev.ClaimGranted and "claimed" not in load:
+            load["claimed"] = e.at_ns
+            phases.add("d.request_to_claim", _ms(e.at_ns, load["asked"]))
+        elif kind is ev.LoadAllocated and "allocated" not in load:
+            load["allocated"] = e.at_ns
+            # With allocate_before_claim the blocks may come first: the phase is then 0.
+            if "claimed" in load:
+                phases.add("d.claim_to_allocated", max(0.0, _ms(e.at_ns, load["claimed"])))
+        elif kind is ev.ReadGranted and "granted" not in load:
+            load["granted"] = e.at_ns
+            if "allocated" in load:
+                phases.add("d.allocated_to_read", _ms(e.at_ns, load["allocated"]))
+        elif kind is ev.LoadReadFinished and e.ok:
+            load["read_end"] = e.at_ns  # the last read's end wins
+        elif kind in (ev.RequestAborted, ev.RequestPreempted):
+            loads.pop(e.request, None)
+    for load in loads.values():
+        if "granted" in load and "read_end" in load:
+            phases.add("d.read", _ms(load["read_end"], load["granted"]))
+            phases.add("d.request_to_read_end", _ms(load["read_end"], load["asked"]))
+
+
+def _summary(values: list[float]) -> dict:
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+    return {"count": len(ordered), "p50_ms": pick(0.5), "p90_ms": pick(0.9), "max_ms": round(ordered[-1], 3)}
+
+
+def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]]) -> dict:
+    """Phase latencies and counters of engines' event streams: `logs` is (role, config, events)
+    per engine ("producer"/"prefill" or "consumer"/"decode"). Returns {"phases": {name:
+    summary}, "counters": {role: {name: n}}}; a phase no event reached is absent."""
+
+    phases = _Phases()
+    issued: dict[str, int] = {}
+    requested: dict[str, int] = {}
+    counters: dict[str, dict[str, int]] = {}
+    for role, config, events in logs:
+        events = list(events)
+        if role in ("producer", "prefill"):
+            _prefill(events, phases, issued)
+        elif role in ("consumer", "decode"):
+            _decode(events, phases, requested)
+        ledger = Ledger(config)
+        for event in events:
+            ledger.apply(event)
+        mine = counters.setdefault(role, {})
+        for name, count in ledger.counters.items():
+            if name.startswith(COUNTER_PREFIXES):
+                mine[name] = mine.get(name, 0) + count
+    for ticket, at in requested.items():
+        if ticket in issued:
+            phases.add("pd.ticket_to_load", _ms(at, issued[ticket]))
+    return {"phases": {name: _summary(phases[name]) for name in PHASES if phases.get(name)},
+            "counters": {role: dict(sorted(c.items())) for role, c in counters.items()}}
+
+
+def format_timings(result: dict) -> str:
+    lines = [f"{'phase':<24}{'count':>7}{'p50 ms':>10}{'p90 ms':>10}{'max ms':>10}"]
+    for name, s in result["phases"].items():
+        lines.append(f"{name:<24}{s['count']:>7}{s['p50_ms']:>10.2f}{s['p90_ms']:>10.2f}{s['max_ms']:>10.2f}")
+    for role, counts in result["counters"].items():
+        if counts:
+            lines.append(f"{role}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return "\n".join(lines)

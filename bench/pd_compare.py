@@ -628,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         # P's history restores run inside the step that computes the rest (history_restore_sync).
         "kvbaton-syncrestore": System("kvbaton-syncrestore", "kvbaton", settings={"history_restore_sync": True},
                                       timed=timed),
+        # One KV tensor whose blocks hold every layer (cross_layer_blocks): a run is one descriptor.
+        "kvbaton-xlayer": System("kvbaton-xlayer", "kvbaton", settings={"cross_layer_blocks": True}, timed=timed),
     }
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]

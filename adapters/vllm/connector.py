@@ -51,6 +51,9 @@ from .worker_io import WorkerIo
 # Under vLLM's logger tree, so connector lines appear in the engine's log with vLLM's format.
 logger = logging.getLogger("vllm.kvbaton.connector")
 PARAMS_VERSION = 1
+# The name the cross-layer KV tensor is registered under (one "layer" whose blocks hold every
+# layer): both engines of a handoff must have it, or their layouts differ by name and count.
+CROSS_LAYERS = "__cross_layers__"
 
 
 @dataclass
@@ -195,6 +198,21 @@ class KvbatonConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         self._worker.register_kv_caches(kv_caches)  # a failure here must stop the engine: let it raise
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """Ask vLLM for one KV tensor whose blocks hold every layer (`cross_layer_blocks`). vLLM
+        0.14-0.28 honours it on GPU for models with one uniform attention group, and then calls
+        `register_cross_layers_kv_cache` instead of `register_kv_caches`; elsewhere it is
+        ignored. A run of adjacent blocks is then one NIXL descriptor instead of one per layer."""
+
+        settings = getattr(self, "settings", None)
+        return bool(settings is not None and settings.cross_layer_blocks)
+
+    def register_cross_layers_kv_cache(self, kv_cache, attn_backend=None) -> None:
+        # vLLM passes it blocks first ((blocks, layers, ...) in its memory order for every
+        # backend that qualifies): registered as one layer, so each block is one contiguous span.
+        self._worker.register_kv_caches({CROSS_LAYERS: kv_cache}, block_dim=0)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self._worker is not None:
@@ -642,10 +660,11 @@ class WorkerSide:
             logger.exception("kvbaton worker: %s failed", getattr(fn, "__name__", fn))
             return fallback
 
-    def register_kv_caches(self, kv_caches: dict) -> None:
+    def register_kv_caches(self, kv_caches: dict, block_dim: int | None = None) -> None:
         from ...transports.layout import KvLayout
 
-        layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self.conn.block_size)
+        layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self.conn.block_size,
+                                         block_dim=block_dim)
         if self.conn.settings.transport == "local":
             from ...transports.local import LocalTransport
 

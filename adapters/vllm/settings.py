@@ -80,6 +80,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     landing_bytes: int = -1
     # Land a read when that saves at least this many runs; 0 lands every read that fits.
     landing_min_runs_saved: int = 2
+    # Ask vLLM for a cross-layer KV cache: one tensor whose blocks hold every layer, so a run of
+    # adjacent blocks is one NIXL descriptor (and one history copy) instead of one per layer.
+    # vLLM 0.14-0.28 honour it on GPU for models with one uniform attention group; other vLLM
+    # versions and CPU engines ignore it. P and D must agree (their layouts are compared at the
+    # handshake). Off until measured on GPUs.
+    cross_layer_blocks: bool = False
     # The engine process's GIL switch interval (Python's default is 5 ms): the worker's io
     # thread posts granted reads and reports their end, and must not wait a whole interval for
     # the GIL each time while the engine thread runs Python. Only ever lowered; 0 leaves it.

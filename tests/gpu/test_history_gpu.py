@@ -74,6 +74,8 @@ BLOCK_BYTES = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2  # one block, every l
 # GPU: the default budget (256 MiB: 1365 blocks). CPU: 384 blocks, a few prompts spill it.
 P_GPU_HISTORY_BYTES = 384 * BLOCK_BYTES if ON_CPU else None
 RETENTION_DEADLINE_S = 1.0  # a loaded machine may copy slowly: do not drop retentions here
+# KVBATON_GPU_CROSS_LAYER=1: the engines ask vLLM for a cross-layer KV cache (`cross_layer_blocks`).
+CROSS_LAYER = {"cross_layer_blocks": True} if os.environ.get("KVBATON_GPU_CROSS_LAYER") == "1" else {}
 FILLER_LENGTH = 4432
 D_BLOCKS = MAX_MODEL_LEN // BLOCK + 16
 CONCURRENT, ABANDON = 32, 3
@@ -108,7 +110,7 @@ def h(tmp_path_factory):
                   log_dir=root, extra_engine_args=extra, env=_engine_env(device))
     p_config = {"event_log_dir": str(events), "history_retention_deadline_s": RETENTION_DEADLINE_S,
                 # KVBATON_GPU_RESTORE_SYNC=1: P's restores run inside the step (history_restore_sync).
-                "history_restore_sync": os.environ.get("KVBATON_GPU_RESTORE_SYNC") == "1"}
+                "history_restore_sync": os.environ.get("KVBATON_GPU_RESTORE_SYNC") == "1", **CROSS_LAYER}
     if P_GPU_HISTORY_BYTES is not None:
         p_config["gpu_history_bytes"] = P_GPU_HISTORY_BYTES
     p = EngineProcess("P", model, cpu_core=cores[0], **common, max_num_seqs=32,
@@ -117,10 +119,10 @@ def h(tmp_path_factory):
     d = EngineProcess("D", model, cpu_core=cores[1], **common, max_num_seqs=64,
                       num_gpu_blocks_override=D_BLOCKS,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
-                          "event_log_dir": str(events), "heartbeat_interval_s": 1.0}})
+                          "event_log_dir": str(events), "heartbeat_interval_s": 1.0, **CROSS_LAYER}})
     s = EngineProcess("S", model, cpu_core=cores[2], **common,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
-                          "event_log_dir": str(events), "gpu_history_bytes": 0}})
+                          "event_log_dir": str(events), "gpu_history_bytes": 0, **CROSS_LAYER}})
     engines = [p, d, s]
     t0 = time.monotonic()
     for engine in engines:

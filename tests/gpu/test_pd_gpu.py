@@ -20,6 +20,7 @@ recomputing, handoff GB/s against GPU copies of the same bytes) into a JSON repo
 
 `KVBATON_GPU_LANDING` (all, the default here / auto / off) picks how D's reads use its landing
 area (every read packed then scattered on D's GPU / only when that saves descriptors / never).
+`KVBATON_GPU_CROSS_LAYER=1` has P and D ask vLLM for a cross-layer KV cache (`cross_layer_blocks`).
 
 Topologies: `1gpu` (P, D and S share GPU 0) always; `2gpu` (P on GPU 0; D and S on GPU 1) when
 two GPUs are visible. `KVBATON_GPU_TOPOLOGIES=2gpu` picks one. `KVBATON_GPU_ASYNC_SCHEDULING=0|1`
@@ -156,6 +157,8 @@ def _topology_params():
 LANDING = os.environ.get("KVBATON_GPU_LANDING", "all")
 LANDING_SETTINGS = {"all": {"landing_bytes": 256 << 20, "landing_min_runs_saved": 0},
                     "auto": {}, "off": {"landing_bytes": 0}}[LANDING]
+# KVBATON_GPU_CROSS_LAYER=1: P and D ask vLLM for a cross-layer KV cache (`cross_layer_blocks`).
+CROSS_LAYER = {"cross_layer_blocks": True} if os.environ.get("KVBATON_GPU_CROSS_LAYER") == "1" else {}
 
 
 def _engine_env(device: str | None) -> dict:
@@ -193,12 +196,13 @@ def pd(request, tmp_path_factory):
                   log_dir=root, extra_engine_args=extra)
     p = EngineProcess("P", model, cpu_core=cores[0], env=_engine_env(devices[0]), **common,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer",
-                                          "kv_connector_extra_config": {"event_log_dir": str(events)}})
+                                          "kv_connector_extra_config": {"event_log_dir": str(events),
+                                                                        **CROSS_LAYER}})
     d = EngineProcess("D", model, cpu_core=cores[1], env=_engine_env(devices[1]), **common,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer",
                                           "kv_connector_extra_config": {
                                               "event_log_dir": str(events), "heartbeat_interval_s": 1.0,
-                                              **LANDING_SETTINGS}})
+                                              **LANDING_SETTINGS, **CROSS_LAYER}})
     s = EngineProcess("S", model, cpu_core=cores[2], env=_engine_env(devices[2]), **common)
     engines = [p, d, s]
     report = REPORT.setdefault(topology, {"topology": topology, "handoffs": [],
@@ -537,7 +541,8 @@ def test_first_handoff_right_after_engine_start(tmp_path, monkeypatch):
                   max_model_len=MAX_MODEL_LEN, log_dir=tmp_path, extra_engine_args=extra)
     p = EngineProcess("P", model, cpu_core=0 if ON_CPU else None, env=_engine_env(None if ON_CPU else "0"),
                       **common, kv_transfer_config={**connector, "kv_role": "kv_producer",
-                                                    "kv_connector_extra_config": {"event_log_dir": str(events)}})
+                                                    "kv_connector_extra_config": {"event_log_dir": str(events),
+                                                                        **CROSS_LAYER}})
     d = EngineProcess("D", model, cpu_core=1 if ON_CPU else None, env=_engine_env(None if ON_CPU else "0"),
                       **common, kv_transfer_config={**connector, "kv_role": "kv_consumer",
                                                     "kv_connector_extra_config": {

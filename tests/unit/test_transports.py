@@ -63,8 +63,16 @@ def blocks_first_caches(num_blocks: int, num_layers: int = 2, kv_heads: int = 2,
             for i in range(num_layers)}
 
 
+def cross_layer_caches(num_blocks: int, num_layers: int = 2, kv_heads: int = 2, head_size: int = 64,
+                       dtype=torch.bfloat16) -> dict:
+    """vLLM 0.14-0.28 on GPU with `prefer_cross_layer_blocks` (FlashAttention NHD): one tensor
+    (num_blocks, num_layers, 2, block_size, kv_heads, head_size), registered as one layer."""
+    return {"__cross_layers__": torch.zeros(num_blocks, num_layers, 2, BLOCK_SIZE, kv_heads, head_size,
+                                            dtype=dtype)}
+
+
 LAYOUT_FACTORIES = {"cpu_lbhnc": cpu_lbhnc_caches, "kv_first": kv_first_caches,
-                    "blocks_first": blocks_first_caches}
+                    "blocks_first": blocks_first_caches, "cross_layers": cross_layer_caches}
 
 
 def fill_random_bits(kv_caches: dict, seed: int) -> None:
@@ -256,6 +264,24 @@ def test_descriptor_counts_are_minimal():
     # for the whole cache K and V of a layer are adjacent too, so each layer is one descriptor.
     assert len(descriptors_for_runs(kv_first, kv_first, [(3, 10, 5)])) == 4
     assert len(descriptors_for_runs(kv_first, kv_first, everything)) == 2
+
+
+def test_cross_layer_layout_is_one_descriptor_per_run_for_every_layer():
+    """A cross-layer cache holds every layer of a block contiguously: a run of adjacent blocks is
+    one descriptor, where per-layer caches need one per layer (and per K/V half)."""
+    num_blocks, layers = 64, 28
+    caches = cross_layer_caches(num_blocks, num_layers=layers)
+    layout = KvLayout.from_kv_caches(caches, num_blocks, BLOCK_SIZE, block_dim=0)
+    (only,) = layout.layers
+    assert only.spans == (T.BlockSpan(0, layout.block_nbytes),)
+    assert layout.block_nbytes == layers * 2 * BLOCK_SIZE * 2 * 64 * 2
+    assert len(descriptors_for_runs(layout, layout, [(3, 10, 5)])) == 1
+    assert len(descriptors_for_runs(layout, layout, [(3, 10, 5), (20, 40, 2)])) == 2
+    per_layer = KvLayout.from_kv_caches(blocks_first_caches(num_blocks, num_layers=layers), num_blocks, BLOCK_SIZE)
+    assert len(descriptors_for_runs(per_layer, per_layer, [(3, 10, 5)])) == layers
+    # Engines that disagree (one cross-layer, one per-layer) are refused with the reason.
+    with pytest.raises(T.LayoutMismatch, match="number of layers"):
+        layout.check_compatible(per_layer)
 
 
 def test_descriptors_never_span_two_allocations():

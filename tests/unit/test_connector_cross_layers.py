@@ -1,0 +1,42 @@
+"""The connector asks vLLM for a cross-layer KV cache only when `cross_layer_blocks` is set, and
+registers one given to it as a single blocks-first layer."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from kvbaton.adapters.vllm.connector import CROSS_LAYERS, KvbatonConnector  # noqa: E402
+from kvbaton.adapters.vllm.settings import parse_settings  # noqa: E402
+
+
+class RecordingWorker:
+    def __init__(self) -> None:
+        self.calls = []
+
+    def register_kv_caches(self, kv_caches, block_dim=None) -> None:
+        self.calls.append((kv_caches, block_dim))
+
+
+def bare_connector(settings: dict) -> KvbatonConnector:
+    connector = object.__new__(KvbatonConnector)  # no engine: only the two methods under test
+    connector.settings = parse_settings(settings)
+    connector._worker = RecordingWorker()
+    return connector
+
+
+def test_cross_layer_blocks_are_asked_for_only_when_set():
+    assert bare_connector({}).prefer_cross_layer_blocks is False
+    assert bare_connector({"cross_layer_blocks": True}).prefer_cross_layer_blocks is True
+    # vLLM may read the property before the settings exist (a half-built connector): no.
+    assert object.__new__(KvbatonConnector).prefer_cross_layer_blocks is False
+
+
+def test_a_cross_layer_cache_registers_as_one_blocks_first_layer():
+    connector = bare_connector({"cross_layer_blocks": True})
+    cache = torch.zeros(8, 3, 2, 32, 2, 16)
+    connector.register_cross_layers_kv_cache(cache, attn_backend=None)
+    ((caches, block_dim),) = connector._worker.calls
+    assert list(caches) == [CROSS_LAYERS] and caches[CROSS_LAYERS] is cache and block_dim == 0

@@ -15,6 +15,7 @@ from kvbaton.adapters.vllm.history import (  # noqa: E402
     SlotStore,
     cpu_slot_runs,
     history_plan,
+    upload_runs,
     kv_block_bytes,
 )
 from kvbaton.adapters.vllm.settings import parse_settings  # noqa: E402
@@ -296,6 +297,13 @@ def test_cpu_slot_runs_groups_consecutive_slots():
     assert cpu_slot_runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
 
 
+def test_upload_runs_copies_rows_in_run_order():
+    source = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    runs = cpu_slot_runs([1, 2, 3, 7, 8])
+    out = upload_runs(source, runs, "cpu")
+    assert torch.equal(out, source[[1, 2, 3, 7, 8]])
+
+
 @pytest.mark.parametrize("scattered", [False, True])
 def test_demotion_batches_land_bit_exact_by_runs_and_through_staging(scattered):
     """A batch whose CPU slots form few runs copies run by run; a scattered one (more runs than
@@ -338,6 +346,11 @@ def test_cuda_tiers_stage_demote_restore_bit_exact():
         wide.stage([(b, f"w{b}") for b in range(NUM_BLOCKS)])
         assert wide.demote_many([f"w{b}" for b in range(NUM_BLOCKS)]) == [None] * NUM_BLOCKS
         assert all(wide.read_slot(f"w{b}") == saved[b] for b in range(NUM_BLOCKS))
+        # Restored from the CPU tier: run by run (contiguous slots) or gathered (scattered).
+        for b in range(NUM_BLOCKS):
+            caches["l1"].select(1, b).zero_()
+        wide.restore([(f"w{b}", "cpu", b) for b in range(NUM_BLOCKS)])
+        assert all(engine_block(caches, b, 1) == saved[b] for b in range(NUM_BLOCKS))
         for b in range(NUM_BLOCKS):
             wide.drop(f"w{b}")
     store.stage([(1, "a"), (2, "b")])

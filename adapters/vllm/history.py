@@ -31,6 +31,7 @@ then drops the keys, or fails the restore so vLLM recomputes those tokens).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
@@ -154,7 +155,11 @@ class SlotStore:
         }
         self.slot_bytes = sum(math.prod(v.shape[1:]) * v.element_size() for v in self.views)
         self.maps: dict[str, dict[str, int]] = {"gpu": {}, "cpu": {}}
-        self.free: dict[str, list[int]] = {t: list(range(self.slots[t] - 1, -1, -1)) for t in self.TIERS}
+        # Free slots. GPU tier: a stack. CPU tier: a min-heap, so a demotion batch takes the
+        # lowest free slots, which come in runs where a stretch was freed together (an evicted
+        # prompt): a CPU-tier restore then uploads a few runs instead of gathering every block.
+        self.free: dict[str, list[int]] = {"gpu": list(range(self.slots["gpu"] - 1, -1, -1)),
+                                           "cpu": list(range(self.slots["cpu"]))}
         self.lock = threading.Lock()
         self.reading: dict[tuple[str, int], int] = {}  # (tier, slot) -> restores reading it
         self.deferred: set[tuple[str, int]] = set()  # freed while being read: free after the read
@@ -204,13 +209,19 @@ class SlotStore:
         host = torch.tensor(list(values), dtype=torch.long).pin_memory()
         return host.to(device, non_blocking=True)  # the pinned allocator keeps `host` until it ran
 
+    def _free_slot(self, tier: str, slot: int) -> None:
+        if tier == "cpu":
+            heapq.heappush(self.free["cpu"], slot)
+        else:
+            self.free[tier].append(slot)
+
     def _release(self, tier: str, slot: int) -> None:
         """Give a slot back (lock held); one still being read is freed when the read ends."""
 
         if (tier, slot) in self.reading:
             self.deferred.add((tier, slot))
         else:
-            self.free[tier].append(slot)
+            self._free_slot(tier, slot)
 
     # -- writes (the copier thread) ----------------------------------------------------------------
 
@@ -282,7 +293,7 @@ class SlotStore:
                     self._release("gpu", gslot)
                     errors.append(RuntimeError(f"no free CPU-tier slot ({self.slots['cpu']} slots)"))
                 else:
-                    moves.append((key, gslot, self.free["cpu"].pop()))
+                    moves.append((key, gslot, heapq.heappop(self.free["cpu"])))
                     errors.append(None)
         if not moves:
             return errors
@@ -297,7 +308,7 @@ class SlotStore:
                 for key, gslot, cslot in moves:
                     self.maps["gpu"].pop(key, None)
                     self._release("gpu", gslot)
-                    self.free["cpu"].append(cslot)
+                    self._free_slot("cpu", cslot)
             return [exc if err is None else err for err in errors]
         with self.lock:
             for key, gslot, cslot in moves:
@@ -441,7 +452,7 @@ class SlotStore:
                 self.reading.pop(read, None)
                 if read in self.deferred:
                     self.deferred.discard(read)
-                    self.free[read[0]].append(read[1])
+                    self._free_slot(read[0], read[1])
             job.reads = []
             job.tensors = None
 

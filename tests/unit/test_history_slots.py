@@ -297,6 +297,21 @@ def test_cpu_slot_runs_groups_consecutive_slots():
     assert cpu_slot_runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
 
 
+def test_cpu_slots_freed_together_are_taken_again_as_one_run():
+    """The CPU tier hands out its lowest free slots: after an interleaved history, a batch that
+    follows a stretch of frees lands in one run (what a CPU-tier restore uploads run by run)."""
+    caches = make_caches(layers=1)
+    store = SlotStore(caches, None, gpu_slots=NUM_BLOCKS, cpu_slots=NUM_BLOCKS)
+    store.stage([(b, f"a{b}") for b in range(8)])
+    assert store.demote_many([f"a{b}" for b in range(8)]) == [None] * 8
+    for b in (6, 2, 4, 3, 5):  # freed out of order: slots 2..6 are free again
+        store.drop(f"a{b}")
+    store.stage([(b, f"b{b}") for b in range(5)])
+    assert store.demote_many([f"b{b}" for b in range(5)]) == [None] * 5
+    assert sorted(store.maps["cpu"][f"b{b}"] for b in range(5)) == [2, 3, 4, 5, 6]
+    assert len(cpu_slot_runs(sorted(store.maps["cpu"][f"b{b}"] for b in range(5)))) == 1
+
+
 def test_upload_runs_copies_rows_in_run_order():
     source = torch.arange(40, dtype=torch.float32).reshape(10, 4)
     runs = cpu_slot_runs([1, 2, 3, 7, 8])
@@ -311,7 +326,7 @@ def test_demotion_batches_land_bit_exact_by_runs_and_through_staging(scattered):
     caches = make_caches(layers=2)
     store = SlotStore(caches, [0] * len(caches), gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
     if scattered:  # every other CPU slot free: each demoted key is a run of its own
-        store.free["cpu"] = list(range(2 * NUM_BLOCKS - 2, -1, -2))
+        store.free["cpu"] = list(range(0, 2 * NUM_BLOCKS, 2))  # a min-heap already
     saved = {b: engine_block(caches, b, 0) for b in range(NUM_BLOCKS)}
     order = list(range(NUM_BLOCKS))
     random.Random(3).shuffle(order)  # stage in a shuffled order: GPU slots do not follow blocks
@@ -341,7 +356,7 @@ def test_cuda_tiers_stage_demote_restore_bit_exact():
     # A scattered demotion batch (staging buffer) and a contiguous one (run copies), on a
     # store of its own.
     wide = SlotStore(caches, [1] * 3, gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
-    for free in (list(range(2 * NUM_BLOCKS - 2, -1, -2)), list(range(2 * NUM_BLOCKS - 1, -1, -1))):
+    for free in (list(range(0, 2 * NUM_BLOCKS, 2)), list(range(2 * NUM_BLOCKS))):  # min-heaps
         wide.free["cpu"] = free
         wide.stage([(b, f"w{b}") for b in range(NUM_BLOCKS)])
         assert wide.demote_many([f"w{b}" for b in range(NUM_BLOCKS)]) == [None] * NUM_BLOCKS

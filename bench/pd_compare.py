@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -189,6 +190,9 @@ class Stack:
         import httpx
 
         started = time.perf_counter()
+        # This run's event logs only: an earlier run into the same --log-dir left its own (each
+        # engine start has a new id), and `event_timings` reads the whole folder.
+        shutil.rmtree(self.s.log_dir / self.system.name / self.system.events_dir, ignore_errors=True)
         self._engine("prefill")
         self._engine("decode")
         deadline = time.monotonic() + timeout_s

@@ -9,7 +9,8 @@ Phases (each a list of milliseconds, reported as count / P50 / P90 / max):
 P (prefill), per ticket:
   p.issued_to_claim        ticket issued -> D's first claim
   p.claim_to_release       claim -> D's release (D held P's blocks this long)
-  p.retention              release -> history published (the copies into the GPU tier)
+  p.retention              release -> history published (the copies into the GPU tier); from
+                           a release while a read was in flight, it includes that read's end
 P, per history restore (a revisit):
   p.restore_to_allocated   restore asked -> vLLM allocated the blocks it lands in
   p.restore_copy           copies posted -> ended (a synchronous restore: until its step ended)
@@ -78,7 +79,7 @@ def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int]
                 phases.add("p.claim_to_release", _ms(e.at_ns, claimed[e.ticket]))
         elif kind is ev.HistoryPublished:
             start = released.pop(e.ticket, None)
-            if start is not None:
+            if start is not None and e.ok:  # (a late one the deadline already dropped counts too)
                 phases.add("p.retention", _ms(e.at_ns, start))
         elif kind is ev.RestoreRequested:
             if e.keys:
@@ -116,7 +117,7 @@ def _decode(events: Iterable[ev.Event], phases: _Phases, requested: dict[str, in
             phases.add("d.request_to_claim", _ms(e.at_ns, load["asked"]))
         elif kind is ev.LoadAllocated and "allocated" not in load:
             load["allocated"] = e.at_ns
-            # With allocate_before_claim the blocks may come first: the phase is then 0.
+            # Absent when the blocks came before the claim's answer (allocate_before_claim).
             if "claimed" in load:
                 phases.add("d.claim_to_allocated", max(0.0, _ms(e.at_ns, load["claimed"])))
         elif kind is ev.ReadGranted and "granted" not in load:
@@ -125,8 +126,8 @@ def _decode(events: Iterable[ev.Event], phases: _Phases, requested: dict[str, in
                 phases.add("d.allocated_to_read", _ms(e.at_ns, load["allocated"]))
         elif kind is ev.LoadReadFinished and e.ok:
             load["read_end"] = e.at_ns  # the last read's end wins
-        elif kind in (ev.RequestAborted, ev.RequestPreempted):
-            loads.pop(e.request, None)
+        elif kind in (ev.RequestAborted, ev.RequestPreempted) and "read_end" not in load:
+            loads.pop(e.request, None)  # never read: no phase (a finished load keeps its own)
     for load in loads.values():
         if "granted" in load and "read_end" in load:
             phases.add("d.read", _ms(load["read_end"], load["granted"]))
@@ -144,7 +145,7 @@ def _summary(values: list[float]) -> dict:
 
 def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]]) -> dict:
     """Phase latencies and counters of engines' event streams: `logs` is (role, config, events)
-    per engine ("producer"/"prefill" or "consumer"/"decode"). Returns {"phases": {name:
+    per engine ("producer"/"prefill", "consumer"/"decode" or "both"). Returns {"phases": {name:
     summary}, "counters": {role: {name: n}}}; a phase no event reached is absent."""
 
     phases = _Phases()
@@ -153,9 +154,9 @@ def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]]) -> dict:
     counters: dict[str, dict[str, int]] = {}
     for role, config, events in logs:
         events = list(events)
-        if role in ("producer", "prefill"):
+        if role in ("producer", "prefill", "both"):
             _prefill(events, phases, issued)
-        elif role in ("consumer", "decode"):
+        if role in ("consumer", "decode", "both"):
             _decode(events, phases, requested)
         ledger = Ledger(config)
         for event in events:

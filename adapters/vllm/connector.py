@@ -197,6 +197,9 @@ class KvbatonConnector(KVConnectorBase_V1):
     # -- worker side -----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
+        if self.settings.cross_layer_blocks:
+            logger.warning("kvbaton: cross_layer_blocks is set but vLLM registered per-layer KV caches "
+                           "(this vLLM version, device or model does not offer the cross-layer layout)")
         self._worker.register_kv_caches(kv_caches)  # a failure here must stop the engine: let it raise
 
     @property
@@ -210,8 +213,11 @@ class KvbatonConnector(KVConnectorBase_V1):
         return bool(settings is not None and settings.cross_layer_blocks)
 
     def register_cross_layers_kv_cache(self, kv_cache, attn_backend=None) -> None:
-        # vLLM passes it blocks first ((blocks, layers, ...) in its memory order for every
-        # backend that qualifies): registered as one layer, so each block is one contiguous span.
+        # vLLM passes it in memory order, blocks first for every backend that qualifies
+        # (FlashAttention NHD (blocks, layers, 2, tokens, heads, dim), HND (blocks, heads, layers,
+        # 2, tokens, dim)): registered as one layer, each block is one contiguous span.
+        logger.info("kvbaton: vLLM gave a cross-layer KV cache %s: one descriptor per run of blocks",
+                    tuple(kv_cache.shape))
         self._worker.register_kv_caches({CROSS_LAYERS: kv_cache}, block_dim=0)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:

@@ -108,9 +108,10 @@ class RestoreJob:
         self.cpu_blocks = cpu_blocks
         self.started = started
         self.ready_at = ready_at  # test hook: not done before this time
-        # The index tensors the queued copies read. They were allocated on the engine's stream:
-        # freed before the copies ran, the engine's next allocations could reuse (and overwrite)
-        # them, and the copies would index out of bounds (a device-side assert kills the engine).
+        # The index tensors the queued copies read, kept until the event says the copies ran.
+        # (When they were allocated on the engine's stream and freed at once, the engine's next
+        # allocations overwrote them, a copy indexed out of bounds and a device-side assert
+        # killed the engine; they now live on the restore stream, and are still kept.)
         self.tensors = None
 
     def done(self) -> bool:
@@ -261,11 +262,21 @@ class SlotStore:
                 self.maps["gpu"][key] = slot
         return len(copies) * self.slot_bytes
 
+    # Largest temporary one copy makes (an index_select's result, a host staging buffer). With
+    # one cross-layer view a whole retention or restore would otherwise be one temporary, up to
+    # the GPU budget on top of vLLM's KV cache, and the allocator keeps a pool per stream.
+    CHUNK_BYTES = 32 << 20
+
+    def _rows_per_chunk(self, tensor) -> int:
+        return max(1, self.CHUNK_BYTES // max(1, math.prod(tensor.shape[1:]) * tensor.element_size()))
+
     def _stage_copy(self, engine_blocks, slots) -> None:
         blocks = self._index(engine_blocks, self.device)  # uploaded on this stream, before use
         index = self._index(slots, self.device)
         for view, tier in zip(self.views, self.tiers["gpu"]):
-            tier.index_copy_(0, index, view.index_select(0, blocks))
+            step = self._rows_per_chunk(view)
+            for start in range(0, len(slots), step):
+                tier.index_copy_(0, index[start:start + step], view.index_select(0, blocks[start:start + step]))
 
     def demote(self, key: str) -> None:
         """Move `key` from its GPU-tier slot to a free CPU-tier slot; the GPU slot is free after
@@ -335,22 +346,27 @@ class SlotStore:
         moves = sorted(moves, key=lambda move: move[2])
         runs = cpu_slot_runs([cslot for _, _, cslot in moves])
         gidx = self._index((g for _, g, _ in moves), self.device)
+        step = self._rows_per_chunk(self.tiers["gpu"][0])
         if len(runs) <= self.DEMOTE_MAX_RUNS:
             for gpu, cpu in zip(self.tiers["gpu"], self.tiers["cpu"]):
-                gathered = gpu.index_select(0, gidx)  # freed on this stream: reused only after
-                for first, cslot, count in runs:
-                    cpu[cslot:cslot + count].copy_(gathered[first:first + count], non_blocking=self.cuda)
+                for offset, group, size in split_runs(runs, step):
+                    # Freed on this stream: its memory is reused only by later work on it.
+                    gathered = gpu.index_select(0, gidx[offset:offset + size])
+                    for first, cslot, count in group:
+                        cpu[cslot:cslot + count].copy_(gathered[first:first + count], non_blocking=self.cuda)
             return
         cidx = self._index((c for _, _, c in moves), "cpu")
-        staged = []
-        for gpu in self.tiers["gpu"]:
-            host = torch.empty((len(moves), *gpu.shape[1:]), dtype=gpu.dtype, pin_memory=self.cuda)
-            host.copy_(gpu.index_select(0, gidx), non_blocking=self.cuda)
-            staged.append(host)
-        if self.cuda:
-            self.torch.cuda.current_stream(self.device).synchronize()  # this stream: the copies above
-        for host, cpu in zip(staged, self.tiers["cpu"]):
-            cpu.index_copy_(0, cidx, host)
+        for start in range(0, len(moves), step):  # one chunk of every layer per wait
+            staged = []
+            for gpu in self.tiers["gpu"]:
+                picked = gpu.index_select(0, gidx[start:start + step])
+                host = torch.empty(picked.shape, dtype=gpu.dtype, pin_memory=self.cuda)
+                host.copy_(picked, non_blocking=self.cuda)
+                staged.append(host)
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()  # this stream: the copies above
+            for host, cpu in zip(staged, self.tiers["cpu"]):
+                cpu.index_copy_(0, cidx[start:start + step], host)
 
     def drop(self, key: str, tier: str = "") -> bool:
         """Forget `key` wherever it is (the core names a tier; a key is only ever in one)."""
@@ -423,24 +439,30 @@ class SlotStore:
         for layer, view in enumerate(self.views):  # per layer: one batch per tier
             for tier, slots, blocks, runs in batches:
                 source = self.tiers[tier][layer]
+                step = self._rows_per_chunk(view)
                 if source.device == view.device:
-                    view.index_copy_(0, blocks, source.index_select(0, slots))
+                    for start in range(0, len(slots), step):
+                        view.index_copy_(0, blocks[start:start + step],
+                                         source.index_select(0, slots[start:start + step]))
                 elif runs is not None:
                     # Straight from the pinned tier, one asynchronous DMA per run: the engine
                     # thread copies nothing on the host (the gather below copies the whole
                     # restore there first, 229 MB for a 7B-shaped 4000-token prompt). The slots
                     # stay booked as read until the job's event.
-                    view.index_copy_(0, blocks, upload_runs(source, runs, view.device))
+                    for offset, group, size in split_runs(runs, step):
+                        view.index_copy_(0, blocks[offset:offset + size], upload_runs(source, group, view.device))
                 else:
                     # Scattered: gather into *pinned* memory, so the upload is still an
                     # asynchronous DMA on the restore stream (from pageable memory CUDA stages
                     # it synchronously). Measured in tests/gpu: 3.0-3.4 -> 3.7-4.4 GB/s against
                     # a pageable gather. Torch's pinned allocator keeps the buffer until the
                     # copy ran.
-                    staged = torch.empty((len(slots), *source.shape[1:]), dtype=source.dtype,
-                                         pin_memory=True)
-                    torch.index_select(source, 0, slots, out=staged)
-                    view.index_copy_(0, blocks, staged.to(view.device, non_blocking=True))
+                    for start in range(0, len(slots), step):
+                        part = slots[start:start + step]
+                        staged = torch.empty((len(part), *source.shape[1:]), dtype=source.dtype,
+                                             pin_memory=True)
+                        torch.index_select(source, 0, part, out=staged)
+                        view.index_copy_(0, blocks[start:start + step], staged.to(view.device, non_blocking=True))
 
     def end_restore(self, job: RestoreJob) -> None:
         with self.lock:
@@ -603,6 +625,27 @@ def upload_runs(source, runs, device):
     for first, row, count in runs:
         out[first:first + count].copy_(source[row:row + count], non_blocking=True)
     return out
+
+
+def split_runs(runs, step: int) -> list[tuple[int, list[tuple[int, int, int]], int]]:
+    """Cut `runs` (as `cpu_slot_runs` gives them, covering indices 0..n in order) into groups of
+    at most `step` rows: (offset of the group's first index, its runs with indices counted from
+    that offset, rows in the group). A run may be split across groups."""
+
+    groups: list[tuple[int, list[tuple[int, int, int]], int]] = []
+    current: list[tuple[int, int, int]] = []
+    offset = size = 0
+    for first, row, count in runs:
+        while count:
+            take = min(count, step - size)
+            current.append((first - offset, row, take))
+            first, row, count, size = first + take, row + take, count - take, size + take
+            if size == step:
+                groups.append((offset, current, size))
+                offset, current, size = offset + size, [], 0
+    if current:
+        groups.append((offset, current, size))
+    return groups
 
 
 def cpu_slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:

@@ -17,6 +17,7 @@ from kvbaton.adapters.vllm.history import (  # noqa: E402
     history_plan,
     upload_runs,
     kv_block_bytes,
+    split_runs,
 )
 from kvbaton.adapters.vllm.settings import parse_settings  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
@@ -312,6 +313,41 @@ def test_cpu_slots_freed_together_are_taken_again_as_one_run():
     assert len(cpu_slot_runs(sorted(store.maps["cpu"][f"b{b}"] for b in range(5)))) == 1
 
 
+def test_split_runs_keeps_every_row_once_in_groups_of_at_most_step():
+    runs = cpu_slot_runs([0, 1, 2, 3, 4, 9, 10, 20])
+    for step in (1, 2, 3, 5, 8, 100):
+        groups = split_runs(runs, step)
+        rows = [(offset + first + i, row + i) for offset, group, _ in groups
+                for first, row, count in group for i in range(count)]
+        assert rows == list(enumerate([0, 1, 2, 3, 4, 9, 10, 20]))
+        assert all(0 < size <= step and size == sum(c for _, _, c in group) for _, group, size in groups)
+    assert split_runs([], 4) == []
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_copies_in_small_chunks_stay_bit_exact(scattered):
+    """Temporaries are capped at CHUNK_BYTES (a cross-layer view makes whole-retention ones):
+    stage, demotion and restore cut into chunks of 3 rows move the same bytes."""
+    caches = make_caches(layers=2)
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
+    store.CHUNK_BYTES = 3 * store.slot_bytes // len(store.views)  # 3 rows of one layer
+    if scattered:
+        store.free["cpu"] = list(range(0, 2 * NUM_BLOCKS, 2))
+    saved = {b: engine_block(caches, b, 0) for b in range(NUM_BLOCKS)}
+    order = list(range(NUM_BLOCKS))
+    random.Random(5).shuffle(order)
+    store.stage([(b, f"k{b}") for b in order])
+    keys = [f"k{b}" for b in range(NUM_BLOCKS)]
+    assert store.demote_many(keys[:20]) == [None] * 20
+    assert all(store.read_slot(f"k{b}") == saved[b] for b in range(NUM_BLOCKS))
+    for tensor in caches.values():
+        tensor.zero_()
+    targets = list(range(NUM_BLOCKS))
+    random.Random(6).shuffle(targets)
+    store.restore([(f"k{b}", "", t) for b, t in zip(range(NUM_BLOCKS), targets)])
+    assert all(engine_block(caches, t, 0) == saved[b] for b, t in zip(range(NUM_BLOCKS), targets))
+
+
 def test_upload_runs_copies_rows_in_run_order():
     source = torch.arange(40, dtype=torch.float32).reshape(10, 4)
     runs = cpu_slot_runs([1, 2, 3, 7, 8])
@@ -356,6 +392,7 @@ def test_cuda_tiers_stage_demote_restore_bit_exact():
     # A scattered demotion batch (staging buffer) and a contiguous one (run copies), on a
     # store of its own.
     wide = SlotStore(caches, [1] * 3, gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
+    wide.CHUNK_BYTES = 5 * wide.slot_bytes // 3  # 5 rows of a layer: every copy runs in chunks
     for free in (list(range(0, 2 * NUM_BLOCKS, 2)), list(range(2 * NUM_BLOCKS))):  # min-heaps
         wide.free["cpu"] = free
         wide.stage([(b, f"w{b}") for b in range(NUM_BLOCKS)])

@@ -279,6 +279,11 @@ def test_cross_layer_layout_is_one_descriptor_per_run_for_every_layer():
     assert len(descriptors_for_runs(layout, layout, [(3, 10, 5), (20, 40, 2)])) == 2
     per_layer = KvLayout.from_kv_caches(blocks_first_caches(num_blocks, num_layers=layers), num_blocks, BLOCK_SIZE)
     assert len(descriptors_for_runs(per_layer, per_layer, [(3, 10, 5)])) == layers
+    # HND order (blocks, heads, layers, 2, tokens, dim): still blocks first, one span per block.
+    hnd = {"__cross_layers__": torch.zeros(num_blocks, 2, layers, 2, BLOCK_SIZE, 64, dtype=torch.bfloat16)}
+    hnd_layout = KvLayout.from_kv_caches(hnd, num_blocks, BLOCK_SIZE, block_dim=0)
+    assert hnd_layout.layers[0].spans == (T.BlockSpan(0, hnd_layout.block_nbytes),)
+    assert len(descriptors_for_runs(hnd_layout, hnd_layout, [(3, 10, 5)])) == 1
     # Engines that disagree (one cross-layer, one per-layer) are refused with the reason.
     with pytest.raises(T.LayoutMismatch, match="number of layers"):
         layout.check_compatible(per_layer)

@@ -88,6 +88,7 @@ def run_demo(args) -> int:
     from ..control.client import call_authority_sync
     from ..core.log import LogError, read_log
     from ..core.replay import replay
+    from ..core.timings import timings
 
     log_dir = Path(args.log_dir).resolve()
     events = log_dir / "events"
@@ -200,13 +201,20 @@ def run_demo(args) -> int:
     hits_gpu, hits_cpu = total(p_states, "restores.hits.gpu"), total(p_states, "restores.hits.cpu")
     violations = 0
     logs = sorted(events.glob("*.kvlog"))
+    streams = []
     for path in logs:
         try:
             header, records = read_log(str(path))
             result = replay(header, records)
             violations += result.violating_events + (result.first_divergence is not None)
+            streams.append((header.role, header.config, [r.event for r in records if r.event is not None]))
         except LogError as exc:
             failures.append(f"{path.name}: {exc}")
+    phases = timings(streams)["phases"] if streams else {}
+
+    def phase(name: str) -> str:
+        found = phases.get(name)
+        return f"{found['p50_ms']:.1f} / {found['p90_ms']:.1f} ms" if found else "-"
 
     rows = [
         ("requests", f"{requests} ({len(failures)} failed)"),
@@ -219,12 +227,15 @@ def run_demo(args) -> int:
                                                  f"{total(d_states, 'loads.failed')}"),
         ("handoff blocks / bytes", f"{total(d_states, 'loads.blocks')} / {transfer_bytes / 2**20:.1f} MiB"),
         ("history hits GPU tier / CPU tier", f"{hits_gpu} / {hits_cpu}"),
+        ("P ticket -> D asks, p50 / p90", phase("pd.ticket_to_load")),
+        ("D load asked -> read end, p50 / p90", phase("d.request_to_read_end")),
         ("open tickets at the end", str(open_tickets)),
         ("event logs (violations)", f"{len(logs)} ({violations})"),
     ]
     _print_table(rows)
     if logs:
         print(f"inspect a log: kvbaton replay {logs[0]}")
+        print(f"where the time went: kvbaton timings {events}")
     for failure in failures[:5]:
         print(f"failure: {failure}")
     print(f"demo: {requests} requests, {hits_gpu + hits_cpu} history hits, {open_tickets} open tickets, logs in {log_dir}")

@@ -141,12 +141,18 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from .control.client import keep_xoscar_light
+
+    keep_xoscar_light()  # this process runs the router and never needs torch (engines are children)
     from .router.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_serve(args) -> int:
+    from .control.client import keep_xoscar_light
+
+    keep_xoscar_light()  # as for the demo: the engines run in child processes
     from .router.serve import run_serve
 
     return run_serve(args)

@@ -214,6 +214,45 @@ class CallTimeout(TimeoutError):
     """A call to a sidecar got no answer in time."""
 
 
+# Packages xoscar loads serializers for, lazily, on the first reply its dispatcher cannot place:
+# the first call to a peer then imports torch (800 modules) inside the caller's event loop.
+XOSCAR_LAZY_PACKAGES = ("torch", "torch_npu", "cudf", "cupy", "rmm", "mlx")
+
+
+def keep_xoscar_light() -> None:
+    """For our own control-plane processes (sidecars, the `kvbaton serve` / `demo` router), which
+    exchange only plain Python values: mark xoscar's lazily loaded packages absent before xoscar
+    loads (a `None` entry in `sys.modules` makes `import` fail fast). Measured in the demo: the
+    router's first sidecar call imported torch inside its event loop with two engines keeping
+    both cores busy, and every request stalled for 57-120 s."""
+
+    import sys
+
+    for name in XOSCAR_LAZY_PACKAGES:
+        if name not in sys.modules:
+            sys.modules[name] = None
+
+
+def load_xoscar_eagerly() -> None:
+    """For a process that may need those packages (one embedding the router): import xoscar and
+    what it would load lazily now, at startup, rather than in the middle of the first call."""
+
+    import importlib
+    import importlib.util
+    import sys
+
+    import xoscar  # noqa: F401
+
+    for name in XOSCAR_LAZY_PACKAGES:
+        if name in sys.modules:
+            continue  # loaded already, or marked absent by keep_xoscar_light
+        try:
+            if importlib.util.find_spec(name) is not None:
+                importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a broken optional package: xoscar will not use it either
+            pass
+
+
 def _retrieve(task) -> None:
     if not task.cancelled():
         task.exception()  # an abandoned call's late failure is not news

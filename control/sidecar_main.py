@@ -7,14 +7,12 @@ Python values, so it marks those packages absent before xoscar loads (a `None` e
 `sys.modules` makes `find_spec` answer "not installed" and `import` fail fast).
 """
 
-import sys
-
-_NOT_NEEDED = ("torch", "torch_npu", "cudf", "cupy", "rmm", "mlx")
 
 
 def main() -> None:
-    for name in _NOT_NEEDED:
-        sys.modules.setdefault(name, None)
+    from .client import keep_xoscar_light
+
+    keep_xoscar_light()
     from .sidecar import main as sidecar_main
 
     sidecar_main()

@@ -89,6 +89,11 @@ class Router:
                                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.registry.register(EngineSidecarCollector(self))
         self._states: dict[str, dict] = {}
+        # The control-plane client's imports happen here, at startup: done lazily by the first
+        # abandon or state refresh, they ran inside the event loop and stalled every request.
+        from ..control.client import load_xoscar_eagerly
+
+        load_xoscar_eagerly()
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -10,11 +10,13 @@ if any request failed, any ticket is still open, or any log shows a violation.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import shutil
 import statistics
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from ..adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for
@@ -65,21 +67,57 @@ class RouterThread:
             time.sleep(0.2)
         raise RuntimeError("the router did not come up")
 
-    def dump_tasks(self) -> None:
-        """After a failed request: where the router's requests are waiting, on stderr (a demo that
-        fails under load once in a while left no trace of where a request stalled)."""
+    def dump_tasks(self, why: str = "after a failed request") -> None:
+        """Where the router's tasks are waiting, each down its whole chain of awaits, on stderr
+        (a demo that stalls once in a while left no trace of where a request waited)."""
 
-        print(f"router tasks after a failed request ({time.strftime('%H:%M:%S')}):", file=sys.stderr)
+        print(f"router tasks {why} ({time.strftime('%H:%M:%S')}):", file=sys.stderr)
+        frame = sys._current_frames().get(self.thread.ident)
+        if frame is not None:  # the loop's thread itself: idle in select(), or stuck in a call
+            print("  the router thread is at:", file=sys.stderr)
+            for line in traceback.format_stack(frame, limit=60):
+                print("    " + line.rstrip().replace("\n", "\n    "), file=sys.stderr)
         try:  # read from another thread while the loop runs: best effort
             for task in list(asyncio.all_tasks(self.loop)):
-                task.print_stack(limit=8, file=sys.stderr)
+                print(f"  {task.get_name()}:", file=sys.stderr)
+                for where in await_chain(task.get_coro()):
+                    print(f"    {where}", file=sys.stderr)
         except RuntimeError as exc:
             print(f"  (could not list them: {exc})", file=sys.stderr)
+
+    @staticmethod
+    def watch(seconds: float) -> None:
+        """Dump every thread's stack to stderr if the request now starting still runs after
+        `seconds` (`unwatch` cancels). faulthandler does it from C, without the GIL or any
+        import: a Python thread would wait on the very lock a stuck thread holds."""
+
+        faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.stderr)
+
+    @staticmethod
+    def unwatch() -> None:
+        faulthandler.cancel_dump_traceback_later()
 
     def stop(self) -> None:
         if self.stop_event is not None:
             self.loop.call_soon_threadsafe(self.stop_event.set)
         self.thread.join(10)
+
+
+def await_chain(awaitable, limit: int = 40) -> list[str]:
+    """file:line (function) of each coroutine or async generator down an await chain."""
+
+    found = []
+    while awaitable is not None and len(found) < limit:
+        frame = (getattr(awaitable, "cr_frame", None) or getattr(awaitable, "ag_frame", None)
+                 or getattr(awaitable, "gi_frame", None))
+        if frame is not None:
+            found.append(f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})")
+        following = (getattr(awaitable, "cr_await", None) or getattr(awaitable, "ag_await", None)
+                     or getattr(awaitable, "gi_yieldfrom", None))
+        if following is None and frame is None:
+            found.append(repr(awaitable)[:160])  # a future or a foreign awaitable: where it ends
+        awaitable = following
+    return found
 
 
 def run_demo(args) -> int:
@@ -95,8 +133,11 @@ def run_demo(args) -> int:
     shutil.rmtree(events, ignore_errors=True)
     model_dir = build_tiny_model(log_dir / "tiny-model")
 
+    began = time.monotonic()
+
     def say(text: str) -> None:
-        print(f"demo: {text}", flush=True)
+        # Elapsed seconds on every line: a slow phase shows where it is.
+        print(f"demo: [{time.monotonic() - began:5.1f} s] {text}", flush=True)
 
     specs = [
         # P's own cache is small (128 blocks) so that returning prompts find it evicted.
@@ -123,6 +164,7 @@ def run_demo(args) -> int:
             nonlocal requests
             requests += 1
             started = time.perf_counter()
+            router.watch(15.0)
             try:
                 client.completions.create(model="tiny", prompt=words_for(prompt_ids), max_tokens=max_tokens,
                                           temperature=0)
@@ -130,6 +172,8 @@ def run_demo(args) -> int:
             except Exception as exc:  # reported in the table, and the demo fails
                 failures.append(f"completion: {exc}")
                 router.dump_tasks()
+            finally:
+                router.unwatch()
 
         def stream(prompt_ids: list[int], walk_away: bool = False) -> None:
             nonlocal requests
@@ -174,6 +218,7 @@ def run_demo(args) -> int:
             complete(prompt)
 
         # Let the engines settle: the walked-away stream and the last releases.
+        say("waiting for the last tickets to close")
         p_controls = deployment.controls("prefill")
         d_controls = deployment.controls("decode")
         deadline = time.monotonic() + 20
@@ -190,9 +235,11 @@ def run_demo(args) -> int:
         failures.append(str(exc))
         p_states, d_states, open_tickets, open_loads = {}, {}, -1, -1
     finally:
+        say("stopping the router and the engines")
         if router is not None:
             router.stop()
         deployment.stop()
+        say("stopped; replaying the event logs")
 
     def total(states: dict, key: str) -> int:
         return sum(s.get("counters", {}).get(key, 0) for s in states.values())

@@ -248,9 +248,12 @@ class Router:
                     return
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away mid-stream. Nothing may be awaited here (the task is being
-            # cancelled), so the abandon runs on its own; a claimed ticket is D's to release.
+            # cancelled), so the abandon runs on its own. Once D sent a token it had claimed the
+            # ticket (or recomputed), which is then D's to release: no call. (A client that
+            # closes right after `[DONE]` lands here too, and cost a sidecar call per request.)
             outcome = "client_gone"
-            asyncio.get_running_loop().create_task(self.abandon(params, "client_gone"))
+            if not sent:
+                asyncio.get_running_loop().create_task(self.abandon(params, "client_gone"))
             raise
         finally:
             self.requests.labels(endpoint, outcome).inc()

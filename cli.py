@@ -161,7 +161,7 @@ def cmd_serve(args) -> int:
 def cmd_timings(args) -> int:
     from pathlib import Path
 
-    from .core.log import LogError, read_log
+    from .core.log import LogError, read_log_prefix
     from .core.timings import format_timings, timings
 
     paths: list[Path] = []
@@ -178,10 +178,12 @@ def cmd_timings(args) -> int:
     logs = []
     for path in paths:
         try:
-            header, records = read_log(str(path))
+            header, records, stopped = read_log_prefix(str(path))
         except (LogError, OSError) as exc:
             print(f"kvbaton timings: {path}: {exc}", file=sys.stderr)
             return 2
+        if stopped is not None:  # a live engine's log ends mid-record: time what is there
+            print(f"kvbaton timings: {path}: read {len(records)} records, then {stopped}", file=sys.stderr)
         logs.append((header.role, header.config, [r.event for r in records if r.event is not None]))
     result = timings(logs)
     result["logs"] = [str(p) for p in paths]

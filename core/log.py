@@ -178,3 +178,20 @@ def read_log(path: str) -> tuple[LogHeader, list[Record]]:
         data = stream.read()
     header, offset = read_header(data)
     return header, [record for _, record in iter_records(data, offset)]
+
+
+def read_log_prefix(path: str) -> tuple[LogHeader, list[Record], LogError | None]:
+    """Read the records a log holds up to its first unreadable one: a live engine's log ends
+    mid-record (the writer flushes in 64 KiB pieces). Returns the error that stopped the read,
+    or None; a bad header still raises."""
+
+    with open(path, "rb") as stream:
+        data = stream.read()
+    header, offset = read_header(data)
+    records: list[Record] = []
+    try:
+        for _, record in iter_records(data, offset):
+            records.append(record)
+    except LogError as exc:
+        return header, records, exc
+    return header, records, None

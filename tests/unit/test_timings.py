@@ -91,3 +91,10 @@ def test_cli_reads_a_folder_of_logs_and_names_a_folder_without_any(tmp_path, cap
     (tmp_path / "bad.kvlog").write_bytes(b"not a log")
     assert main(["timings", str(tmp_path / "bad.kvlog")]) == 2
     assert "bad.kvlog" in capsys.readouterr().err
+    # A live engine's log ends mid-record: the records before it are timed, the cut is named.
+    whole = (tmp_path / "consumer.kvlog").read_bytes()
+    (tmp_path / "live.kvlog").write_bytes(whole[:-5])
+    assert main(["timings", str(tmp_path / "live.kvlog"), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "then at byte" in captured.err and "truncated" in captured.err
+    assert json.loads(captured.out)["phases"]["d.read"]["count"] == 1

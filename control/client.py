@@ -228,6 +228,11 @@ def keep_xoscar_light() -> None:
 
     import sys
 
+    if "xoscar" in sys.modules:
+        # Too late: xoscar may have registered a package's serializers already, and marking it
+        # absent now would turn a slow first call into an ImportError inside it.
+        logger.debug("keep_xoscar_light: xoscar is loaded already; left as is")
+        return
     for name in XOSCAR_LAZY_PACKAGES:
         if name not in sys.modules:
             sys.modules[name] = None
@@ -235,13 +240,18 @@ def keep_xoscar_light() -> None:
 
 def load_xoscar_eagerly() -> None:
     """For a process that may need those packages (one embedding the router): import xoscar and
-    what it would load lazily now, at startup, rather than in the middle of the first call."""
+    what it would load lazily now, at startup, rather than in the middle of the first call.
+    Blocks for the imports (seconds for torch). Without xoscar (a router-only install) it does
+    nothing: sidecar calls then fail, each with its own error, as before."""
 
     import importlib
     import importlib.util
     import sys
 
-    import xoscar  # noqa: F401
+    try:
+        import xoscar  # noqa: F401
+    except ImportError:
+        return
 
     for name in XOSCAR_LAZY_PACKAGES:
         if name in sys.modules:

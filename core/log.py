@@ -181,9 +181,9 @@ def read_log(path: str) -> tuple[LogHeader, list[Record]]:
 
 
 def read_log_prefix(path: str) -> tuple[LogHeader, list[Record], LogError | None]:
-    """Read the records a log holds up to its first unreadable one: a live engine's log ends
-    mid-record (the writer flushes in 64 KiB pieces). Returns the error that stopped the read,
-    or None; a bad header still raises."""
+    """Read the records a log holds up to an unfinished last one: a live engine's log ends
+    mid-record (the writer flushes in 64 KiB pieces). Returns the truncation that stopped the
+    read, or None. Corruption (a bad checksum, a lost record) and a bad header still raise."""
 
     with open(path, "rb") as stream:
         data = stream.read()
@@ -193,5 +193,7 @@ def read_log_prefix(path: str) -> tuple[LogHeader, list[Record], LogError | None
         for _, record in iter_records(data, offset):
             records.append(record)
     except LogError as exc:
+        if "truncated" not in str(exc):  # only a frame running past the end is unfinished
+            raise
         return header, records, exc
     return header, records, None

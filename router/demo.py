@@ -91,7 +91,10 @@ class RouterThread:
         `seconds` (`unwatch` cancels). faulthandler does it from C, without the GIL or any
         import: a Python thread would wait on the very lock a stuck thread holds."""
 
-        faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.stderr)
+        try:
+            faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.__stderr__ or sys.stderr)
+        except (AttributeError, OSError, ValueError):  # no real file behind stderr: no watch
+            pass
 
     @staticmethod
     def unwatch() -> None:

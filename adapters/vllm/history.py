@@ -356,6 +356,7 @@ class SlotStore:
                         cpu[cslot:cslot + count].copy_(gathered[first:first + count], non_blocking=self.cuda)
             return
         cidx = self._index((c for _, _, c in moves), "cpu")
+        step = max(1, self.CHUNK_BYTES // max(1, self.slot_bytes))  # every layer's chunk is alive at once
         for start in range(0, len(moves), step):  # one chunk of every layer per wait
             staged = []
             for gpu in self.tiers["gpu"]:
@@ -435,7 +436,8 @@ class SlotStore:
                 if len(by_slot) <= self.RESTORE_MAX_RUNS:
                     slots, blocks, runs = [s for s, _ in pairs], [b for _, b in pairs], by_slot
             src_device = self.device if tier == "gpu" else "cpu"
-            batches.append((tier, self._index(slots, src_device), self._index(blocks, self.device), runs))
+            index = None if runs is not None else self._index(slots, src_device)  # runs name their rows
+            batches.append((tier, index, self._index(blocks, self.device), runs))
         for layer, view in enumerate(self.views):  # per layer: one batch per tier
             for tier, slots, blocks, runs in batches:
                 source = self.tiers[tier][layer]

@@ -38,3 +38,14 @@ def test_a_router_loads_xoscar_and_its_lazy_packages_at_construction():
         "print('xoscar' in sys.modules, sys.modules.get('torch') is not None)\n")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "True True"
+
+
+def test_keep_xoscar_light_leaves_a_process_that_loaded_xoscar_alone():
+    result = run_python(
+        "import sys\n"
+        "import xoscar\n"
+        "from kvbaton.control.client import keep_xoscar_light\n"
+        "keep_xoscar_light()\n"
+        "print(sys.modules.get('torch', 'unset') is None)\n")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"

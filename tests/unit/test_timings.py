@@ -98,3 +98,9 @@ def test_cli_reads_a_folder_of_logs_and_names_a_folder_without_any(tmp_path, cap
     captured = capsys.readouterr()
     assert "then at byte" in captured.err and "truncated" in captured.err
     assert json.loads(captured.out)["phases"]["d.read"]["count"] == 1
+    # Corruption is not an unfinished tail: refused, with the place named.
+    broken = bytearray(whole)
+    broken[-3] ^= 0xFF  # inside the last record's checksum
+    (tmp_path / "corrupt.kvlog").write_bytes(bytes(broken))
+    assert main(["timings", str(tmp_path / "corrupt.kvlog")]) == 2
+    assert "checksum" in capsys.readouterr().err

@@ -239,9 +239,11 @@ def run_demo(args) -> int:
         p_states, d_states, open_tickets, open_loads = {}, {}, -1, -1
     finally:
         say("stopping the router and the engines")
-        if router is not None:
-            router.stop()
-        deployment.stop()
+        try:
+            if router is not None:
+                router.stop()
+        finally:  # the engines are child processes: never leave them running
+            deployment.stop()
         say("stopped; replaying the event logs")
 
     def total(states: dict, key: str) -> int:

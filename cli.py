@@ -162,7 +162,7 @@ def cmd_timings(args) -> int:
     from pathlib import Path
 
     from .core.log import LogError, read_log_prefix
-    from .core.timings import format_timings, timings
+    from .core.timings import engine_stream, format_timings, timings
 
     paths: list[Path] = []
     for given in args.logs:
@@ -184,7 +184,7 @@ def cmd_timings(args) -> int:
             return 2
         if stopped is not None:  # a live engine's log ends mid-record: time what is there
             print(f"kvbaton timings: {path}: read {len(records)} records, then {stopped}", file=sys.stderr)
-        logs.append((header.role, header.config, [r.event for r in records if r.event is not None]))
+        logs.append(engine_stream(header, records))
     result = timings(logs)
     result["logs"] = [str(p) for p in paths]
     print(json.dumps(result, indent=1) if args.json else format_timings(result))

@@ -450,13 +450,9 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
 
 def event_timings(folder: Path) -> dict:
     from ..core.log import read_log
-    from ..core.timings import timings
+    from ..core.timings import engine_stream, timings
 
-    logs = []
-    for path in sorted(folder.glob("*.kvlog")):
-        header, records = read_log(str(path))
-        logs.append((header.role, header.config, [r.event for r in records if r.event is not None]))
-    return timings(logs)
+    return timings([engine_stream(*read_log(str(path))) for path in sorted(folder.glob("*.kvlog"))])
 
 
 def copy_ceilings(nbytes: int, device: str) -> dict:

@@ -4,9 +4,9 @@ xoscar loads serializers for torch, cupy... lazily, on the first message its dis
 cannot place, which is the first call to a peer: seconds of imports in front of the first claim,
 and far longer when the engines next door keep every core busy. The sidecar only exchanges plain
 Python values, so it marks those packages absent before xoscar loads (a `None` entry in
-`sys.modules` makes `find_spec` answer "not installed" and `import` fail fast).
+`sys.modules` makes `find_spec` answer "not installed" and `import` fail fast), with
+`control.client.keep_xoscar_light`.
 """
-
 
 
 def main() -> None:

@@ -35,9 +35,10 @@ MAX_RECORD_BYTES = 16 << 20
 class LogError(Exception):
     """A log that cannot be read; the message names where and why."""
 
-    def __init__(self, offset: int, message: str) -> None:
+    def __init__(self, offset: int, message: str, *, truncated: bool = False) -> None:
         super().__init__(f"at byte {offset}: {message}")
         self.offset = offset
+        self.truncated = truncated  # the data ends inside this frame (a log still being written)
 
 
 class LogHeader(msgspec.Struct, kw_only=True):
@@ -117,13 +118,14 @@ class LogWriter:
 
 def _read_frame(data: memoryview, offset: int, what: str) -> tuple[bytes, int]:
     if offset + 4 > len(data):
-        raise LogError(offset, f"truncated {what}: length prefix cut short")
+        raise LogError(offset, f"truncated {what}: length prefix cut short", truncated=True)
     (length,) = _U32.unpack_from(data, offset)
     if length > MAX_RECORD_BYTES:
         raise LogError(offset, f"corrupt {what}: length {length} is implausible")
     end = offset + 4 + length + 4
     if end > len(data):
-        raise LogError(offset, f"truncated {what}: needs {end - offset} bytes, {len(data) - offset} left")
+        raise LogError(offset, f"truncated {what}: needs {end - offset} bytes, {len(data) - offset} left",
+                       truncated=True)
     payload = bytes(data[offset + 4 : offset + 4 + length])
     (crc,) = _U32.unpack_from(data, offset + 4 + length)
     if zlib.crc32(payload) != crc:
@@ -193,7 +195,7 @@ def read_log_prefix(path: str) -> tuple[LogHeader, list[Record], LogError | None
         for _, record in iter_records(data, offset):
             records.append(record)
     except LogError as exc:
-        if "truncated" not in str(exc):  # only a frame running past the end is unfinished
+        if not exc.truncated:  # only a frame running past the end is unfinished
             raise
         return header, records, exc
     return header, records, None

@@ -143,6 +143,11 @@ def _summary(values: list[float]) -> dict:
     return {"count": len(ordered), "p50_ms": pick(0.5), "p90_ms": pick(0.9), "max_ms": round(ordered[-1], 3)}
 
 
+def engine_stream(header, records) -> tuple[str, LedgerConfig, list[ev.Event]]:
+    """One engine's input to `timings` from its log (`core.log` header and records)."""
+    return header.role, header.config, [r.event for r in records if r.event is not None]
+
+
 def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]]) -> dict:
     """Phase latencies and counters of engines' event streams: `logs` is (role, config, events)
     per engine ("producer"/"prefill", "consumer"/"decode" or "both"). Returns {"phases": {name:

@@ -129,7 +129,7 @@ def run_demo(args) -> int:
     from ..control.client import call_authority_sync
     from ..core.log import LogError, read_log
     from ..core.replay import replay
-    from ..core.timings import timings
+    from ..core.timings import engine_stream, timings
 
     log_dir = Path(args.log_dir).resolve()
     events = log_dir / "events"
@@ -259,7 +259,7 @@ def run_demo(args) -> int:
             header, records = read_log(str(path))
             result = replay(header, records)
             violations += result.violating_events + (result.first_divergence is not None)
-            streams.append((header.role, header.config, [r.event for r in records if r.event is not None]))
+            streams.append(engine_stream(header, records))
         except LogError as exc:
             failures.append(f"{path.name}: {exc}")
     phases = timings(streams)["phases"] if streams else {}

@@ -328,9 +328,9 @@ class SlotStore:
                 self._release("gpu", gslot)  # deferred while a restore reads it
         return errors
 
-    # A demotion batch whose CPU slots form at most this many runs copies run by run; a more
-    # scattered one goes through one staging buffer and a host-side scatter.
-    DEMOTE_MAX_RUNS = 16
+    # A demotion or restore whose CPU-tier slots form at most this many runs copies run by run
+    # (one asynchronous copy each); a more scattered one is staged and scattered on the host.
+    MAX_RUN_COPIES = 16
 
     def _demote_copy(self, moves) -> None:
         """Copy GPU-tier slots into CPU-tier slots, per layer. On CUDA every device-to-host copy
@@ -347,7 +347,7 @@ class SlotStore:
         runs = cpu_slot_runs([cslot for _, _, cslot in moves])
         gidx = self._index((g for _, g, _ in moves), self.device)
         step = self._rows_per_chunk(self.tiers["gpu"][0])
-        if len(runs) <= self.DEMOTE_MAX_RUNS:
+        if len(runs) <= self.MAX_RUN_COPIES:
             for gpu, cpu in zip(self.tiers["gpu"], self.tiers["cpu"]):
                 for offset, group, size in split_runs(runs, step):
                     # Freed on this stream: its memory is reused only by later work on it.
@@ -419,10 +419,6 @@ class SlotStore:
             raise
         return job
 
-    # A CPU-tier restore whose slots form at most this many runs uploads them run by run straight
-    # from the pinned tier; a more scattered one is gathered on the host first.
-    RESTORE_MAX_RUNS = 16
-
     def _restore_copy(self, plan, batches) -> None:
         torch = self.torch
         for tier in self.TIERS:  # indices uploaded on the restore stream, ahead of its copies
@@ -433,7 +429,7 @@ class SlotStore:
             if tier == "cpu" and self.cuda:
                 pairs = sorted(zip(slots, blocks))
                 by_slot = cpu_slot_runs([slot for slot, _ in pairs])
-                if len(by_slot) <= self.RESTORE_MAX_RUNS:
+                if len(by_slot) <= self.MAX_RUN_COPIES:
                     slots, blocks, runs = [s for s, _ in pairs], [b for _, b in pairs], by_slot
             src_device = self.device if tier == "gpu" else "cpu"
             index = None if runs is not None else self._index(slots, src_device)  # runs name their rows

@@ -9,13 +9,15 @@ import sys
 import pytest
 
 
-def run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+def python_says(code: str) -> str:
+    """What a fresh interpreter running `code` prints (it must exit 0)."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
 
 
-def test_keep_xoscar_light_makes_torch_fail_fast_and_keeps_what_is_loaded():
-    result = run_python(
-        "import sys, json\n"
+def test_keep_xoscar_light_makes_torch_fail_fast():
+    assert python_says(
         "from kvbaton.control.client import keep_xoscar_light\n"
         "keep_xoscar_light()\n"
         "import xoscar\n"
@@ -23,29 +25,23 @@ def test_keep_xoscar_light_makes_torch_fail_fast_and_keeps_what_is_loaded():
         "    import torch\n"
         "    print('imported')\n"
         "except ImportError:\n"
-        "    print('absent')\n")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "absent"
-
-
-def test_a_router_loads_xoscar_and_its_lazy_packages_at_construction():
-    pytest.importorskip("torch")
-    result = run_python(
-        "import sys\n"
-        "from kvbaton.router.app import Router\n"
-        "assert 'torch' not in sys.modules\n"
-        "Router(['http://127.0.0.1:1'], ['http://127.0.0.1:2'])\n"
-        "print('xoscar' in sys.modules, sys.modules.get('torch') is not None)\n")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "True True"
+        "    print('absent')\n") == "absent"
 
 
 def test_keep_xoscar_light_leaves_a_process_that_loaded_xoscar_alone():
-    result = run_python(
+    assert python_says(
         "import sys\n"
         "import xoscar\n"
         "from kvbaton.control.client import keep_xoscar_light\n"
         "keep_xoscar_light()\n"
-        "print(sys.modules.get('torch', 'unset') is None)\n")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "False"
+        "print(sys.modules.get('torch', 'unset') is None)\n") == "False"
+
+
+def test_a_router_loads_xoscar_and_its_lazy_packages_at_construction():
+    pytest.importorskip("torch")
+    assert python_says(
+        "import sys\n"
+        "from kvbaton.router.app import Router\n"
+        "assert 'torch' not in sys.modules\n"
+        "Router(['http://127.0.0.1:1'], ['http://127.0.0.1:2'])\n"
+        "print('xoscar' in sys.modules, sys.modules.get('torch') is not None)\n") == "True True"

@@ -358,7 +358,7 @@ def test_upload_runs_copies_rows_in_run_order():
 @pytest.mark.parametrize("scattered", [False, True])
 def test_demotion_batches_land_bit_exact_by_runs_and_through_staging(scattered):
     """A batch whose CPU slots form few runs copies run by run; a scattered one (more runs than
-    DEMOTE_MAX_RUNS) goes through a staging buffer. Both land every key's bytes in its slot."""
+    MAX_RUN_COPIES) goes through a staging buffer. Both land every key's bytes in its slot."""
     caches = make_caches(layers=2)
     store = SlotStore(caches, [0] * len(caches), gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
     if scattered:  # every other CPU slot free: each demoted key is a run of its own
@@ -371,7 +371,7 @@ def test_demotion_batches_land_bit_exact_by_runs_and_through_staging(scattered):
     assert store.demote_many(keys) == [None] * NUM_BLOCKS
     slots = sorted(store.maps["cpu"][key] for key in keys)
     runs = len(cpu_slot_runs(slots))
-    assert (runs > store.DEMOTE_MAX_RUNS) == scattered
+    assert (runs > store.MAX_RUN_COPIES) == scattered
     for b in range(NUM_BLOCKS):
         assert store.where(f"k{b}") == "cpu"
         assert store.read_slot(f"k{b}") == saved[b]

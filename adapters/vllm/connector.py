@@ -639,6 +639,25 @@ class SchedulerSide:
         self.sidecar.stop()
 
 
+def request_amx_permission() -> None:
+    """On an x86 CPU with AMX, ask Linux for the AMX tile state before vLLM's CPU attention uses it.
+
+    vLLM's CPU attention runs AMX tile instructions (bf16, block size a multiple of 32) without
+    asking for the permission itself; Linux kills a process that runs them unasked (SIGILL). It
+    is usually granted by oneDNN's first bf16 matmul, but a decode engine's first step after a
+    handoff can reach attention before one: every consumer died on its first handed-off request
+    on an AMX host. Asking is idempotent and costs nothing where AMX is absent."""
+
+    try:
+        import torch
+
+        if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+            logger.warning("kvbaton worker: this CPU has AMX but Linux refused its tile state; "
+                           "vLLM's AMX attention may fail")
+    except Exception:  # an older or newer torch without these private helpers: nothing to do
+        logger.debug("kvbaton worker: could not ask for AMX permission", exc_info=True)
+
+
 class WorkerSide:
     def __init__(self, conn: KvbatonConnector, kv_cache_config) -> None:
         self.conn = conn
@@ -688,6 +707,8 @@ class WorkerSide:
                                            descriptor_mode=settings.nixl_descriptor_mode,
                                            landing_bytes=landing,
                                            landing_min_runs_saved=settings.landing_min_runs_saved)
+        if layout.device_type == "cpu":
+            request_amx_permission()
         self.transport.register(layout, kv_caches)
         self.kv_caches = kv_caches  # kept for test hooks and history copies
         nth = self.conn.settings.debug_fail_every_nth_read

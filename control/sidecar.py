@@ -146,8 +146,17 @@ class Authority(xo.Actor):
         effects = self.ledger.apply(event)
         if self.log is not None:
             self.log.append(event, self.ledger)
+        demotions: list[str] = []
         for effect in effects:
+            if type(effect) is fx.DemoteHistory:
+                demotions.append(effect.key)  # one message for the run (see m.DemoteCopies)
+                continue
+            if demotions:
+                self._send(self.to_history, m.DemoteCopies(tuple(demotions)))
+                demotions = []
             self._carry(effect)
+        if demotions:
+            self._send(self.to_history, m.DemoteCopies(tuple(demotions)))
         if self.followups and not self.applying_followups:
             self.applying_followups = True
             try:
@@ -232,7 +241,7 @@ class Authority(xo.Actor):
         elif kind is fx.StageHistory:
             self._send(self.to_history, m.StageCopies(effect.ticket, effect.copies))
         elif kind is fx.DemoteHistory:
-            self._send(self.to_history, m.DemoteCopy(effect.key))
+            self._send(self.to_history, m.DemoteCopies((effect.key,)))
         elif kind is fx.DropHistory:
             self._send(self.to_history, m.DropSlot(effect.key, effect.tier))
         elif kind is fx.ReplyRestore:
@@ -328,12 +337,14 @@ class Authority(xo.Actor):
                 io["stages_failed"] += 1
                 logger.warning("history: staging for ticket %s failed: %s", msg.ticket, msg.error)
             self._apply(ev.HistoryPublished(now, msg.ticket, msg.ok))
-        elif kind is m.DemoteDone:
-            self.history_io["demotions"] += 1
-            if not msg.ok:
-                self.history_io["demotions_failed"] += 1
-                logger.warning("history: demotion of %s failed: %s", msg.key, msg.error)
-            self._apply(ev.HistoryDemoted(now, msg.key, msg.ok))
+        elif kind is m.DemotesDone:
+            io = self.history_io
+            for key, ok, error in msg.results:
+                io["demotions"] += 1
+                if not ok:
+                    io["demotions_failed"] += 1
+                    logger.warning("history: demotion of %s failed: %s", key, error)
+                self._apply(ev.HistoryDemoted(now, key, ok))
         elif kind is m.RestoreDone:
             lease = self.ledger.leases.leases.get(msg.lease)
             ctx = self.lease_ctx.get(msg.lease)

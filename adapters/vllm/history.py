@@ -24,7 +24,7 @@ The policy (which keys to keep, demote, evict, restore) is the core's (`core/his
   read only slots pinned by a lease (never written by the copier); the store still keeps a slot
   that is being read from reuse until the read ends.
 
-Each end is reported to the sidecar (`StageDone`, `DemoteDone`, `RestoreDone`), which turns it
+Each end is reported to the sidecar (`StageDone`, `DemotesDone`, `RestoreDone`), which turns it
 into a core event. Nothing here raises into vLLM: a failed copy is reported `ok=False` (the core
 then drops the keys, or fails the restore so vLLM recomputes those tokens).
 """
@@ -547,14 +547,14 @@ class HistoryCopier:
                 msgs = link.wait(self.POLL_S)
                 index = 0
                 while index < len(msgs):
-                    # Consecutive demotions (one admission makes room for several blocks) run
-                    # as one batch: one copy per layer, one fence.
+                    # Consecutive demotions (one admission makes room for several blocks, and
+                    # they come as one message) run as one batch: one copy per layer, one fence.
                     end = index
-                    while end < len(msgs) and type(msgs[end]) is m.DemoteCopy:
+                    while end < len(msgs) and type(msgs[end]) is m.DemoteCopies:
                         end += 1
                     try:
-                        if end - index > 1:
-                            replies = self._demote_batch(msgs[index:end])
+                        if end > index:
+                            replies = [self._demote_batch(msgs[index:end])]
                         else:
                             end = index + 1
                             replies = [self._handle(msgs[index])]
@@ -571,12 +571,13 @@ class HistoryCopier:
         finally:
             link.close()
 
-    def _demote_batch(self, msgs) -> list:
-        keys = [msg.key for msg in msgs]
+    def _demote_batch(self, msgs) -> m.DemotesDone:
+        keys = [key for msg in msgs for key in msg.keys]
         if self.store is None:
-            return [m.DemoteDone(key, False, self.broken or "no history store") for key in keys]
+            return m.DemotesDone(tuple((key, False, self.broken or "no history store") for key in keys))
         errors = self.store.demote_many(keys)
-        return [m.DemoteDone(key, err is None, "" if err is None else str(err)) for key, err in zip(keys, errors)]
+        return m.DemotesDone(tuple((key, err is None, "" if err is None else str(err))
+                                   for key, err in zip(keys, errors)))
 
     def _handle(self, msg):
         kind = type(msg)
@@ -595,8 +596,6 @@ class HistoryCopier:
             except Exception as exc:
                 return m.StageDone(msg.ticket, False, error=str(exc))
             return m.StageDone(msg.ticket, True, nbytes, time.perf_counter() - started)
-        if kind is m.DemoteCopy:
-            return self._demote_batch([msg])[0]
         if kind is m.DropSlot:
             if store is not None:
                 store.drop(msg.key, msg.tier)

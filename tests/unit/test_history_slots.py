@@ -216,22 +216,25 @@ def test_copier_answers_every_write_in_order(tmp_path):
     copier.start()
     try:
         saved = {b: engine_block(caches, b, 0) for b in range(8)}
-        sent = [m.StageCopies("t1", ((3, "a"), (4, "b"), (5, "c"))), m.DemoteCopy("a"), m.DemoteCopy("b"),
+        sent = [m.StageCopies("t1", ((3, "a"), (4, "b"), (5, "c"))), m.DemoteCopies(("a", "b")),
                 m.StageCopies("t2", ((6, "d"), (7, "e"))),  # reuses the slots the demotions freed
                 m.DropSlot("c", "gpu"), m.Debug("history_fail_next_stages", 1),
                 m.StageCopies("t3", ((1, "f"),)), m.StageCopies("t4", ((2, "g"),)),
-                m.DemoteCopy("d")]  # the CPU tier is full: fails, and the GPU slot is freed
+                m.DemoteCopies(("d",))]  # the CPU tier is full: fails, and the GPU slot is freed
         for msg in sent:
             out.send(m.ENCODER.encode(msg))
         replies = []
-        while len([r for r in replies if type(r) is not m.SlotStats]) < 7:
+        while len([r for r in replies if type(r) is not m.SlotStats]) < 6:
             assert inbox.poll(5000), replies
             replies.append(m.DECODER.decode(inbox.recv()))
         done = [r for r in replies if type(r) is not m.SlotStats]
-        assert [(type(r).__name__, r.ok) for r in done] == [
-            ("StageDone", True), ("DemoteDone", True), ("DemoteDone", True), ("StageDone", True),
-            ("StageDone", False), ("StageDone", True), ("DemoteDone", False)]
-        assert "injected" in done[4].error
+        assert [(type(r).__name__, getattr(r, "ok", None)) for r in done] == [
+            ("StageDone", True), ("DemotesDone", None), ("StageDone", True),
+            ("StageDone", False), ("StageDone", True), ("DemotesDone", None)]
+        assert [(key, ok) for key, ok, _error in done[1].results] == [("a", True), ("b", True)]
+        assert [(key, ok) for key, ok, _error in done[5].results] == [("d", False)]
+        assert "no free CPU-tier slot" in done[5].results[0][2]
+        assert "injected" in done[3].error
         for key, block in (("a", 3), ("b", 4), ("e", 7), ("g", 2)):
             assert store.read_slot(key) == saved[block], key
         assert store.where("c") == store.where("d") == store.where("f") == ""

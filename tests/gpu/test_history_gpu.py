@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -99,6 +100,7 @@ def h(tmp_path_factory):
     root.mkdir(parents=True, exist_ok=True)
     model = write_model(root / "model")
     events = root / "events"
+    shutil.rmtree(events, ignore_errors=True)  # an earlier run's logs in KVBATON_GPU_LOG_DIR are not ours
     device = None if ON_CPU else "0"
     cores = (0, 1, 0) if ON_CPU else (None, None, None)
     extra: dict = {"max_num_batched_tokens": 8192}

@@ -643,10 +643,11 @@ def request_amx_permission() -> None:
     """On an x86 CPU with AMX, ask Linux for the AMX tile state before vLLM's CPU attention uses it.
 
     vLLM's CPU attention runs AMX tile instructions (bf16, block size a multiple of 32) without
-    asking for the permission itself; Linux kills a process that runs them unasked (SIGILL). It
-    is usually granted by oneDNN's first bf16 matmul, but a decode engine's first step after a
-    handoff can reach attention before one: every consumer died on its first handed-off request
-    on an AMX host. Asking is idempotent and costs nothing where AMX is absent."""
+    asking for the permission itself; Linux kills a process that runs them unasked (SIGILL). The
+    permission is usually granted as a side effect of oneDNN's first bf16 matmul. On an AMX host
+    every decode engine with this connector died in attention on its first request while plain
+    engines and producers did not; which step of a consumer's first forward skips oneDNN was not
+    pinned down. Asking is idempotent and costs nothing where AMX is absent."""
 
     try:
         import torch

@@ -11,6 +11,8 @@ P (prefill), per ticket:
   p.claim_to_release       claim -> D's release (D held P's blocks this long)
   p.retention              release -> history published (the copies into the GPU tier); from
                            a release while a read was in flight, it includes that read's end
+  p.demotion               an admission that made room in the GPU tier -> the last of its
+                           demotions to the CPU tier ended (a retention publishes after them)
 P, per history restore (a revisit):
   p.restore_to_allocated   restore asked -> vLLM allocated the blocks it lands in
   p.restore_copy           copies posted -> ended (a synchronous restore: until its step ended)
@@ -34,11 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from . import effects as fx
 from . import events as ev
 from .ledger import Ledger, LedgerConfig
 
 PHASES = (
-    "p.issued_to_claim", "p.claim_to_release", "p.retention",
+    "p.issued_to_claim", "p.claim_to_release", "p.retention", "p.demotion",
     "p.restore_to_allocated", "p.restore_copy", "p.restored_to_ticket",
     "d.request_to_claim", "d.claim_to_allocated", "d.allocated_to_read", "d.read", "d.request_to_read_end",
     "pd.ticket_to_load",
@@ -164,8 +167,21 @@ def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]]) -> dict:
         if role in ("consumer", "decode", "both"):
             _decode(events, phases, requested)
         ledger = Ledger(config)
+        demoting: dict[str, list] = {}  # key -> its admission's [start, keys still demoting]
         for event in events:
-            ledger.apply(event)
+            effects = ledger.apply(event)
+            if type(event) is ev.HistoryDemoted:
+                batch = demoting.pop(event.key, None)
+                if batch is not None:
+                    batch[1] -= 1
+                    if not batch[1]:
+                        phases.add("p.demotion", _ms(event.at_ns, batch[0]))
+                continue
+            keys = [e.key for e in effects if type(e) is fx.DemoteHistory]
+            if keys:
+                batch = [event.at_ns, len(keys)]
+                for key in keys:
+                    demoting[key] = batch
         mine = counters.setdefault(role, {})
         for name, count in ledger.counters.items():
             if name.startswith(COUNTER_PREFIXES):

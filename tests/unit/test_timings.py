@@ -73,6 +73,24 @@ def test_phases_split_a_handoff_a_retention_and_a_restore():
     assert "p.retention" in both and "d.read" in both and both["pd.ticket_to_load"]["count"] == 2
 
 
+def test_demotion_phase_runs_from_the_admission_to_its_last_demotion():
+    # A GPU tier of two blocks: the second prompt's admission demotes the first prompt's two.
+    config = LedgerConfig(block_bytes=1 << 20, gpu_history_bytes=2 << 20, cpu_history_bytes=64 << 20)
+    events = []
+    for index, (ticket, keys) in enumerate((("t1", ("a0", "a1")), ("t2", ("b0", "b1")))):
+        at = index * 100 * MS
+        events += [ev.TicketIssued(at, ticket, "r" + ticket, (0, 1), keys),
+                   ev.ClaimRequested(at + 1 * MS, ticket, "d", 1),
+                   ev.ReleaseRequested(at + 2 * MS, ticket, "d", 1)]
+        if index == 1:  # demotions end 3 and 7 ms after the release, then the stage publishes
+            events += [ev.HistoryDemoted(at + 5 * MS, "a1", True), ev.HistoryDemoted(at + 9 * MS, "a0", True)]
+        events.append(ev.HistoryPublished(at + 10 * MS, ticket, True))
+    phases = timings([("producer", config, events)])["phases"]
+    assert phases["p.demotion"] == {"count": 1, "p50_ms": 7.0, "p90_ms": 7.0, "max_ms": 7.0}
+    assert phases["p.retention"]["count"] == 2 and phases["p.retention"]["max_ms"] == 8.0
+    assert "p.demotion" not in timings([("producer", CONFIG, prefill_events())])["phases"]
+
+
 def test_cli_reads_a_folder_of_logs_and_names_a_folder_without_any(tmp_path, capsys):
     for role, events in (("producer", prefill_events()), ("consumer", decode_events())):
         log = LogWriter.open(str(tmp_path / f"{role}.kvlog"), LogHeader(engine=role, role=role, config=CONFIG))

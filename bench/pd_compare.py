@@ -573,6 +573,61 @@ def print_timings(results: dict) -> None:
                       f"run; kvbaton timings) ==\n" + format_timings(found))
 
 
+def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str], capped: list[str], plan: dict,
+              extra: dict, cap: int, results: dict[str, dict], save) -> None:
+    """Every system in `order` through the scenarios once, into `results`; `save()` after each."""
+
+    # Uncapped scenarios: every system but native-plus. Capped scenarios: every system, engines capped.
+    for name in order:
+        system = systems[name]
+        if uncapped and name != "native-plus":
+            results[name] = run_system(system, s, uncapped, plan, extra)
+        # The churn control runs for the two main systems only (device time is scarce).
+        capped_here = [x for x in capped if x != "churn" or name in ("native", "kvbaton")]
+        if capped_here:
+            capped_system = replace(system, num_blocks=cap)
+            capped_result = run_system(capped_system, s, capped_here, plan, extra)
+            results.setdefault(name, {}).update({k: v for k, v in capped_result.items()
+                                                  if k in ("revisit", "churn", "error")})
+            if "sidecars" in capped_result:
+                results[name]["sidecars_capped"] = capped_result["sidecars"]
+            if "timings" in capped_result:
+                results[name]["timings_capped"] = capped_result["timings"]
+        save()
+
+
+def round_ratios(rounds: list[dict[str, dict]]) -> dict[str, dict[str, list[float]]]:
+    """Per system and figure, each round's ratio to native in that round: output tok/s for
+    throughput, TTFT P50 for cold, revisit and churn."""
+
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for results in rounds:
+        base = results.get("native", {})
+        for name, r in results.items():
+            if name == "native":
+                continue
+            for key, value in r.items():
+                figure = ("output_tok_s" if key.startswith("throughput_c") else
+                          "ttft_p50_ms" if key in ("cold", "revisit", "churn") else "")
+                mine, theirs = (value or {}).get(figure) if figure else None, (base.get(key) or {}).get(figure)
+                if mine and theirs:
+                    ratios.setdefault(name, {}).setdefault(key, []).append(mine / theirs)
+    return ratios
+
+
+def print_round_ratios(rounds: list[dict[str, dict]]) -> None:
+    print("\n== ratios to native, round by round (throughput: tok/s; cold/revisit/churn: TTFT P50) ==")
+    ratios = round_ratios(rounds)
+    if not ratios:
+        print("(none: no round has native and another system with the same figure)")
+        return
+    print(f"{'system':<20}{'figure':<16}{'median':>8}  rounds")
+    for name, figures in ratios.items():
+        for key, values in figures.items():
+            print(f"{name:<20}{key:<16}{statistics.median(values):>7.2f}x  "
+                  + " ".join(f"{v:.2f}x" for v in values))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "1gpu", "2gpu"), default="2gpu")
@@ -598,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="time both connectors' hooks inside the engines (bench/hook_timing.py)")
     parser.add_argument("--log-dir", default="/tmp/kvb-compare")
     parser.add_argument("--out", default="")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the systems this many times, alternating their order; prints each "
+                             "round's ratios to native and their median")
     args = parser.parse_args(argv)
 
     log_dir = Path(args.log_dir)
@@ -635,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]
     capped = [x for x in wanted_scenarios if x in ("revisit", "churn")]
     uncapped = [x for x in wanted_scenarios if x in ("throughput", "cold")]
-    results: dict[str, dict] = {}
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1 (got {args.rounds})")
     meta = {"device": args.device, "shape": args.shape, "block_size": block, "block_bytes": block_bytes,
             "history_blocks": history_blocks, "cap_blocks": cap, "settings": {k: str(v) for k, v in asdict(s).items()},
             "plan": {k: (len(v) if isinstance(v, list) else v) for k, v in plan.items()},
@@ -644,24 +703,22 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted_systems:
         if name not in systems:
             raise SystemExit(f"unknown system {name!r} (known: {', '.join(systems)})")
-    # Uncapped scenarios: every system but native-plus. Capped scenarios: every system, engines capped.
-    for name in wanted_systems:
-        system = systems[name]
-        if uncapped and name != "native-plus":
-            results[name] = run_system(system, s, uncapped, plan, extra)
-        # The churn control runs for the two main systems only (device time is scarce).
-        capped_here = [x for x in capped if x != "churn" or name in ("native", "kvbaton")]
-        if capped_here:
-            capped_system = replace(system, num_blocks=cap)
-            capped_result = run_system(capped_system, s, capped_here, plan, extra)
-            results.setdefault(name, {}).update({k: v for k, v in capped_result.items()
-                                                  if k in ("revisit", "churn", "error")})
-            if "sidecars" in capped_result:
-                results[name]["sidecars_capped"] = capped_result["sidecars"]
-            if "timings" in capped_result:
-                results[name]["timings_capped"] = capped_result["timings"]
+    # Several rounds alternate the order (A B, B A, ...): on a shared GPU a system's place in the
+    # run moves its figures by 10-15%, more than the gaps being measured.
+    rounds: list[dict[str, dict]] = []
+
+    def save() -> None:  # after every system: a run cut by its time budget keeps what it measured
         if args.out:
-            Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": rounds[0], "rounds": rounds},
+                                                 indent=1, default=str))
+
+    for index in range(args.rounds):
+        order = wanted_systems if index % 2 == 0 else list(reversed(wanted_systems))
+        if args.rounds > 1:
+            print(f"\n[round {index + 1} of {args.rounds}: {', '.join(order)}]", flush=True)
+        rounds.append({})
+        run_round(order, systems, s, uncapped, capped, plan, extra, cap, rounds[-1], save)
+    results = rounds[0]
     ceilings = {}
     try:
         transfer = (results.get("kvbaton", {}).get("sidecars", {}).get("decode", {}) or {}).get("transfer") or {}
@@ -677,11 +734,17 @@ def main(argv: list[str] | None = None) -> int:
             if key in r:
                 print(f"{name} {key}: " + json.dumps({role: {k: v.get(k) for k in ("open", "transfer")}
                                                       for role, v in r[key].items()}, default=str)[:800])
-    print_tables(results)
-    print_hooks(results)
-    print_timings(results)
+    for index, round_results in enumerate(rounds):
+        if len(rounds) > 1:
+            print(f"\n######## round {index + 1} of {len(rounds)}: {', '.join(round_results)}")
+        print_tables(round_results)
+        print_hooks(round_results)
+        print_timings(round_results)
+    if len(rounds) > 1:
+        print_round_ratios(rounds)
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results, "rounds": rounds}, indent=1,
+                                             default=str))
         print(f"\nresults: {args.out}")
     return 0
 

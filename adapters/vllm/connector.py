@@ -645,8 +645,9 @@ def request_amx_permission() -> None:
     vLLM's CPU attention runs AMX tile instructions (bf16, block size a multiple of 32) without
     asking for the permission itself; Linux kills a process that runs them unasked (SIGILL). The
     permission is usually granted as a side effect of oneDNN's first bf16 matmul. On an AMX host
-    every decode engine with this connector died in attention on its first request while plain
-    engines and producers did not; which step of a consumer's first forward skips oneDNN was not
+    every decode engine with this connector died in attention on its first handed-off request,
+    and so did vLLM's own NixlConnector's, whose first step computed one token per request after
+    the load; plain engines and producers did not. Which kernel choice skips oneDNN there was not
     pinned down. Asking is idempotent and costs nothing where AMX is absent."""
 
     try:

@@ -609,7 +609,10 @@ def round_ratios(rounds: list[dict[str, dict]]) -> dict[str, dict[str, list[floa
             for key, value in r.items():
                 figure = ("output_tok_s" if key.startswith("throughput_c") else
                           "ttft_p50_ms" if key in ("cold", "revisit", "churn") else "")
-                mine, theirs = (value or {}).get(figure) if figure else None, (base.get(key) or {}).get(figure)
+                other = base.get(key)
+                if not figure or not isinstance(value, dict) or not isinstance(other, dict):
+                    continue  # start_s, error, sidecars, ... or a figure native lacks
+                mine, theirs = value.get(figure), other.get(figure)
                 if mine and theirs:
                     ratios.setdefault(name, {}).setdefault(key, []).append(mine / theirs)
     return ratios

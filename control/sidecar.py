@@ -146,12 +146,18 @@ class Authority(xo.Actor):
         effects = self.ledger.apply(event)
         if self.log is not None:
             self.log.append(event, self.ledger)
+        # An admission's demotions go to the copier as one message (see m.DemoteCopies). With a
+        # full CPU tier the core interleaves them with the CPU-tier drops that make their room
+        # (drop, demote, drop, demote, ...): the drops go out at once, the demotions after them,
+        # before any other effect (a stage may reuse the GPU slots they free). A drop never names
+        # a key being demoted (a DEMOTING block cannot be evicted).
         demotions: list[str] = []
         for effect in effects:
-            if type(effect) is fx.DemoteHistory:
-                demotions.append(effect.key)  # one message for the run (see m.DemoteCopies)
+            kind = type(effect)
+            if kind is fx.DemoteHistory:
+                demotions.append(effect.key)
                 continue
-            if demotions:
+            if demotions and kind is not fx.DropHistory:
                 self._send(self.to_history, m.DemoteCopies(tuple(demotions)))
                 demotions = []
             self._carry(effect)
@@ -240,8 +246,6 @@ class Authority(xo.Actor):
             self.loads.pop(effect.request, None)
         elif kind is fx.StageHistory:
             self._send(self.to_history, m.StageCopies(effect.ticket, effect.copies))
-        elif kind is fx.DemoteHistory:
-            self._send(self.to_history, m.DemoteCopies((effect.key,)))
         elif kind is fx.DropHistory:
             self._send(self.to_history, m.DropSlot(effect.key, effect.tier))
         elif kind is fx.ReplyRestore:
@@ -344,7 +348,10 @@ class Authority(xo.Actor):
                 if not ok:
                     io["demotions_failed"] += 1
                     logger.warning("history: demotion of %s failed: %s", key, error)
-                self._apply(ev.HistoryDemoted(now, key, ok))
+                try:  # one key's trouble must not leave the rest of the batch DEMOTING for good
+                    self._apply(ev.HistoryDemoted(now, key, ok))
+                except Exception:
+                    logger.exception("history: applying the demotion of %s failed", key)
         elif kind is m.RestoreDone:
             lease = self.ledger.leases.leases.get(msg.lease)
             ctx = self.lease_ctx.get(msg.lease)

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 
 from . import effects as fx
 from . import events as ev
+from .history import DEMOTING
 from .ledger import Ledger, LedgerConfig
 
 PHASES = (
@@ -168,15 +169,21 @@ def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]]) -> dict:
             _decode(events, phases, requested)
         ledger = Ledger(config)
         demoting: dict[str, list] = {}  # key -> its admission's [start, keys still demoting]
+        history = ledger.history
         for event in events:
-            effects = ledger.apply(event)
             if type(event) is ev.HistoryDemoted:
-                batch = demoting.pop(event.key, None)
-                if batch is not None:
-                    batch[1] -= 1
-                    if not batch[1]:
-                        phases.add("p.demotion", _ms(event.at_ns, batch[0]))
+                block = history.blocks.get(event.key)
+                # Only an answer the core takes ends a demotion (a late one for a key dropped and
+                # demoted again meanwhile belongs to no batch); a failed one ends no batch.
+                if block is not None and block.state == DEMOTING:
+                    batch = demoting.pop(event.key, None)
+                    if batch is not None and event.ok:
+                        batch[1] -= 1
+                        if not batch[1]:
+                            phases.add("p.demotion", _ms(event.at_ns, batch[0]))
+                ledger.apply(event)
                 continue
+            effects = ledger.apply(event)
             keys = [e.key for e in effects if type(e) is fx.DemoteHistory]
             if keys:
                 batch = [event.at_ns, len(keys)]

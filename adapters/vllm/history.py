@@ -558,10 +558,15 @@ class HistoryCopier:
                         else:
                             end = index + 1
                             replies = [self._handle(msgs[index])]
-                    except Exception:  # never let one message end the copier
+                    except Exception as exc:  # never let one message end the copier
                         self.errors += 1
-                        logger.exception("kvbaton history: could not handle %s", type(msgs[index]).__name__)
-                        replies = []
+                        batch = msgs[index:end] if end > index else []
+                        logger.exception("kvbaton history: could not handle %s",
+                                         f"{sum(len(msg.keys) for msg in batch)} demotions" if batch
+                                         else type(msgs[index]).__name__)
+                        # Every demotion asked must be answered, or its keys stay DEMOTING.
+                        replies = [m.DemotesDone(tuple((key, False, str(exc)) for msg in batch
+                                                       for key in msg.keys))] if batch else []
                     for reply in replies:
                         if reply is not None:
                             link.send(reply)

@@ -9,9 +9,10 @@ def test_each_rounds_ratio_uses_that_rounds_native():
     rounds = [
         {"native": {"throughput_c16": {"output_tok_s": 100.0}, "revisit": {"ttft_p50_ms": 200.0}},
          "kvbaton": {"throughput_c16": {"output_tok_s": 120.0}, "revisit": {"ttft_p50_ms": 120.0},
-                     "sidecars": {"decode": {}}}},
+                     "sidecars": {"decode": {}}, "start_s": 31.5, "error": "boom"}},
         {"kvbaton": {"throughput_c16": {"output_tok_s": 90.0}, "revisit": {"ttft_p50_ms": 100.0}},
-         "native": {"throughput_c16": {"output_tok_s": 100.0}, "revisit": {"ttft_p50_ms": 250.0}}},
+         "native": {"throughput_c16": {"output_tok_s": 100.0}, "revisit": {"ttft_p50_ms": 250.0},
+                    "start_s": 30.0}},
         {"kvbaton": {"throughput_c16": {"output_tok_s": 90.0}}},  # native failed: no ratio this round
     ]
     ratios = round_ratios(rounds)

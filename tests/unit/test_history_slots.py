@@ -252,6 +252,56 @@ def test_copier_answers_every_write_in_order(tmp_path):
         out.close(0)
 
 
+def test_copier_moves_consecutive_demotion_messages_as_one_batch_and_answers_every_key():
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=3, cpu_slots=2)
+    store.stage([(3, "a"), (4, "b"), (5, "c")])
+    copier = HistoryCopier("/nonexistent", store)
+    calls = []
+    real = store.demote_many
+    store.demote_many = lambda keys: calls.append(list(keys)) or real(keys)
+    done = copier._demote_batch([m.DemoteCopies(("a",)), m.DemoteCopies(("b", "c"))])
+    assert calls == [["a", "b", "c"]]  # one copy per layer and one fence for all three
+    assert [(key, ok) for key, ok, _ in done.results] == [("a", True), ("b", True), ("c", False)]
+    assert "no free CPU-tier slot" in done.results[2][2]
+    assert store.where("a") == store.where("b") == "cpu" and store.where("c") == ""
+
+
+def test_copier_answers_a_demotion_batch_that_raised(tmp_path):
+    zmq = pytest.importorskip("zmq")
+    from kvbaton.control.config import ipc_paths
+
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=2)
+
+    def broken(keys):
+        raise RuntimeError("device lost")
+
+    store.demote_many = broken
+    paths = ipc_paths(str(tmp_path))
+    ctx = zmq.Context.instance()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(paths["inbox"])
+    out = ctx.socket(zmq.PUSH)
+    out.bind(paths["history"])
+    copier = HistoryCopier(str(tmp_path), store)
+    copier.start()
+    try:
+        out.send(m.ENCODER.encode(m.DemoteCopies(("a", "b"))))
+        while True:
+            assert inbox.poll(5000)
+            reply = m.DECODER.decode(inbox.recv())
+            if type(reply) is m.DemotesDone:
+                break
+        # Unanswered, the core would keep both keys DEMOTING (and their CPU budget) for good.
+        assert [(key, ok) for key, ok, _ in reply.results] == [("a", False), ("b", False)]
+        assert "device lost" in reply.results[0][2] and copier.errors == 1
+    finally:
+        copier.stop()
+        inbox.close(0)
+        out.close(0)
+
+
 def test_restore_runner_reports_ends_and_keeps_read_slots_from_reuse():
     from kvbaton.adapters.vllm.history import RestoreRunner
 

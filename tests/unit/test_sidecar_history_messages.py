@@ -61,16 +61,44 @@ def test_one_admissions_demotions_are_one_message_before_its_stage(authority):
     assert a.ledger.check_invariants() == []
 
 
-def test_a_failed_demotion_in_a_batch_drops_only_its_key_and_below(authority):
+def test_a_failed_demotion_in_a_batch_drops_its_key_and_everything_below_it(authority):
     a = authority
     retain(a, "a", ("a0", "a1", "a2", "a3"), 10)
     a._on_message(m.StageDone("a", True, 4 * BLOCK))
     demoted = retain(a, "b", ("b0", "b1"), 20)[0].keys
     assert demoted == ("a3", "a2")  # least recently used first: a chain's tail
-    failed_key, ok_key = demoted
-    a._on_message(m.DemotesDone(((ok_key, True, ""), (failed_key, False, "copy failed"))))
+    a.sent.clear()
+    # a2 fails: its data is gone, so a3 below it (demoted fine in the same batch) goes too.
+    a._on_message(m.DemotesDone((("a3", True, ""), ("a2", False, "copy failed"))))
     blocks = a.ledger.history.blocks
-    assert blocks[ok_key].state == "CPU"
-    assert failed_key not in blocks and blocks["a1"].state == "GPU"  # its parent is kept
+    assert "a2" not in blocks and "a3" not in blocks and blocks["a1"].state == "GPU"
+    drops = [(msg.key, msg.tier) for sock, msg in a.sent if sock == "history" and type(msg) is m.DropSlot]
+    assert sorted(drops) == [("a2", "cpu"), ("a3", "cpu")]
     assert a.history_io["demotions_failed"] == 1
+    assert a.ledger.check_invariants() == []
+
+
+def test_with_a_full_cpu_tier_the_drops_go_first_and_the_demotions_stay_one_message(tmp_path):
+    ledger = LedgerConfig(block_bytes=BLOCK, gpu_history_bytes=2 * BLOCK, cpu_history_bytes=2 * BLOCK,
+                          candidate_bytes_max=2 * BLOCK)
+    cfg = SidecarConfig(engine_id="P", role="producer", ledger=ledger, address="127.0.0.1:1",
+                        ipc_dir=str(tmp_path / "ipc"))
+    a = Authority(msgspec.json.encode(cfg))
+    a.sent = []
+    a.to_worker, a.to_scheduler, a.to_history = "worker", "scheduler", "history"
+    a._send = lambda sock, msg: a.sent.append((sock, msg))
+    a._spawn = lambda coro: coro.close()
+    for index, name in enumerate("abc"):  # a fills the GPU tier, b demotes it to CPU, c must evict
+        keys = (name + "0", name + "1")
+        a._apply(ev.HistoryObserved(a._now(), keys))  # seen before: may displace
+        sent = retain(a, name, keys, 10 * index)
+        for msg in sent:
+            if type(msg) is m.StageCopies:
+                a._on_message(m.StageDone(name, True, 2 * BLOCK))
+            elif type(msg) is m.DemoteCopies:
+                a._on_message(m.DemotesDone(tuple((key, True, "") for key in msg.keys)))
+    kinds = [type(msg).__name__ for msg in sent]
+    # The core interleaved drop, demote, drop, demote: one message still carries both demotions.
+    assert kinds == ["DropSlot", "DropSlot", "DemoteCopies", "StageCopies"], kinds
+    assert sent[2].keys == ("b1", "b0")
     assert a.ledger.check_invariants() == []

@@ -89,6 +89,11 @@ def test_demotion_phase_runs_from_the_admission_to_its_last_demotion():
     assert phases["p.demotion"] == {"count": 1, "p50_ms": 7.0, "p90_ms": 7.0, "max_ms": 7.0}
     assert phases["p.retention"]["count"] == 2 and phases["p.retention"]["max_ms"] == 8.0
     assert "p.demotion" not in timings([("producer", CONFIG, prefill_events())])["phases"]
+    # A batch with a failed demotion ends no phase; a late answer for a key no longer demoting
+    # (dropped with the failure) counts for nothing.
+    failed = events[:-3] + [ev.HistoryDemoted(105 * MS, "a1", False), ev.HistoryDemoted(109 * MS, "a0", True),
+                            ev.HistoryDemoted(120 * MS, "a1", True), ev.HistoryPublished(130 * MS, "t2", True)]
+    assert "p.demotion" not in timings([("producer", config, failed)])["phases"]
 
 
 def test_cli_reads_a_folder_of_logs_and_names_a_folder_without_any(tmp_path, capsys):

@@ -18,6 +18,9 @@ P, per history restore (a revisit):
   p.restore_copy           copies posted -> ended (a synchronous restore: until its step ended)
   p.restored_to_ticket     restore ended -> the request's ticket issued (P's engine computed the
                            rest of the prompt and finished the request)
+  p.revisit_hit            restore asked -> ticket issued, when history restored the prefix
+  p.revisit_miss           the same when it did not (P computed the whole prompt): a hit slower
+                           than a miss means history costs this model more than it saves
 D (decode), per load:
   d.request_to_claim       load requested -> claim granted
   d.claim_to_allocated     claim granted -> vLLM allocated the destination blocks
@@ -43,7 +46,7 @@ from .ledger import Ledger, LedgerConfig
 
 PHASES = (
     "p.issued_to_claim", "p.claim_to_release", "p.retention", "p.demotion",
-    "p.restore_to_allocated", "p.restore_copy", "p.restored_to_ticket",
+    "p.restore_to_allocated", "p.restore_copy", "p.restored_to_ticket", "p.revisit_hit", "p.revisit_miss",
     "d.request_to_claim", "d.claim_to_allocated", "d.allocated_to_read", "d.read", "d.request_to_read_end",
     "pd.ticket_to_load",
 )
@@ -65,6 +68,7 @@ def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int]
     released: dict[str, int] = {}
     restores: dict[str, dict] = {}  # lease -> {request, asked, allocated, posted}
     restored_at: dict[str, int] = {}  # request -> its restore's end
+    revisits: dict[str, int] = {}  # request -> when it first asked history for its prefix
     for e in events:
         kind = type(e)
         if kind is ev.TicketIssued:
@@ -73,6 +77,9 @@ def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int]
             ended = restored_at.pop(e.request, None)
             if ended is not None:
                 phases.add("p.restored_to_ticket", _ms(e.at_ns, ended))
+            asked = revisits.pop(e.request, None)
+            if asked is not None:
+                phases.add("p.revisit_hit" if ended is not None else "p.revisit_miss", _ms(e.at_ns, asked))
         elif kind is ev.ClaimRequested:
             if e.ticket in issued and e.ticket not in claimed:
                 claimed[e.ticket] = e.at_ns
@@ -88,6 +95,7 @@ def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int]
         elif kind is ev.RestoreRequested:
             if e.keys:
                 restores[e.lease] = {"request": e.request, "asked": e.at_ns}
+                revisits.setdefault(e.request, e.at_ns)
         elif kind is ev.LeaseAllocated:
             r = restores.get(e.lease)
             if r is not None and "allocated" not in r:

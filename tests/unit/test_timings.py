@@ -56,6 +56,7 @@ def test_phases_split_a_handoff_a_retention_and_a_restore():
     assert p50["p.retention"] == 2.0
     assert p50["p.restore_to_allocated"] == 1.0 and p50["p.restore_copy"] == 3.0
     assert p50["p.restored_to_ticket"] == 15.0
+    assert p50["p.revisit_hit"] == 20.0 and "p.revisit_miss" not in p50
     assert p50["d.request_to_claim"] == 2.0
     assert result["phases"]["d.claim_to_allocated"] == {"count": 2, "p50_ms": 1.0, "p90_ms": 1.0, "max_ms": 1.0}
     assert result["phases"]["d.read"]["count"] == 1 and result["phases"]["d.request_to_claim"]["count"] == 2
@@ -94,6 +95,18 @@ def test_demotion_phase_runs_from_the_admission_to_its_last_demotion():
     failed = events[:-3] + [ev.HistoryDemoted(105 * MS, "a1", False), ev.HistoryDemoted(109 * MS, "a0", True),
                             ev.HistoryDemoted(120 * MS, "a1", True), ev.HistoryPublished(130 * MS, "t2", True)]
     assert "p.demotion" not in timings([("producer", config, failed)])["phases"]
+
+
+def test_a_revisit_history_could_not_restore_is_a_miss():
+    events = prefill_events() + [
+        # History had nothing to restore (no lease read): P computed the prompt, ticket 12 ms later.
+        ev.RestoreRequested(60 * MS, "M", "r3", 1, ("z0",)),
+        ev.RestoreRequested(61 * MS, "M2", "r3", 1, ("z0",)),  # asked again: the first ask counts
+        ev.TicketIssued(72 * MS, "t3", "r3", (8,), ("z0",)),
+    ]
+    phases = timings([("producer", CONFIG, events)])["phases"]
+    assert phases["p.revisit_miss"] == {"count": 1, "p50_ms": 12.0, "p90_ms": 12.0, "max_ms": 12.0}
+    assert phases["p.revisit_hit"]["count"] == 1
 
 
 def test_cli_reads_a_folder_of_logs_and_names_a_folder_without_any(tmp_path, capsys):

@@ -16,11 +16,19 @@ engine process writes its cumulative figures to `$KVB_HOOK_TIMING_DIR/<engine>-<
 The figures are cumulative so a caller can difference two snapshots around one scenario
 (`bench/pd_compare.py` does). Timing costs two clock reads per hook call, the same for both
 connectors.
+
+`KVB_HOOK_TRACE=1` also keeps a per-request trace (the last `TRACE_MAX` entries, in the file's
+`trace`): (monotonic ns, what, request id, detail) for every request a hook names: matched
+(get_num_new_matched_tokens: tokens an external load would bring), allocated, scheduled (tokens
+this step), recving / sending (the worker reported a load or send finished), finished. The clock
+is the one kvbaton's event logs use, so `trace_around` can show, say, how many steps passed
+between a history restore's end and the request being scheduled.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import os
 import threading
@@ -28,6 +36,7 @@ import time
 
 BUCKET_NS = 250_000  # histogram buckets of 0.25 ms
 BUCKETS = 800  # up to 200 ms; longer gaps (idle engine) land in the last bucket
+TRACE_MAX = 50_000
 SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                    "request_finished", "update_connector_output")
 WORKER_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
@@ -42,6 +51,8 @@ class HookClock:
         self.step = [0] * BUCKETS
         self.batch = [0, 0, 0]  # scheduler steps that ran something, their requests, their tokens
         self.last_step_ns = 0
+        self.trace: collections.deque | None = (collections.deque(maxlen=TRACE_MAX)
+                                                if os.environ.get("KVB_HOOK_TRACE") == "1" else None)
         if self.path:
             os.makedirs(self.directory, exist_ok=True)
             atexit.register(self.dump)
@@ -82,11 +93,34 @@ class HookClock:
             self.batch[1] += len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
             self.batch[2] += tokens
 
+    def note(self, name: str, args: tuple, result) -> None:
+        """Trace the requests a hook call names (KVB_HOOK_TRACE=1)."""
+
+        now, add = time.monotonic_ns(), self.trace.append
+        try:
+            if name == "build_connector_meta" and args:
+                for rid, tokens in (getattr(args[0], "num_scheduled_tokens", None) or {}).items():
+                    add((now, "scheduled", rid, tokens))
+            elif name == "get_num_new_matched_tokens" and args:
+                add((now, "matched", args[0].request_id, list(result) if isinstance(result, tuple) else result))
+            elif name == "update_state_after_alloc" and args:
+                add((now, "allocated", args[0].request_id, args[-1] if len(args) > 2 else None))
+            elif name == "request_finished" and args:
+                add((now, "finished", args[0].request_id, None))
+            elif name == "get_finished" and isinstance(result, tuple) and len(result) == 2:
+                for what, ids in zip(("sending", "recving"), result):
+                    for rid in ids or ():
+                        add((now, what, rid, None))
+        except Exception:  # a vLLM with other argument shapes: no trace, never a failed hook
+            self.trace = None
+
     def dump(self) -> None:
         if not self.path:
             return
         data = {"hooks": {k: list(v) for k, v in list(self.hooks.items())}, "step": list(self.step), "batch": list(self.batch), "bucket_ns": BUCKET_NS,
                 "time": time.time()}
+        if self.trace is not None:
+            data["trace"] = list(self.trace)
         tmp = self.path + ".tmp"
         with open(tmp, "w") as out:
             json.dump(data, out)
@@ -100,11 +134,16 @@ def _timed(base: type, label: str) -> type:
         def hook(self, *args, **kwargs):
             if name == "build_connector_meta" and args:
                 self._hook_clock.scheduled(args[0])
+            clock = self._hook_clock
             start = time.perf_counter_ns()
+            result = None
             try:
-                return original(self, *args, **kwargs)
+                result = original(self, *args, **kwargs)
+                return result
             finally:
-                self._hook_clock.record(name, start, time.perf_counter_ns())
+                clock.record(name, start, time.perf_counter_ns())
+                if clock.trace is not None:
+                    clock.note(name, args, result)
 
         hook.__name__ = name
         return hook
@@ -199,3 +238,55 @@ def difference(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dic
             "hooks": hooks, "hook_us_per_step": sum(h["us_per_step"] for h in hooks.values()),
             "step": _histogram_summary(step, bucket_ns)}
     return out
+
+
+def trace_around(directory: str, request_part: str, start_ns: int, end_ns: int) -> list[tuple]:
+    """Trace entries of every engine side in `directory` whose request id contains
+    `request_part`, between two monotonic times: (ns, file, what, request, detail), in order."""
+
+    rows = []
+    for name, data in read_snapshot(directory).items():
+        for at, what, rid, detail in data.get("trace") or ():
+            if start_ns <= at <= end_ns and request_part in str(rid):
+                rows.append((at, name, what, rid, detail))
+    return sorted(rows)
+
+
+def restore_timelines(hook_dir: str, events_dir: str, limit: int = 20) -> str:
+    """For each history restore in P's event log (`events_dir`), P's traced hook calls for that
+    request from the restore's end to its ticket, in ms after the restore's end: where a hit's
+    time goes between its copy and the forward that finishes it (KVB_HOOK_TRACE=1 runs)."""
+
+    import glob
+
+    from kvbaton.core import events as ev
+    from kvbaton.core.log import read_log_prefix
+
+    lines = []
+    for path in sorted(glob.glob(os.path.join(events_dir, "*.kvlog"))):
+        header, records, _ = read_log_prefix(path)
+        if header.role not in ("producer", "prefill", "both"):
+            continue
+        leases: dict[str, str] = {}
+        ended: dict[str, int] = {}
+        for record in records:
+            e = record.event
+            if type(e) is ev.RestoreRequested and e.keys:
+                leases[e.lease] = e.request
+            elif type(e) is ev.LeaseReadFinished and e.ok and e.lease in leases:
+                ended[leases[e.lease]] = e.at_ns
+            elif type(e) is ev.TicketIssued and e.request in ended and len(lines) < limit * 12:
+                start = ended.pop(e.request)
+                lines.append(f"{e.request}: restore ended, ticket {(e.at_ns - start) / 1e6:.2f} ms later")
+                for at, name, what, _rid, detail in trace_around(hook_dir, e.request, start - 5_000_000,
+                                                                e.at_ns + 1_000_000):
+                    lines.append(f"  {(at - start) / 1e6:+8.2f} ms  {name.rsplit('-', 1)[0]:<34} {what} {detail}")
+    return "\n".join(lines) if lines else "(no restore with a traced request found)"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: python -m kvbaton.bench.hook_timing HOOK_DIR EVENTS_DIR  (a KVB_HOOK_TRACE=1 run)")
+    print(restore_timelines(sys.argv[1], sys.argv[2]))

@@ -1,4 +1,4 @@
-"""bench/pd_compare.py's rounds: each round's ratio to native comes from that round's native."""
+"""bench/pd_compare.py's rounds (each round's ratio to native comes from that round's native) and the hook trace."""
 
 from __future__ import annotations
 
@@ -19,3 +19,28 @@ def test_each_rounds_ratio_uses_that_rounds_native():
     assert set(ratios) == {"kvbaton"}
     assert ratios["kvbaton"]["throughput_c16"] == [1.2, 0.9]
     assert ratios["kvbaton"]["revisit"] == [0.6, 0.4]
+
+
+def test_hook_trace_names_each_request_and_reads_back_by_time(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from kvbaton.bench import hook_timing
+
+    monkeypatch.setenv("KVB_HOOK_TIMING_DIR", str(tmp_path))
+    monkeypatch.setenv("KVB_HOOK_TRACE", "1")
+    clock = hook_timing.HookClock("kvbaton-kv_producer", "scheduler")
+    request = SimpleNamespace(request_id="kvb-abc-1")
+    clock.note("get_num_new_matched_tokens", (request, 0), (64, True))
+    clock.note("build_connector_meta", (SimpleNamespace(num_scheduled_tokens={"kvb-abc-1": 16, "other": 3}),), None)
+    clock.note("get_finished", (set(),), (None, {"kvb-abc-1"}))
+    clock.note("request_finished", (request, [1, 2]), (False, None))
+    clock.dump()
+    rows = hook_timing.trace_around(str(tmp_path), "abc", 0, 2**63)
+    assert [(what, detail) for _, _, what, _, detail in rows] == [
+        ("matched", [64, True]), ("scheduled", 16), ("recving", None), ("finished", None)]
+    assert all(rid == "kvb-abc-1" for _, _, _, rid, _ in rows)
+    clock.path = ""  # its exit-time dump must not write into the removed tmp_path
+    monkeypatch.delenv("KVB_HOOK_TRACE")
+    quiet = hook_timing.HookClock("kvbaton-kv_producer", "worker")
+    quiet.path = ""
+    assert quiet.trace is None  # off unless asked

@@ -343,11 +343,13 @@ class Authority(xo.Actor):
             self._apply(ev.HistoryPublished(now, msg.ticket, msg.ok))
         elif kind is m.DemotesDone:
             io = self.history_io
-            for key, ok, error in msg.results:
-                io["demotions"] += 1
-                if not ok:
-                    io["demotions_failed"] += 1
-                    logger.warning("history: demotion of %s failed: %s", key, error)
+            failed = [(key, error) for key, ok, error in msg.results if not ok]
+            if failed:  # one line per batch: a failed copy fails all of its keys at once
+                logger.warning("history: %d of %d demotions failed (first %s: %s)", len(failed),
+                               len(msg.results), failed[0][0], failed[0][1])
+            io["demotions"] += len(msg.results)
+            io["demotions_failed"] += len(failed)
+            for key, ok, _error in msg.results:
                 try:  # one key's trouble must not leave the rest of the batch DEMOTING for good
                     self._apply(ev.HistoryDemoted(now, key, ok))
                 except Exception:

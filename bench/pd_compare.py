@@ -745,9 +745,8 @@ def main(argv: list[str] | None = None) -> int:
         print_timings(round_results)
     if len(rounds) > 1:
         print_round_ratios(rounds)
+    save()  # again: meta now holds the copy ceilings
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results, "rounds": rounds}, indent=1,
-                                             default=str))
         print(f"\nresults: {args.out}")
     return 0
 

@@ -3,6 +3,7 @@ nothing, and the copier answers every effect in order over the sidecar's sockets
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 
@@ -200,12 +201,14 @@ def test_a_retention_may_copy_the_whole_gpu_budget_by_default():
         assert len(staged) == 1 and len(staged[0].copies) == kept
 
 
-def test_copier_answers_every_write_in_order(tmp_path):
+@contextlib.contextmanager
+def running_copier(tmp_path, store):
+    """A started copier on `store` and the sidecar's two ends of its sockets: (copier, inbox it
+    answers on, out to send it work)."""
+
     zmq = pytest.importorskip("zmq")
     from kvbaton.control.config import ipc_paths
 
-    caches = make_caches()
-    store = SlotStore(caches, [0] * len(caches), gpu_slots=3, cpu_slots=2)
     paths = ipc_paths(str(tmp_path))
     ctx = zmq.Context.instance()
     inbox = ctx.socket(zmq.PULL)
@@ -215,6 +218,17 @@ def test_copier_answers_every_write_in_order(tmp_path):
     copier = HistoryCopier(str(tmp_path), store)
     copier.start()
     try:
+        yield copier, inbox, out
+    finally:
+        copier.stop()
+        inbox.close(0)
+        out.close(0)
+
+
+def test_copier_answers_every_write_in_order(tmp_path):
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=3, cpu_slots=2)
+    with running_copier(tmp_path, store) as (copier, inbox, out):
         saved = {b: engine_block(caches, b, 0) for b in range(8)}
         sent = [m.StageCopies("t1", ((3, "a"), (4, "b"), (5, "c"))), m.DemoteCopies(("a", "b")),
                 m.StageCopies("t2", ((6, "d"), (7, "e"))),  # reuses the slots the demotions freed
@@ -246,10 +260,6 @@ def test_copier_answers_every_write_in_order(tmp_path):
             assert inbox.poll(5000)
             replies.append(m.DECODER.decode(inbox.recv()))
         assert (stats.gpu_slots, stats.cpu_slots, stats.cpu_used) == (3, 2, 2)
-    finally:
-        copier.stop()
-        inbox.close(0)
-        out.close(0)
 
 
 def test_copier_moves_consecutive_demotion_messages_as_one_batch_and_answers_every_key():
@@ -268,9 +278,6 @@ def test_copier_moves_consecutive_demotion_messages_as_one_batch_and_answers_eve
 
 
 def test_copier_answers_a_demotion_batch_that_raised(tmp_path):
-    zmq = pytest.importorskip("zmq")
-    from kvbaton.control.config import ipc_paths
-
     caches = make_caches()
     store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=2)
 
@@ -278,15 +285,7 @@ def test_copier_answers_a_demotion_batch_that_raised(tmp_path):
         raise RuntimeError("device lost")
 
     store.demote_many = broken
-    paths = ipc_paths(str(tmp_path))
-    ctx = zmq.Context.instance()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.bind(paths["inbox"])
-    out = ctx.socket(zmq.PUSH)
-    out.bind(paths["history"])
-    copier = HistoryCopier(str(tmp_path), store)
-    copier.start()
-    try:
+    with running_copier(tmp_path, store) as (copier, inbox, out):
         out.send(m.ENCODER.encode(m.DemoteCopies(("a", "b"))))
         while True:
             assert inbox.poll(5000)
@@ -296,10 +295,6 @@ def test_copier_answers_a_demotion_batch_that_raised(tmp_path):
         # Unanswered, the core would keep both keys DEMOTING (and their CPU budget) for good.
         assert [(key, ok) for key, ok, _ in reply.results] == [("a", False), ("b", False)]
         assert "device lost" in reply.results[0][2] and copier.errors == 1
-    finally:
-        copier.stop()
-        inbox.close(0)
-        out.close(0)
 
 
 def test_restore_runner_reports_ends_and_keeps_read_slots_from_reuse():

@@ -8,26 +8,18 @@ vLLM's scheduler asserts. The authority is driven directly, its sockets replaced
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from kvbaton.control import messages as m
-from kvbaton.control.config import SidecarConfig
-from kvbaton.control.sidecar import Authority
 from kvbaton.core import events as ev
 from kvbaton.core.ledger import LedgerConfig
+
+from .authority_harness import listed_authority
 
 
 @pytest.fixture
 def authority(tmp_path):
-    cfg = SidecarConfig(engine_id="D", role="consumer", ledger=LedgerConfig(), address="127.0.0.1:1",
-                        ipc_dir=str(tmp_path / "ipc"))
-    a = Authority(msgspec.json.encode(cfg))
-    a.sent = []
-    a.to_worker, a.to_scheduler, a.to_history = "worker", "scheduler", "history"
-    a._send = lambda sock, msg: a.sent.append((sock, msg))
-    a._spawn = lambda coro: coro.close()  # no peer calls in these tests
-    return a
+    return listed_authority(tmp_path, "D", "consumer")
 
 
 def to_worker(a) -> list[tuple[str, tuple]]:
@@ -101,13 +93,9 @@ def test_a_grant_for_a_pruned_load_is_undone_at_p(tmp_path):
 
     from kvbaton.core import effects as fx
 
-    cfg = SidecarConfig(engine_id="D", role="consumer", ledger=LedgerConfig(closed_retention_ns=1000),
-                        address="127.0.0.1:1", ipc_dir=str(tmp_path / "ipc"))
-    a = Authority(msgspec.json.encode(cfg))
-    a.to_worker, a.to_scheduler, a.to_history = "worker", "scheduler", "history"
-    a._send = lambda sock, msg: None
+    a = listed_authority(tmp_path, "D", "consumer", LedgerConfig(closed_retention_ns=1000))
     spawned, calls = [], []
-    a._spawn = spawned.append
+    a._spawn = spawned.append  # this test runs the peer calls itself
 
     async def fake_call(address, method, *args):
         calls.append((method, args))

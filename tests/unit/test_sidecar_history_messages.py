@@ -8,30 +8,22 @@ sockets replaced by a list.
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from kvbaton.control import messages as m
-from kvbaton.control.config import SidecarConfig
-from kvbaton.control.sidecar import Authority
 from kvbaton.core import events as ev
 from kvbaton.core.ledger import LedgerConfig
+
+from .authority_harness import listed_authority
 
 BLOCK = 100
 
 
 @pytest.fixture
 def authority(tmp_path):
-    ledger = LedgerConfig(block_bytes=BLOCK, gpu_history_bytes=4 * BLOCK, cpu_history_bytes=8 * BLOCK,
-                          candidate_bytes_max=4 * BLOCK)
-    cfg = SidecarConfig(engine_id="P", role="producer", ledger=ledger, address="127.0.0.1:1",
-                        ipc_dir=str(tmp_path / "ipc"))
-    a = Authority(msgspec.json.encode(cfg))
-    a.sent = []
-    a.to_worker, a.to_scheduler, a.to_history = "worker", "scheduler", "history"
-    a._send = lambda sock, msg: a.sent.append((sock, msg))
-    a._spawn = lambda coro: coro.close()  # no peer calls in these tests
-    return a
+    return listed_authority(tmp_path, "P", "producer",
+                            LedgerConfig(block_bytes=BLOCK, gpu_history_bytes=4 * BLOCK,
+                                         cpu_history_bytes=8 * BLOCK, candidate_bytes_max=4 * BLOCK))
 
 
 def retain(a, ticket: str, keys: tuple[str, ...], first_block: int) -> list[m.Msg]:
@@ -79,15 +71,9 @@ def test_a_failed_demotion_in_a_batch_drops_its_key_and_everything_below_it(auth
 
 
 def test_with_a_full_cpu_tier_the_drops_go_first_and_the_demotions_stay_one_message(tmp_path):
-    ledger = LedgerConfig(block_bytes=BLOCK, gpu_history_bytes=2 * BLOCK, cpu_history_bytes=2 * BLOCK,
-                          candidate_bytes_max=2 * BLOCK)
-    cfg = SidecarConfig(engine_id="P", role="producer", ledger=ledger, address="127.0.0.1:1",
-                        ipc_dir=str(tmp_path / "ipc"))
-    a = Authority(msgspec.json.encode(cfg))
-    a.sent = []
-    a.to_worker, a.to_scheduler, a.to_history = "worker", "scheduler", "history"
-    a._send = lambda sock, msg: a.sent.append((sock, msg))
-    a._spawn = lambda coro: coro.close()
+    a = listed_authority(tmp_path, "P", "producer",
+                         LedgerConfig(block_bytes=BLOCK, gpu_history_bytes=2 * BLOCK, cpu_history_bytes=2 * BLOCK,
+                                      candidate_bytes_max=2 * BLOCK))
     for index, name in enumerate("abc"):  # a fills the GPU tier, b demotes it to CPU, c must evict
         keys = (name + "0", name + "1")
         a._apply(ev.HistoryObserved(a._now(), keys))  # seen before: may displace

@@ -1,0 +1,22 @@
+"""A sidecar authority driven directly: its sockets are a list (`authority.sent`: (socket name,
+message)) and peer calls are dropped, so tests see exactly what it tells the worker, the
+scheduler and the history copier."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvbaton.control.config import SidecarConfig
+from kvbaton.control.sidecar import Authority
+from kvbaton.core.ledger import LedgerConfig
+
+
+def listed_authority(tmp_path, engine_id: str, role: str, ledger: LedgerConfig | None = None) -> Authority:
+    cfg = SidecarConfig(engine_id=engine_id, role=role, ledger=ledger or LedgerConfig(), address="127.0.0.1:1",
+                        ipc_dir=str(tmp_path / "ipc"))
+    authority = Authority(msgspec.json.encode(cfg))
+    authority.sent = []
+    authority.to_worker, authority.to_scheduler, authority.to_history = "worker", "scheduler", "history"
+    authority._send = lambda sock, msg: authority.sent.append((sock, msg))
+    authority._spawn = lambda coro: coro.close()  # no peer calls
+    return authority

@@ -110,8 +110,11 @@ class Settings:
     model: Path
     vocab: int
     # CUDA graphs for decode-only steps (vLLM's FULL_DECODE_ONLY, no torch.compile), the same for
-    # every system. Off (eager) by default: it is how every earlier figure was measured.
+    # every system. Eager, a 0.5B-shaped model's step is ~15 ms of kernel launches whatever it
+    # computes, so a one-token step after a history restore cost as much as a 4000-token prefill.
     cuda_graphs: bool = False
+    # The router in its own process (as `kvbaton serve` runs it), not a thread of the load generator.
+    router_process: bool = True
 
 
 @dataclass
@@ -241,11 +244,35 @@ class Stack:
                     time.sleep(0.2)
 
     def _start_router(self) -> None:
+        port = free_port()
+        self.router_url = f"http://127.0.0.1:{port}"
+        if self.s.router_process:
+            # Its own process, as `kvbaton serve` runs it: in a thread of this process it shared one
+            # GIL with the load generator, and the two carried ~4,600 tok/s at C32 on this
+            # machine's CPU with engines that cost nothing (bench/harness_ceiling.py).
+            import httpx
+
+            log = self.s.log_dir / self.system.name / "router.log"
+            cmd = [sys.executable, "-m", "kvbaton.router.app", "--prefill", self.urls["prefill"],
+                   "--decode", self.urls["decode"], "--port", str(port)]
+            with open(log, "wb") as out:
+                process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           start_new_session=True)
+            self.processes.append(process)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(f"{self.router_url}/health", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.system.name}: the router did not start on port {port}; see {log}")
+                time.sleep(0.2)
         import uvicorn
 
         from kvbaton.router.app import Router, build_app
 
-        port = free_port()
         router = Router([self.urls["prefill"]], [self.urls["decode"]])
         config = uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning")
         server = uvicorn.Server(config)
@@ -257,7 +284,6 @@ class Stack:
             if not self._router_thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"{self.system.name}: the router did not start on port {port}")
             time.sleep(0.05)
-        self.router_url = f"http://127.0.0.1:{port}"
 
     def sidecar_states(self) -> dict:
         from kvbaton.control.client import call_authority_sync
@@ -353,6 +379,17 @@ def prompts(rng: random.Random, vocab: int, count: int, low: int, high: int) -> 
 async def throughput(url: str, docs: list[list[int]], concurrency: int, max_tokens: int) -> dict:
     import httpx
 
+    samples, started, ended = await _closed_loop(url, docs, concurrency, max_tokens)
+    return summarize(samples, ended - started)
+
+
+async def _closed_loop(url: str, docs: list[list[int]], concurrency: int, max_tokens: int,
+                       start_at: float = 0.0) -> tuple[list[Sample], float, float]:
+    """`concurrency` workers, each sending its next document when its last one finished; from
+    `start_at` (time.time()) when given. Returns the samples and the wall-clock start and end."""
+
+    import httpx
+
     queue = list(docs)
     samples: list[Sample] = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
@@ -361,10 +398,42 @@ async def throughput(url: str, docs: list[list[int]], concurrency: int, max_toke
                 prompt = queue.pop(0)
                 samples.append(await one_request(client, url, prompt, max_tokens))
 
-        started = time.perf_counter()
+        if start_at:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        started = time.time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-    return summarize(samples, wall)
+        return samples, started, time.time()
+
+
+def _closed_loop_share(url: str, docs: list[list[int]], concurrency: int, max_tokens: int,
+                       start_at: float) -> tuple[list[Sample], float, float]:
+    return asyncio.run(_closed_loop(url, docs, concurrency, max_tokens, start_at))
+
+
+def throughput_in_processes(url: str, docs: list[list[int]], concurrency: int, max_tokens: int,
+                            processes: int) -> dict:
+    """`throughput` with the load generator spread over `processes` processes (concurrency and
+    documents dealt out round-robin, all starting at one moment): one Python process parsing
+    every streamed event was itself a ceiling (bench/harness_ceiling.py)."""
+
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    processes = max(1, min(processes, concurrency))
+    if processes == 1:
+        return asyncio.run(throughput(url, docs, concurrency, max_tokens))
+    shares = [concurrency // processes + (1 if i < concurrency % processes else 0) for i in range(processes)]
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(time.sleep, 0).result()  # one worker up: the others start alongside it
+        start_at = time.time() + 2.0 + 0.5 * processes  # every worker imported and waiting by then
+        futures = [pool.submit(_closed_loop_share, url, docs[i::processes], share, max_tokens, start_at)
+                   for i, share in enumerate(shares)]
+        parts = [f.result() for f in futures]
+    samples = [sample for part, _, _ in parts for sample in part]
+    wall = max(end for _, _, end in parts) - min(start for _, start, _ in parts)
+    out = summarize(samples, wall)
+    out["client_processes"] = processes
+    return out
 
 
 async def cold_during_decode(url: str, background: list[list[int]], cold: list[list[int]],
@@ -420,8 +489,9 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
             hooks_before = hook_timing.read_snapshot(hook_dir) if system.timed else {}
             if scenario == "throughput":
                 for c in plan["concurrency"]:
-                    result[f"throughput_c{c}"] = asyncio.run(
-                        throughput(stack.router_url, plan["throughput"], c, plan["max_tokens"]))
+                    procs = client_processes_for(plan, c)
+                    result[f"throughput_c{c}"] = throughput_in_processes(
+                        stack.router_url, plan["throughput"], c, plan["max_tokens"], procs)
             elif scenario == "cold":
                 result["cold"] = asyncio.run(cold_during_decode(
                     stack.router_url, plan["background"], plan["cold"], plan["background_tokens"], plan["cold_tokens"]))
@@ -520,7 +590,16 @@ def build_plan(args, vocab: int) -> dict:
         "pressure": [prompts(rng, vocab, 3 if small else args.pressure, doc, doc) for _ in range(cycles)],
         "churn": [prompts(rng, vocab, 5 if small else args.hot + args.pressure, doc, doc) for _ in range(cycles)],
         "revisit_tokens": 4 if small else 8,
+        "client_processes": args.client_processes,
     }
+
+
+def client_processes_for(plan: dict, concurrency: int) -> int:
+    """The load generator's processes for a throughput run: as asked, else one per 8 streams
+    (at most 4; a small run keeps one)."""
+
+    asked = plan.get("client_processes") or 0
+    return asked if asked > 0 else max(1, min(4, math.ceil(concurrency / 8)))
 
 
 def ratio(a: float, b: float) -> str:
@@ -664,9 +743,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="time both connectors' hooks inside the engines (bench/hook_timing.py)")
     parser.add_argument("--log-dir", default="/tmp/kvb-compare")
     parser.add_argument("--out", default="")
-    parser.add_argument("--cuda-graphs", action="store_true",
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="GPU engines replay CUDA graphs for decode-only steps (FULL_DECODE_ONLY, no "
-                             "torch.compile) instead of running eager; the same for every system")
+                             "torch.compile), the same for every system (default); --no-cuda-graphs runs them "
+                             "eager, as every run before 2026-12-01's fourth session did")
+    parser.add_argument("--router-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the router in its own process (default); --no-router-process runs it in a "
+                             "thread of this process, sharing one GIL with the load generator (runs before "
+                             "2026-12-01's fourth session)")
+    parser.add_argument("--client-processes", type=int, default=0,
+                        help="processes the throughput load generator runs in (0: one per 8 concurrent "
+                             "streams, at most 4; 1: one process, as before 2026-12-01's fourth session)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the systems this many times, alternating their order; prints each "
                              "round's ratios to native and their median")
@@ -678,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = args.device == "cpu"
     block = 32 if cpu else 16
     s = Settings(args.device, block, 2048 if cpu else 4608, (256 << 20) if cpu else int(args.kv_cache_gib * (1 << 30)),
-                 args.gpu_memory_utilization, 64, log_dir, model, vocab, cuda_graphs=args.cuda_graphs and not cpu)
+                 args.gpu_memory_utilization, 64, log_dir, model, vocab, cuda_graphs=args.cuda_graphs and not cpu,
+                 router_process=args.router_process)
     plan = build_plan(args, vocab)
     cap = 72 if cpu else args.cap_blocks
     layers = json.loads((model / "config.json").read_text())

@@ -1,0 +1,150 @@
+"""How many streamed tokens per second `bench/pd_compare.py`'s harness (its load generator and
+kvbaton's router) can carry, with engines that cost nothing: a fake P answers at once, a fake D
+streams one SSE event per token every `--tpot-ms`. When pd_compare's figures come near this
+ceiling, they measure the harness, not the connectors.
+
+    python -m kvbaton.bench.harness_ceiling --concurrency 16,32 --router thread,process
+
+`--router thread` is how pd_compare ran until 2026-12-01 (`--no-router-process`): the router in a
+thread of the process that also runs the load generator, one GIL for both. `process` starts it
+as its own process (`python -m kvbaton.router.app`), as `kvbaton serve` and now pd_compare do. Prints achieved tok/s against the engines' rate (concurrency / TPOT).
+"""
+
+
+import argparse  # (no `from __future__ import annotations`: FastAPI reads the handlers' annotations)
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+
+def fake_engine_app(tpot_s: float):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse({"object": "list", "data": [{"id": "model", "object": "model"}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if not body.get("stream"):  # P: one token and the handoff's parameters
+            return JSONResponse({"choices": [{"index": 0, "text": "", "token_ids": [7], "finish_reason": "length"}],
+                                 "kv_transfer_params": {"fake": True}})
+        max_tokens = int(body.get("max_tokens") or 16)
+
+        async def events():
+            for index in range(max_tokens):
+                await asyncio.sleep(tpot_s)
+                chunk = {"id": "x", "object": "text_completion", "model": "model",
+                         "choices": [{"index": 0, "text": "", "token_ids": [index % 100 + 3],
+                                      "finish_reason": "length" if index == max_tokens - 1 else None}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def serve_fake_engine(port: int, tpot_s: float) -> None:
+    import uvicorn
+
+    uvicorn.run(fake_engine_app(tpot_s), host="127.0.0.1", port=port, log_level="warning")
+
+
+def serve_router(port: int, p_url: str, d_url: str) -> None:
+    import uvicorn
+
+    from kvbaton.router.app import Router, build_app
+
+    uvicorn.run(build_app(Router([p_url], [d_url])), host="127.0.0.1", port=port, log_level="warning")
+
+
+def wait_healthy(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up in {timeout_s} s")
+
+
+def spawn(target: str, *args: str) -> subprocess.Popen:
+    code = f"from kvbaton.bench.harness_ceiling import {target}; {target}(*{list(args)!r})"
+    return subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvbaton.bench.pd_compare import free_port, throughput_in_processes
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[16, 32])
+    parser.add_argument("--router", default="thread,process", help="thread, process or both (comma list)")
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--client-processes", type=lambda v: [int(x) for x in v.split(",")], default=[1],
+                        help="load-generator processes to try (comma list)")
+    parser.add_argument("--tpot-ms", type=float, default=3.0, help="the fake D's time per token")
+    args = parser.parse_args(argv)
+
+    p_port, d_port = free_port(), free_port()
+    engines = [spawn("serve_fake_engine", p_port, args.tpot_ms / 1e3),
+               spawn("serve_fake_engine", d_port, args.tpot_ms / 1e3)]
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    rows = []
+    try:
+        wait_healthy(p_url)
+        wait_healthy(d_url)
+        docs = [[5] * 64 for _ in range(args.requests)]
+        for mode in [m for m in args.router.split(",") if m]:
+            port = free_port()
+            router_proc = None
+            if mode == "thread":
+                threading.Thread(target=serve_router, args=(port, p_url, d_url), daemon=True).start()
+            elif mode == "process":
+                router_proc = subprocess.Popen([sys.executable, "-m", "kvbaton.router.app", "--prefill", p_url,
+                                                "--decode", d_url, "--port", str(port)])
+            else:
+                raise SystemExit(f"--router takes thread or process, got {mode!r}")
+            url = f"http://127.0.0.1:{port}"
+            try:
+                wait_healthy(url)
+                for procs in args.client_processes:
+                    for concurrency in args.concurrency:
+                        result = throughput_in_processes(url, docs, concurrency, args.max_tokens, procs)
+                        ideal = concurrency / (args.tpot_ms / 1e3)
+                        rows.append((mode, procs, concurrency, result["output_tok_s"], ideal, result["tpot_p50_ms"]))
+                        print(json.dumps({"router": mode, "client_processes": procs, "concurrency": concurrency,
+                                          "ideal_tok_s": ideal, **result}), flush=True)
+            finally:
+                if router_proc is not None:
+                    router_proc.terminate()
+                    router_proc.wait(10)
+    finally:
+        for proc in engines:
+            proc.terminate()
+            proc.wait(10)
+    print(f"\n{'router':<9}{'clients':>8}{'C':>4}{'tok/s':>9}{'engines could':>15}{'carried':>9}{'TPOT p50':>10}")
+    for mode, procs, concurrency, tok_s, ideal, tpot in rows:
+        print(f"{mode:<9}{procs:>8}{concurrency:>4}{tok_s:>9.0f}{ideal:>15.0f}{tok_s / ideal:>9.0%}{tpot:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

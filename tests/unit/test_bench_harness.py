@@ -1,0 +1,65 @@
+"""The benchmark harness itself: the router as its own process (`python -m kvbaton.router.app`) in
+front of fake engines, and pd_compare's load generator spread over processes, counting every
+streamed token of every request once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from kvbaton.bench.harness_ceiling import spawn, wait_healthy  # noqa: E402
+from kvbaton.bench.pd_compare import client_processes_for, free_port, throughput_in_processes  # noqa: E402
+
+
+def test_client_processes_follow_concurrency_unless_asked():
+    assert client_processes_for({"client_processes": 0}, 4) == 1
+    assert client_processes_for({"client_processes": 0}, 16) == 2
+    assert client_processes_for({"client_processes": 0}, 32) == 4
+    assert client_processes_for({"client_processes": 0}, 256) == 4
+    assert client_processes_for({"client_processes": 3}, 32) == 3
+    assert client_processes_for({}, 9) == 2
+
+
+@pytest.fixture(scope="module")
+def routed():
+    engine_port, router_port = free_port(), free_port()
+    engine = spawn("serve_fake_engine", engine_port, 0.001)
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    router = subprocess.Popen([sys.executable, "-m", "kvbaton.router.app", "--prefill", engine_url,
+                               "--decode", engine_url, "--port", str(router_port)])
+    try:
+        wait_healthy(engine_url)
+        wait_healthy(f"http://127.0.0.1:{router_port}")
+        yield f"http://127.0.0.1:{router_port}"
+    finally:
+        for process in (router, engine):
+            process.terminate()
+            process.wait(10)
+
+
+def test_load_generator_in_processes_counts_every_token_through_a_router_process(routed):
+    docs = [[5] * (10 + i) for i in range(9)]
+    result = throughput_in_processes(routed, docs, concurrency=4, max_tokens=6, processes=2)
+    assert result["client_processes"] == 2
+    assert result["requests"] == 9 and result["failed"] == 0
+    assert round(result["output_tok_s"] * result["wall_s"]) == 9 * 6
+    assert result["ttft_p50_ms"] > 0
+
+
+def test_one_process_is_the_plain_closed_loop(routed):
+    result = throughput_in_processes(routed, [[5] * 8] * 3, concurrency=2, max_tokens=4, processes=1)
+    assert "client_processes" not in result
+    assert result["requests"] == 3 and result["failed"] == 0
+    assert round(result["output_tok_s"] * result["wall_s"]) == 12
+
+
+def test_router_process_refuses_without_engines():
+    done = subprocess.run([sys.executable, "-m", "kvbaton.router.app", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--prefill" in done.stderr

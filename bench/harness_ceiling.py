@@ -7,7 +7,7 @@ ceiling, they measure the harness, not the connectors.
 
 `--router thread` is how pd_compare ran until 2026-12-01 (`--no-router-process`): the router in a
 thread of the process that also runs the load generator, one GIL for both. `process` starts it
-as its own process (`python -m kvbaton.router.app`), as `kvbaton serve` and now pd_compare do. Prints achieved tok/s against the engines' rate (concurrency / TPOT).
+as its own process (`kvbaton serve` attached to the engines), as pd_compare now does. Prints achieved tok/s against the engines' rate (concurrency / TPOT).
 """
 
 
@@ -17,8 +17,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -91,7 +93,7 @@ def spawn(target: str, *args: str) -> subprocess.Popen:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvbaton.bench.pd_compare import free_port, throughput_in_processes
+    from kvbaton.bench.pd_compare import free_port, router_command, throughput_in_processes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[16, 32])
@@ -118,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "thread":
                 threading.Thread(target=serve_router, args=(port, p_url, d_url), daemon=True).start()
             elif mode == "process":
-                router_proc = subprocess.Popen([sys.executable, "-m", "kvbaton.router.app", "--prefill", p_url,
-                                                "--decode", d_url, "--port", str(port)])
+                router_proc = subprocess.Popen(router_command(p_url, d_url, port, Path(tempfile.mkdtemp())))
             else:
                 raise SystemExit(f"--router takes thread or process, got {mode!r}")
             url = f"http://127.0.0.1:{port}"

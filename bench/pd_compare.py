@@ -247,14 +247,13 @@ class Stack:
         port = free_port()
         self.router_url = f"http://127.0.0.1:{port}"
         if self.s.router_process:
-            # Its own process, as `kvbaton serve` runs it: in a thread of this process it shared one
+            # Its own process (`kvbaton serve` attached to the engines): in a thread of this process it shared one
             # GIL with the load generator, and the two carried ~4,600 tok/s at C32 on this
             # machine's CPU with engines that cost nothing (bench/harness_ceiling.py).
             import httpx
 
             log = self.s.log_dir / self.system.name / "router.log"
-            cmd = [sys.executable, "-m", "kvbaton.router.app", "--prefill", self.urls["prefill"],
-                   "--decode", self.urls["decode"], "--port", str(port)]
+            cmd = router_command(self.urls["prefill"], self.urls["decode"], port, log.parent)
             with open(log, "wb") as out:
                 process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True)
@@ -311,6 +310,14 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(10)
+
+
+def router_command(prefill_url: str, decode_url: str, port: int, log_dir: Path) -> list[str]:
+    """`kvbaton serve` attached to running engines: the router alone, in its own process."""
+
+    return [sys.executable, "-m", "kvbaton.cli", "serve", "--model", "model", "--served-model-name", "model",
+            "--prefill-url", prefill_url, "--decode-url", decode_url, "--port", str(port),
+            "--log-dir", str(log_dir)]
 
 
 # ----------------------------------------------------------------------------------- requests
@@ -748,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
                              "torch.compile), the same for every system (default); --no-cuda-graphs runs them "
                              "eager, as every run before 2026-12-01's fourth session did")
     parser.add_argument("--router-process", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the router in its own process (default); --no-router-process runs it in a "
+                        help="run the router in its own process (`kvbaton serve` attached to the engines; default); --no-router-process runs it in a "
                              "thread of this process, sharing one GIL with the load generator (runs before "
                              "2026-12-01's fourth session)")
     parser.add_argument("--client-processes", type=int, default=0,

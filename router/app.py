@@ -314,24 +314,3 @@ def build_app(router: Router) -> FastAPI:
 
     return app
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvbaton.router.app --prefill URL --decode URL --port N`: the router alone, in
-    front of engines started elsewhere (the benchmarks start it so, in its own process)."""
-
-    import argparse
-
-    import uvicorn
-
-    parser = argparse.ArgumentParser(description="kvbaton's P/D router in front of running engines")
-    parser.add_argument("--prefill", action="append", required=True, help="a prefill engine's URL (repeatable)")
-    parser.add_argument("--decode", action="append", required=True, help="a decode engine's URL (repeatable)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    args = parser.parse_args(argv)
-    uvicorn.run(build_app(Router(args.prefill, args.decode)), host=args.host, port=args.port, log_level="warning")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,11 +1,10 @@
-"""The benchmark harness itself: the router as its own process (`python -m kvbaton.router.app`) in
-front of fake engines, and pd_compare's load generator spread over processes, counting every
+"""The benchmark harness itself: the router as its own process (`kvbaton serve` attached to fake
+engines), and pd_compare's load generator spread over processes, counting every
 streamed token of every request once."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +12,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from kvbaton.bench.harness_ceiling import spawn, wait_healthy  # noqa: E402
-from kvbaton.bench.pd_compare import client_processes_for, free_port, throughput_in_processes  # noqa: E402
+from kvbaton.bench.pd_compare import (  # noqa: E402
+    client_processes_for, free_port, router_command, throughput_in_processes)
 
 
 def test_client_processes_follow_concurrency_unless_asked():
@@ -26,12 +26,11 @@ def test_client_processes_follow_concurrency_unless_asked():
 
 
 @pytest.fixture(scope="module")
-def routed():
+def routed(tmp_path_factory):
     engine_port, router_port = free_port(), free_port()
     engine = spawn("serve_fake_engine", engine_port, 0.001)
     engine_url = f"http://127.0.0.1:{engine_port}"
-    router = subprocess.Popen([sys.executable, "-m", "kvbaton.router.app", "--prefill", engine_url,
-                               "--decode", engine_url, "--port", str(router_port)])
+    router = subprocess.Popen(router_command(engine_url, engine_url, router_port, tmp_path_factory.mktemp("router")))
     try:
         wait_healthy(engine_url)
         wait_healthy(f"http://127.0.0.1:{router_port}")
@@ -56,10 +55,3 @@ def test_one_process_is_the_plain_closed_loop(routed):
     assert "client_processes" not in result
     assert result["requests"] == 3 and result["failed"] == 0
     assert round(result["output_tok_s"] * result["wall_s"]) == 12
-
-
-def test_router_process_refuses_without_engines():
-    done = subprocess.run([sys.executable, "-m", "kvbaton.router.app", "--port", str(free_port())],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert "--prefill" in done.stderr

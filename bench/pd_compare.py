@@ -665,6 +665,28 @@ def print_timings(results: dict) -> None:
             if found and "phases" in found:
                 print(f"\n== {name}: phases from the event logs ({'capped' if key.endswith('capped') else 'open'} "
                       f"run; kvbaton timings) ==\n" + format_timings(found))
+        for key in ("sidecars", "sidecars_capped"):
+            io = (((r.get(key) or {}).get("prefill") or {}).get("history") or {}).get("io")
+            if io:
+                print(f"{name} P's history copies ({'capped' if key.endswith('capped') else 'open'} run): "
+                      + history_io_line(io))
+
+
+def history_io_line(io: dict) -> str:
+    """P's history copies from its sidecar's books: per stage, demotion batch and restore."""
+
+    def each(count: int, seconds: float, nbytes: int = 0) -> str:
+        if not count:
+            return "none"
+        rate = f", {nbytes / seconds / 1e9:.1f} GB/s" if nbytes and seconds else ""
+        return f"{count} x {seconds / count * 1e3:.2f} ms{rate}"
+
+    batches = io.get("demote_batches", 0)
+    fence = f" (fence {io.get('demote_fence_seconds', 0.0) / batches * 1e3:.2f} ms)" if batches else ""
+    return (f"stages {each(io.get('stages', 0), io.get('stage_seconds', 0.0), io.get('stage_bytes', 0))}; "
+            f"demotion batches {each(batches, io.get('demote_seconds', 0.0))}{fence}, "
+            f"{io.get('demotions', 0)} blocks; "
+            f"restores {each(io.get('restores', 0), io.get('restore_seconds', 0.0), io.get('restore_bytes', 0))}")
 
 
 def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str], capped: list[str], plan: dict,

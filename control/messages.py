@@ -130,9 +130,12 @@ class StageDone(Msg, tag="hstaged"):
 
 
 class DemotesDone(Msg, tag="hdemoted"):
-    """The demotions of one `DemoteCopies` (or of several in a row): per key, (key, ok, error)."""
+    """The demotions of one `DemoteCopies` (or of several in a row): per key, (key, ok, error);
+    how long the batch took on the copier, and of that how long it waited for its copies' fence."""
 
     results: tuple[tuple[str, bool, str], ...]
+    seconds: float = 0.0
+    fence_seconds: float = 0.0
 
 
 class RestoreDone(Msg, tag="hrestored"):

@@ -77,7 +77,8 @@ class Authority(xo.Actor):
         # A synchronous restore's RestoreDone that arrived before its LeaseAllocFact (by lease).
         self.early_restore_done: dict[str, m.RestoreDone] = {}
         self.history_io = {"stages": 0, "stage_bytes": 0, "stage_seconds": 0.0, "stages_failed": 0,
-                           "demotions": 0, "demotions_failed": 0, "restores": 0, "restore_bytes": 0,
+                           "demotions": 0, "demotions_failed": 0, "demote_batches": 0,
+                           "demote_seconds": 0.0, "demote_fence_seconds": 0.0, "restores": 0, "restore_bytes": 0,
                            "restore_seconds": 0.0, "restores_failed": 0, "restored_gpu_blocks": 0,
                            "restored_cpu_blocks": 0}
         self.slot_stats: dict = {}
@@ -349,6 +350,9 @@ class Authority(xo.Actor):
                                len(msg.results), failed[0][0], failed[0][1])
             io["demotions"] += len(msg.results)
             io["demotions_failed"] += len(failed)
+            io["demote_batches"] += 1
+            io["demote_seconds"] += msg.seconds
+            io["demote_fence_seconds"] += msg.fence_seconds
             for key, ok, _error in msg.results:
                 try:  # one key's trouble must not leave the rest of the batch DEMOTING for good
                     self._apply(ev.HistoryDemoted(now, key, ok))

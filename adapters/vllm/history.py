@@ -164,6 +164,7 @@ class SlotStore:
         self.lock = threading.Lock()
         self.reading: dict[tuple[str, int], int] = {}  # (tier, slot) -> restores reading it
         self.deferred: set[tuple[str, int]] = set()  # freed while being read: free after the read
+        self.last_demote_fence_s = 0.0  # the last demotion batch's wait for its copies (copier thread)
         # One copy stream for history writes (the copier's), one for restores (the engine's).
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.restore_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
@@ -313,7 +314,9 @@ class SlotStore:
         # the key in no tier and failing.
         try:
             self._run(self.stream, self._demote_copy, moves, after_engine=False)
+            fence_started = time.perf_counter()
             self._fence(self.stream)
+            self.last_demote_fence_s = time.perf_counter() - fence_started
         except Exception as exc:
             with self.lock:
                 for key, gslot, cslot in moves:
@@ -580,9 +583,12 @@ class HistoryCopier:
         keys = [key for msg in msgs for key in msg.keys]
         if self.store is None:
             return m.DemotesDone(tuple((key, False, self.broken or "no history store") for key in keys))
+        started = time.perf_counter()
+        self.store.last_demote_fence_s = 0.0
         errors = self.store.demote_many(keys)
         return m.DemotesDone(tuple((key, err is None, "" if err is None else str(err))
-                                   for key, err in zip(keys, errors)))
+                                   for key, err in zip(keys, errors)),
+                             time.perf_counter() - started, self.store.last_demote_fence_s)
 
     def _handle(self, msg):
         kind = type(msg)

@@ -1,6 +1,6 @@
-"""The benchmark harness itself: the router as its own process (`kvbaton serve` attached to fake
+"""The benchmark tools themselves: the router as its own process (`kvbaton serve` attached to fake
 engines), and pd_compare's load generator spread over processes, counting every
-streamed token of every request once."""
+streamed token of every request once; the history copy probe."""
 
 from __future__ import annotations
 
@@ -55,3 +55,12 @@ def test_one_process_is_the_plain_closed_loop(routed):
     assert "client_processes" not in result
     assert result["requests"] == 3 and result["failed"] == 0
     assert round(result["output_tok_s"] * result["wall_s"]) == 12
+
+
+def test_history_copy_probe_times_every_copy_of_the_same_bytes():
+    from kvbaton.bench.history_copy_probe import probe
+
+    result = probe("0.5b", blocks=8, repeats=2, device="cpu")
+    assert result["bytes"] == 8 * result["slot_bytes"] == 8 * 16 * 24 * 2 * 2 * 64 * 2
+    for name in ("stage", "demote", "restore_gpu", "restore_cpu", "ceiling_d2d", "ceiling_d2h", "ceiling_h2d"):
+        assert result[name]["median_ms"] > 0 and result[name]["GBps"] > 0

@@ -275,6 +275,7 @@ def test_copier_moves_consecutive_demotion_messages_as_one_batch_and_answers_eve
     assert [(key, ok) for key, ok, _ in done.results] == [("a", True), ("b", True), ("c", False)]
     assert "no free CPU-tier slot" in done.results[2][2]
     assert store.where("a") == store.where("b") == "cpu" and store.where("c") == ""
+    assert 0 <= done.fence_seconds < done.seconds  # the fence wait is part of the batch's time
 
 
 def test_copier_answers_a_demotion_batch_that_raised(tmp_path):

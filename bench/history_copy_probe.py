@@ -1,0 +1,145 @@
+"""History copy rates on one device, without engines: P's slot store (adapters/vllm/history.py)
+stages a prompt's engine blocks into the GPU tier, demotes them to the pinned CPU tier, and
+restores them from each tier, next to torch's single-copy ceilings for the same bytes, with the
+GPU idle and then shared with a second process that keeps it busy (as D's decode does on one GPU).
+
+    python -m kvbaton.bench.history_copy_probe --shape 7b --blocks 250 [--busy] [--out FILE]
+
+Why: in a 7B revisit with CUDA graphs a 250-block demotion (229 MB) took 53.7 ms P50 against 16.2
+ms eager (docs/BENCHMARKS.md, fourth session). This separates the store's own copy time from
+the wait for a GPU shared by time slices. Runs on CPU too (a smoke run; no pinned memory, no
+streams).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import time
+
+SHAPES = {  # layers, KV heads, head dim: the pd_compare model shapes
+    "0.5b": (24, 2, 64),
+    "7b": (28, 4, 128),
+}
+
+
+def busy_loop(device: str, ready, stop) -> None:
+    """Keep `device` busy with back-to-back small kernels, as a decoding engine does."""
+
+    import torch
+
+    x = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+    ready.set()
+    while not stop.is_set():
+        for _ in range(50):
+            x = torch.tanh(x @ x * 1e-3)
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, sync) -> float:
+    sync()
+    started = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - started
+
+
+def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 16) -> dict:
+    import torch
+
+    from kvbaton.adapters.vllm.history import SlotStore
+
+    layers, heads, dim = SHAPES[shape]
+    cuda = device.startswith("cuda")
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    engine_blocks = max(1024, 4 * blocks)
+    # vLLM's GPU layout per layer: (2, blocks, block size, KV heads, head dim), blocks on dim 1.
+    caches = {f"layer.{i}": torch.randn((2, engine_blocks, block_size, heads, dim), device=device,
+                                        dtype=torch.bfloat16) for i in range(layers)}
+    store = SlotStore(caches, [1] * layers, gpu_slots=blocks, cpu_slots=2 * blocks)
+    nbytes = blocks * store.slot_bytes
+    rows: dict[str, list[float]] = {k: [] for k in ("stage", "demote", "restore_gpu", "restore_cpu",
+                                                    "ceiling_d2d", "ceiling_d2h", "ceiling_h2d")}
+    flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    flat2 = torch.empty_like(flat)
+    host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=cuda)
+
+    def restore(tier_keys):
+        job = store.begin_restore([(key, tier, 2 * blocks + i) for i, (key, tier) in enumerate(tier_keys)])
+        while not job.done():
+            time.sleep(20e-6)
+        store.end_restore(job)
+
+    for repeat in range(repeats):
+        keys = [f"r{repeat}-{i}" for i in range(blocks)]
+        rows["stage"].append(timed(lambda: store.stage(list(zip(range(blocks), keys))), sync))
+        rows["restore_gpu"].append(timed(lambda: restore([(k, "gpu") for k in keys]), sync))
+        errors = []
+        rows["demote"].append(timed(lambda: errors.extend(store.demote_many(keys)), sync))
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise RuntimeError(f"demotion failed: {failed[0]!r}")
+        rows["restore_cpu"].append(timed(lambda: restore([(k, "cpu") for k in keys]), sync))
+        for key in keys:
+            store.drop(key)
+        rows["ceiling_d2d"].append(timed(lambda: flat2.copy_(flat), sync))
+        rows["ceiling_d2h"].append(timed(lambda: host.copy_(flat, non_blocking=cuda), sync))
+        rows["ceiling_h2d"].append(timed(lambda: flat.copy_(host, non_blocking=cuda), sync))
+    out = {"shape": shape, "blocks": blocks, "bytes": nbytes, "slot_bytes": store.slot_bytes, "device": device}
+    for name, samples in rows.items():
+        median = statistics.median(samples[1:] if len(samples) > 2 else samples)  # the first warms up
+        out[name] = {"median_ms": median * 1e3, "GBps": nbytes / median / 1e9}
+    return out
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'GPU':<6}{'copy':<13}{'ms':>9}{'GB/s':>9}   ceiling (same bytes, one copy)")
+    ceilings = {"stage": "ceiling_d2d", "restore_gpu": "ceiling_d2d", "demote": "ceiling_d2h",
+                "restore_cpu": "ceiling_h2d"}
+    for result in results:
+        for name, ceiling in ceilings.items():
+            row, top = result[name], result[ceiling]
+            print(f"{result['load']:<6}{name:<13}{row['median_ms']:>9.2f}{row['GBps']:>9.1f}   "
+                  f"{top['GBps']:.1f} GB/s ({row['GBps'] / top['GBps']:.0%})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="7b")
+    parser.add_argument("--blocks", type=int, default=250, help="blocks per copy (250: a 4000-token prompt)")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--device", default="", help="default: cuda:0 when there is one, else cpu")
+    parser.add_argument("--busy", action="store_true", help="also measure with a second process keeping the GPU busy")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    results = [{"load": "idle", **probe(args.shape, args.blocks, args.repeats, device)}]
+    if args.busy and device.startswith("cuda"):
+        context = multiprocessing.get_context("spawn")
+        ready, stop = context.Event(), context.Event()
+        worker = context.Process(target=busy_loop, args=(device, ready, stop), daemon=True)
+        worker.start()
+        try:
+            if not ready.wait(120):
+                raise RuntimeError("the busy process did not start")
+            time.sleep(1.0)
+            results.append({"load": "busy", **probe(args.shape, args.blocks, args.repeats, device)})
+        finally:
+            stop.set()
+            worker.join(30)
+    for result in results:
+        print(json.dumps(result), flush=True)
+    print_table(results)
+    if args.out:
+        with open(args.out, "w") as stream:
+            json.dump(results, stream, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

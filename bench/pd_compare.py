@@ -113,7 +113,8 @@ class Settings:
     # every system. Eager, a 0.5B-shaped model's step is ~15 ms of kernel launches whatever it
     # computes, so a one-token step after a history restore cost as much as a 4000-token prefill.
     cuda_graphs: bool = False
-    # The router in its own process (as `kvbaton serve` runs it), not a thread of the load generator.
+    # The router in its own process (`kvbaton serve` attached to the engines), not a thread of the
+    # load generator's process.
     router_process: bool = True
 
 
@@ -247,9 +248,9 @@ class Stack:
         port = free_port()
         self.router_url = f"http://127.0.0.1:{port}"
         if self.s.router_process:
-            # Its own process (`kvbaton serve` attached to the engines): in a thread of this process it shared one
-            # GIL with the load generator, and the two carried ~4,600 tok/s at C32 on this
-            # machine's CPU with engines that cost nothing (bench/harness_ceiling.py).
+            # Its own process (`kvbaton serve` attached to the engines): in a thread of this
+            # process it shared one GIL with the load generator, and the two carried ~4,600 tok/s
+            # at C32 on this machine's CPU with engines that cost nothing (bench/harness_ceiling.py).
             import httpx
 
             log = self.s.log_dir / self.system.name / "router.log"
@@ -384,8 +385,6 @@ def prompts(rng: random.Random, vocab: int, count: int, low: int, high: int) -> 
 
 
 async def throughput(url: str, docs: list[list[int]], concurrency: int, max_tokens: int) -> dict:
-    import httpx
-
     samples, started, ended = await _closed_loop(url, docs, concurrency, max_tokens)
     return summarize(samples, ended - started)
 
@@ -666,10 +665,23 @@ def print_timings(results: dict) -> None:
                 print(f"\n== {name}: phases from the event logs ({'capped' if key.endswith('capped') else 'open'} "
                       f"run; kvbaton timings) ==\n" + format_timings(found))
         for key in ("sidecars", "sidecars_capped"):
+            run = "capped" if key.endswith("capped") else "open"
             io = (((r.get(key) or {}).get("prefill") or {}).get("history") or {}).get("io")
             if io:
-                print(f"{name} P's history copies ({'capped' if key.endswith('capped') else 'open'} run): "
-                      + history_io_line(io))
+                print(f"{name} P's history copies ({run} run): " + history_io_line(io))
+            transfer = ((r.get(key) or {}).get("decode") or {}).get("transfer") or {}
+            if transfer.get("phased_reads"):
+                print(f"{name} D's reads ({run} run): " + read_phases_line(transfer))
+
+
+def read_phases_line(transfer: dict) -> str:
+    """Where D's reads spent their time, per read, from its sidecar's books."""
+
+    from kvbaton.control.messages import READ_PHASES
+
+    reads = transfer["phased_reads"]
+    return f"{reads} reads, per read: " + ", ".join(
+        f"{phase} {transfer.get(f'{phase}_seconds', 0.0) / reads * 1e3:.2f} ms" for phase in READ_PHASES)
 
 
 def history_io_line(io: dict) -> str:
@@ -777,9 +789,9 @@ def main(argv: list[str] | None = None) -> int:
                              "torch.compile), the same for every system (default); --no-cuda-graphs runs them "
                              "eager, as every run before 2026-12-01's fourth session did")
     parser.add_argument("--router-process", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the router in its own process (`kvbaton serve` attached to the engines; default); --no-router-process runs it in a "
-                             "thread of this process, sharing one GIL with the load generator (runs before "
-                             "2026-12-01's fourth session)")
+                        help="run the router in its own process (`kvbaton serve` attached to the engines; "
+                             "default); --no-router-process runs it in a thread of this process, sharing one GIL "
+                             "with the load generator (runs before 2026-12-01's fourth session)")
     parser.add_argument("--client-processes", type=int, default=0,
                         help="processes the throughput load generator runs in (0: one per 8 concurrent "
                              "streams, at most 4; 1: one process, as before 2026-12-01's fourth session)")

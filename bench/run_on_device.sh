@@ -2,7 +2,9 @@
 # Run bench/pd_compare.py on the lent GPU machine, from the repo root, after the vLLM kit is
 # installed (bash .kit/pK/install-vllm-kit.sh for every part; docs/BENCHMARKS.md has the calls).
 # Arguments go to pd_compare. Results land in $OUT: compare-<tag>.json, compare-<tag>.log and the
-# engine logs (logs-<tag>.tgz). Env: TAG (default: run), BUDGET_S (default 560), SITE (/tmp/site).
+# engine logs (logs-<tag>.tgz). Env: TAG (default: run), BUDGET_S (default 560), SITE (/tmp/site),
+# BENCH (default pd_compare): another bench module to run the same way, e.g.
+# `BENCH=history_copy_probe bash bench/run_on_device.sh --shape 7b --busy` (its JSON goes to --out).
 #
 # The kit has no uvicorn (the engines' and router's HTTP server): carry `.whl` with its wheel
 # (python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl uvicorn==0.54.0).
@@ -19,9 +21,16 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y PYTHONUNBUF
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOGS=/tmp/kvb-compare-$TAG
 rm -rf "$LOGS"
-timeout "$BUDGET_S" python3 -m kvbaton.bench.pd_compare --log-dir "$LOGS" --out "$OUT/compare-$TAG.json" "$@" \
-  2>&1 | tee "$OUT/compare-$TAG.log" | grep -v "^{" | tail -n 60
-rc=${PIPESTATUS[0]}
+BENCH=${BENCH:-pd_compare}
+if [ "$BENCH" = pd_compare ]; then
+  timeout "$BUDGET_S" python3 -m kvbaton.bench.pd_compare --log-dir "$LOGS" --out "$OUT/compare-$TAG.json" "$@" \
+    2>&1 | tee "$OUT/compare-$TAG.log" | grep -v "^{" | tail -n 60
+  rc=${PIPESTATUS[0]}
+else
+  timeout "$BUDGET_S" python3 -m "kvbaton.bench.$BENCH" --out "$OUT/$BENCH-$TAG.json" "$@" 2>&1 \
+    | tee "$OUT/$BENCH-$TAG.log" | tail -n 40
+  rc=${PIPESTATUS[0]}
+fi
 # Engine logs (not the model dir, not the event logs' bulk beyond 20 MB).
 tar czf "$OUT/logs-$TAG.tgz" -C /tmp --exclude='*/model/*' "kvb-compare-$TAG" 2>/dev/null
 ls -la "$OUT"

@@ -105,6 +105,10 @@ class WorkerReady(Msg, tag="wready"):
     layout_fingerprint: str
 
 
+# A read's time, split as the transport reports it (transports/base.py ReadResult.phases).
+READ_PHASES = ("queued", "prepare", "transfer_call", "settle", "collect")
+
+
 class ReadDone(Msg, tag="rdone"):
     request: str
     read: str
@@ -114,6 +118,7 @@ class ReadDone(Msg, tag="rdone"):
     seconds: float = 0.0
     descriptors: int = 0  # as the transport posted it (0: not reported)
     landed: bool = False  # through D's landing area (see transports/landing.py)
+    phases: tuple[float, ...] = ()  # where `seconds` went (transports/base.py ReadResult.phases)
 
 
 # --- history copier (a thread of P's worker) and P's worker -> sidecar -------------------------

@@ -411,6 +411,10 @@ class Authority(xo.Actor):
             if msg.ok:
                 stats["bytes"] += msg.nbytes
                 stats["seconds"] += msg.seconds
+                if len(msg.phases) == len(m.READ_PHASES):
+                    stats["phased_reads"] = stats.get("phased_reads", 0) + 1
+                    for name, seconds in zip(m.READ_PHASES, msg.phases):  # summed: `phased_reads` divides
+                        stats[f"{name}_seconds"] = stats.get(f"{name}_seconds", 0.0) + seconds
             else:
                 stats["failed"] += 1
             self._apply(ev.LoadReadFinished(now, msg.request, msg.read, msg.ok))

@@ -171,6 +171,8 @@ class Deployment:
         # Signal every engine's process group, also where the API server itself already died:
         # its EngineCore, workers and sidecar live on in the group until told.
         started = [engine for engine in self.engines if engine.process is not None]
+        if not started:  # attached to engines started elsewhere: they are not ours to stop
+            return
         for engine in started:
             try:
                 os.killpg(engine.process.pid, signal.SIGTERM)

@@ -44,6 +44,11 @@ class ReadResult(msgspec.Struct, frozen=True):
         polling delay of whoever called poll/wait).
     descriptors: how many descriptors the read was posted as (0 when the transport does not say).
     landed: the read went through a landing area and was scattered into place.
+    phases: where `seconds` went, for a read that was posted and ended well (empty when the
+        transport does not say): (queued: start_read until posting began, prepare: describing
+        and initialising the transfer, transfer: the post call itself, settle: from the post's
+        return until the transport saw the end, collect: from then until poll/wait handed it
+        over). The first four add up to `seconds`.
     """
 
     read_id: str
@@ -53,6 +58,7 @@ class ReadResult(msgspec.Struct, frozen=True):
     seconds: float
     descriptors: int = 0
     landed: bool = False
+    phases: tuple[float, ...] = ()
 
 
 # A test hook: called with the read id when a read starts; returning True makes that read fail

@@ -210,6 +210,9 @@ class _InFlight:
     injected_error: str | None = None  # set when fault_hook made this read a partial one
     descriptors: int = 0
     landing: tuple[int, int, np.ndarray] | None = None  # (start, count, dst blocks in pair order)
+    # perf_counter marks for ReadResult.phases: posting began, the transfer was initialised, the
+    # post call (transfer()) returned.
+    marks: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 class NixlTransport:
@@ -288,6 +291,7 @@ class NixlTransport:
         self._agent_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._read_finished = threading.Condition(self._state_lock)  # wakes wait() at once
+        self._ended_at: dict[str, float] = {}  # read id -> when it ended (for the collect phase)
         self._in_flight: dict[str, _InFlight] = {}
         self._finished: dict[str, ReadResult] = {}
         self._read_ids = PendingReadIds()
@@ -408,8 +412,10 @@ class NixlTransport:
             finally:
                 self._agent_lock.release()
         with self._state_lock:
-            results = list(self._finished.values())
+            now = time.perf_counter()
+            results = [self._collected(result, now) for result in self._finished.values()]
             self._finished.clear()
+            self._ended_at.clear()
             for result in results:
                 self._read_ids.release(result.read_id)
             events = [self._landing_events.pop(r.read_id) for r in results
@@ -435,6 +441,7 @@ class NixlTransport:
                     raise KeyError(f"read {read_id!r} is unknown or was already collected")
                 result = self._finished.pop(read_id, None)
                 if result is not None:
+                    result = self._collected(result, time.perf_counter())
                     self._read_ids.release(read_id)
                     event = self._landing_events.pop(read_id, None)
                     break
@@ -605,6 +612,7 @@ class NixlTransport:
                          f"{type(error).__name__}: {error}", nbytes=0, started=job.started)
 
     def _post_read(self, job: _ReadJob) -> None:
+        posting = time.perf_counter()
         layout = self._layout
         peer = self._peers.get(job.peer_id)
         if peer is None:
@@ -653,6 +661,7 @@ class NixlTransport:
         in_flight = _InFlight(job.read_id, job.peer_id, handle, job.started, moved, error,
                               descriptors, landing)
         self.stats["reads"] += 1
+        prepared = time.perf_counter()
         try:
             state = self._agent.transfer(handle)
         except Exception:
@@ -661,6 +670,7 @@ class NixlTransport:
                 # (Not released: NIXL may still write there, so the reservation is never reused.)
                 self._landing.release(*in_flight.landing[:2])
             raise
+        in_flight.marks = (posting, prepared, time.perf_counter())
         self._in_flight[job.read_id] = in_flight
         if state != "PROC":  # DONE (CMA copies inside transfer) or ERR: settle it now
             self._settle(in_flight, state)
@@ -724,7 +734,7 @@ class NixlTransport:
         if state == "DONE" and in_flight.injected_error is None:
             self._finish(in_flight.read_id, ok=True, error=None, nbytes=in_flight.nbytes,
                          started=in_flight.started, descriptors=in_flight.descriptors,
-                         landed=landed)
+                         landed=landed, marks=in_flight.marks)
         elif state == "DONE":
             self._finish(in_flight.read_id, ok=False, error=in_flight.injected_error,
                          nbytes=in_flight.nbytes, started=in_flight.started)
@@ -734,12 +744,26 @@ class NixlTransport:
                          nbytes=in_flight.nbytes, started=in_flight.started)
 
     def _finish(self, read_id: str, *, ok: bool, error: str | None, nbytes: int,
-                started: float, descriptors: int = 0, landed: bool = False) -> None:
-        result = ReadResult(read_id, ok, error, nbytes, time.perf_counter() - started,
-                            descriptors, landed)
+                started: float, descriptors: int = 0, landed: bool = False,
+                marks: tuple[float, float, float] | None = None) -> None:
+        ended = time.perf_counter()
+        phases: tuple[float, ...] = ()
+        if marks is not None and marks[0]:
+            posting, prepared, transferred = marks
+            phases = (posting - started, prepared - posting, transferred - prepared, ended - transferred)
+        result = ReadResult(read_id, ok, error, nbytes, ended - started, descriptors, landed, phases)
         with self._read_finished:
             self._finished[read_id] = result
+            self._ended_at[read_id] = ended
             self._read_finished.notify_all()
+
+    def _collected(self, result: ReadResult, now: float) -> ReadResult:
+        """`result` with its collect phase (how long it waited for poll/wait) appended (state
+        lock held)."""
+        ended = self._ended_at.pop(result.read_id, None)
+        if not result.phases or ended is None:
+            return result
+        return msgspec.structs.replace(result, phases=result.phases + (max(0.0, now - ended),))
 
     def _drop_peer(self, peer_id: str) -> None:
         peer = self._peers.pop(peer_id)

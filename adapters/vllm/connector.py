@@ -789,7 +789,7 @@ class WorkerSide:
                 logger.debug("kvbaton worker: read done %s", result)
                 self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
                                           result.nbytes, result.seconds, result.descriptors,
-                                          result.landed))
+                                          result.landed, tuple(result.phases)))
                 if result.ok and last:
                     # The bytes are in place: vLLM may schedule the request next step. The
                     # sidecar's FinishedRecving for it (after it books the read) is dropped.

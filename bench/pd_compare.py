@@ -156,23 +156,12 @@ class Stack:
         env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_USE_FLASHINFER_SAMPLER="0",
                    UCX_CUDA_IPC_ENABLE_GET_ZCOPY=os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y"),
                    VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
-        engine_args = [f"block_size={s.block_size}", f"max_model_len={s.max_model_len}",
-                       f"kv_cache_memory_bytes={s.kv_cache_bytes}", f"max_num_seqs={s.max_num_seqs}",
-                       "max_num_batched_tokens=8192", "enable_prefix_caching=true", "dtype=bfloat16"]
-        if system.num_blocks:
-            blocks = system.num_blocks + (system.p_extra_blocks if role == "prefill" else 0)
-            engine_args.append(f"num_gpu_blocks_override={blocks}")
+        engine_args = engine_args_for(s, system, role)
         if s.device == "cpu":
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if role == "prefill" else "1"
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         else:
             env["CUDA_VISIBLE_DEVICES"] = {"1gpu": "0", "2gpu": "0,1" if role == "prefill" else "1,0"}[s.device]
-            engine_args.append(f"gpu_memory_utilization={s.gpu_memory_utilization}")
-            if s.cuda_graphs:
-                # Decode steps (every request's query is 1 token) replay one captured graph instead of
-                # launching ~400 kernels from Python. Captured up to the largest decode batch used.
-                engine_args += ["enforce_eager=false", "compilation_config=" + json.dumps(
-                    {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": s.max_num_seqs})]
         if system.timed:
             env["KVB_HOOK_TIMING_DIR"] = str(s.log_dir / system.name / system.hook_dir)
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
@@ -311,6 +300,26 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(10)
+
+
+def engine_args_for(s: Settings, system: System, role: str) -> list[str]:
+    """The engine arguments (key=value) of one engine: the same for every system but for the
+    block caps a system asks for (native-plus gives P more)."""
+
+    args = [f"block_size={s.block_size}", f"max_model_len={s.max_model_len}",
+            f"kv_cache_memory_bytes={s.kv_cache_bytes}", f"max_num_seqs={s.max_num_seqs}",
+            "max_num_batched_tokens=8192", "enable_prefix_caching=true", "dtype=bfloat16"]
+    if system.num_blocks:
+        blocks = system.num_blocks + (system.p_extra_blocks if role == "prefill" else 0)
+        args.append(f"num_gpu_blocks_override={blocks}")
+    if s.device != "cpu":
+        args.append(f"gpu_memory_utilization={s.gpu_memory_utilization}")
+        if s.cuda_graphs:
+            # Decode steps (every request's query is 1 token) replay one captured graph instead of
+            # launching ~400 kernels from Python. Captured up to the largest decode batch used.
+            args += ["enforce_eager=false", "compilation_config=" + json.dumps(
+                {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": s.max_num_seqs})]
+    return args
 
 
 def router_command(prefill_url: str, decode_url: str, port: int, log_dir: Path) -> list[str]:

@@ -64,3 +64,28 @@ def test_history_copy_probe_times_every_copy_of_the_same_bytes():
     assert result["bytes"] == 8 * result["slot_bytes"] == 8 * 16 * 24 * 2 * 2 * 64 * 2
     for name in ("stage", "demote", "restore_gpu", "restore_cpu", "ceiling_d2d", "ceiling_d2h", "ceiling_h2d"):
         assert result[name]["median_ms"] > 0 and result[name]["GBps"] > 0
+
+
+def test_both_connectors_get_the_same_engine_arguments():
+    import json
+    from pathlib import Path
+
+    from kvbaton.bench.lite_server import parse_engine_args
+    from kvbaton.bench.pd_compare import Settings, System, engine_args_for
+
+    gpu = Settings("1gpu", 16, 4608, 8 << 30, 0.4, 64, Path("/tmp"), Path("/tmp/model"), 1000, cuda_graphs=True)
+    native, kvbaton = System("native", "native"), System("kvbaton", "kvbaton", settings={"landing_bytes": 0})
+    for role in ("prefill", "decode"):
+        assert engine_args_for(gpu, native, role) == engine_args_for(gpu, kvbaton, role)
+    parsed = parse_engine_args(engine_args_for(gpu, kvbaton, "decode"))
+    assert parsed["enforce_eager"] is False
+    assert parsed["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                            "max_cudagraph_capture_size": 64}
+    assert json.loads(json.dumps(parsed)) == parsed  # what lite_server hands to AsyncEngineArgs
+    eager = parse_engine_args(engine_args_for(Settings(**{**gpu.__dict__, "cuda_graphs": False}), kvbaton, "decode"))
+    assert "enforce_eager" not in eager and "compilation_config" not in eager  # lite_server's default: eager
+    cpu = parse_engine_args(engine_args_for(Settings(**{**gpu.__dict__, "device": "cpu"}), kvbaton, "decode"))
+    assert "compilation_config" not in cpu and "gpu_memory_utilization" not in cpu
+    plus = System("native-plus", "native", num_blocks=1024, p_extra_blocks=300)
+    assert parse_engine_args(engine_args_for(gpu, plus, "prefill"))["num_gpu_blocks_override"] == 1324
+    assert parse_engine_args(engine_args_for(gpu, plus, "decode"))["num_gpu_blocks_override"] == 1024

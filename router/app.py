@@ -313,4 +313,3 @@ def build_app(router: Router) -> FastAPI:
         return await router.metrics()
 
     return app
-

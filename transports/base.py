@@ -46,7 +46,7 @@ class ReadResult(msgspec.Struct, frozen=True):
     landed: the read went through a landing area and was scattered into place.
     phases: where `seconds` went, for a read that was posted and ended well (empty when the
         transport does not say): (queued: start_read until posting began, prepare: describing
-        and initialising the transfer, transfer: the post call itself, settle: from the post's
+        and initialising the transfer, transfer_call: the post call itself, settle: from the post's
         return until the transport saw the end, collect: from then until poll/wait handed it
         over). The first four add up to `seconds`.
     """

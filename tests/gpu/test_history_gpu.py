@@ -62,7 +62,7 @@ from ..integration.log_checks import replay_engine_logs  # noqa: E402
 from ..integration.engine_harness import EngineProcess  # noqa: E402
 from . import gpu_hooks  # noqa: E402
 from .test_pd_gpu import (  # noqa: E402
-    BLOCK, CONNECTOR, KV_BYTES, LAYERS, MAX_MODEL_LEN, RESULT_TIMEOUT_S, SIDECAR_TIMEOUT_S,
+    BLOCK, CONNECTOR, CUDA_GRAPHS, KV_BYTES, LAYERS, MAX_MODEL_LEN, RESULT_TIMEOUT_S, SIDECAR_TIMEOUT_S,
     START_TIMEOUT_S, _engine_env, make_prompt, strict_length, wait_for_sidecars, write_model,
     write_report)
 
@@ -106,6 +106,7 @@ def h(tmp_path_factory):
     extra: dict = {"max_num_batched_tokens": 8192}
     if not ON_CPU:
         extra["gpu_memory_utilization"] = 0.2  # three engines share the GPU (see test_pd_gpu)
+    extra.update(CUDA_GRAPHS)  # KVBATON_GPU_CUDA_GRAPHS=1 (see test_pd_gpu)
     if os.environ.get("KVBATON_GPU_ASYNC_SCHEDULING") in ("0", "1"):
         extra["async_scheduling"] = os.environ["KVBATON_GPU_ASYNC_SCHEDULING"] == "1"
     common = dict(block_size=BLOCK, kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN,

@@ -21,6 +21,7 @@ recomputing, handoff GB/s against GPU copies of the same bytes) into a JSON repo
 `KVBATON_GPU_LANDING` (all, the default here / auto / off) picks how D's reads use its landing
 area (every read packed then scattered on D's GPU / only when that saves descriptors / never).
 `KVBATON_GPU_CROSS_LAYER=1` has P and D ask vLLM for a cross-layer KV cache (`cross_layer_blocks`).
+`KVBATON_GPU_CUDA_GRAPHS=1` has every engine replay CUDA graphs for decode-only steps (not eager).
 
 Topologies: `1gpu` (P, D and S share GPU 0) always; `2gpu` (P on GPU 0; D and S on GPU 1) when
 two GPUs are visible. `KVBATON_GPU_TOPOLOGIES=2gpu` picks one. `KVBATON_GPU_ASYNC_SCHEDULING=0|1`
@@ -160,6 +161,12 @@ LANDING_SETTINGS = {"all": {"landing_bytes": 256 << 20, "landing_min_runs_saved"
                     "auto": {}, "off": {"landing_bytes": 0}}[LANDING]
 # KVBATON_GPU_CROSS_LAYER=1: P and D ask vLLM for a cross-layer KV cache (`cross_layer_blocks`).
 CROSS_LAYER = {"cross_layer_blocks": True} if os.environ.get("KVBATON_GPU_CROSS_LAYER") == "1" else {}
+# KVBATON_GPU_CUDA_GRAPHS=1: every engine (P, D and the reference) replays CUDA graphs for
+# decode-only steps, as bench/pd_compare.py runs them by default, instead of running eager. A
+# handoff's or restore's first step on P is then a graph replay too (one token).
+CUDA_GRAPHS = ({"enforce_eager": False, "compilation_config": {
+    "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 64}}
+    if os.environ.get("KVBATON_GPU_CUDA_GRAPHS") == "1" and not ON_CPU else {})
 
 
 def _engine_env(device: str | None) -> dict:
@@ -192,6 +199,7 @@ def pd(request, tmp_path_factory):
         # vLLM 0.24 refuses to start an engine on a shared GPU when free memory is below
         # utilization x total, even with a fixed KV size (vllm_gpu.md): leave room for 3 engines.
         extra["gpu_memory_utilization"] = 0.2
+    extra.update(CUDA_GRAPHS)
     if os.environ.get("KVBATON_GPU_ASYNC_SCHEDULING") in ("0", "1"):  # unset: vLLM's default
         extra["async_scheduling"] = os.environ["KVBATON_GPU_ASYNC_SCHEDULING"] == "1"
     common = dict(block_size=BLOCK, kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN,
@@ -208,7 +216,8 @@ def pd(request, tmp_path_factory):
     s = EngineProcess("S", model, cpu_core=cores[2], env=_engine_env(devices[2]), **common)
     engines = [p, d, s]
     report = REPORT.setdefault(topology, {"topology": topology, "handoffs": [],
-                                          "connector_module": CONNECTOR_MODULE})
+                                          "connector_module": CONNECTOR_MODULE,
+                                          "cuda_graphs": bool(CUDA_GRAPHS)})
     t0 = time.monotonic()
     for engine in engines:
         engine.launch()

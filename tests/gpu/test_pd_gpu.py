@@ -56,6 +56,7 @@ pytest.importorskip("nixl")
 
 import numpy as np  # noqa: E402
 
+from kvbaton.control.messages import READ_PHASES  # noqa: E402
 
 from ..integration.engine_harness import EngineProcess, RemoteError  # noqa: E402
 from ..integration.log_checks import replay_engine_logs  # noqa: E402
@@ -512,7 +513,12 @@ def test_latency_and_bandwidth(pd):
                      "bytes_per_read": moved / max(reads, 1),
                      "GBps": moved / seconds / 1e9 if seconds else None,
                      "ms_per_read": seconds / max(reads, 1) * 1e3,
-                     "failed": delta(before["transfer"], after["transfer"], "failed")},
+                     "failed": delta(before["transfer"], after["transfer"], "failed"),
+                     # Where a read's time went, per read (transports/base.py ReadResult.phases).
+                     "ms_per_read_by_phase": {
+                         phase: delta(before["transfer"], after["transfer"], f"{phase}_seconds")
+                         / max(delta(before["transfer"], after["transfer"], "phased_reads"), 1) * 1e3
+                         for phase in READ_PHASES}},
         "torch_copy_same_bytes": copy,
     }
     if result["transfer"]["GBps"]:

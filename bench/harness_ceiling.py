@@ -7,11 +7,12 @@ ceiling, they measure the harness, not the connectors.
 
 `--router thread` is how pd_compare ran until 2026-12-01 (`--no-router-process`): the router in a
 thread of the process that also runs the load generator, one GIL for both. `process` starts it
-as its own process (`kvbaton serve` attached to the engines), as pd_compare now does. Prints achieved tok/s against the engines' rate (concurrency / TPOT).
+as its own process (`kvbaton serve` attached to the engines), as pd_compare now does. Prints
+achieved tok/s against the engines' rate (concurrency / TPOT).
 """
 
-
-import argparse  # (no `from __future__ import annotations`: FastAPI reads the handlers' annotations)
+# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations.
+import argparse
 import asyncio
 import json
 import os

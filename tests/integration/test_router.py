@@ -141,7 +141,9 @@ def test_decode_engine_killed_mid_request(stack):
     client = client_for(router)
 
     def running_on_victim() -> float:
-        text = httpx.get(f"{victim.url}/metrics", timeout=5).text
+        # A busy CPU engine on this 2-core machine (its stream plus three engines' steps) once took
+        # longer than 5 s to render its metrics: allow it, this is not what the test measures.
+        text = httpx.get(f"{victim.url}/metrics", timeout=30).text
         found = re.search(r"vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text)
         return float(found.group(1)) if found else 0.0
 

@@ -88,6 +88,15 @@ def wait_healthy(url: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"{url} did not come up in {timeout_s} s")
 
 
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
 def spawn(target: str, *args: str) -> subprocess.Popen:
     code = f"from kvbaton.bench.harness_ceiling import {target}; {target}(*{list(args)!r})"
     return subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ))
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-processes", type=lambda v: [int(x) for x in v.split(",")], default=[1],
                         help="load-generator processes to try (comma list)")
     parser.add_argument("--tpot-ms", type=float, default=3.0, help="the fake D's time per token")
+    parser.add_argument("--out", default="", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
 
     p_port, d_port = free_port(), free_port()
@@ -111,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                spawn("serve_fake_engine", d_port, args.tpot_ms / 1e3)]
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     rows = []
+    scratch = tempfile.TemporaryDirectory(prefix="kvb-harness-")  # the router's log folder
     try:
         wait_healthy(p_url)
         wait_healthy(d_url)
@@ -118,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         for mode in [m for m in args.router.split(",") if m]:
             port = free_port()
             router_proc = None
-            if mode == "thread":
+            if mode == "thread":  # (a daemon thread: it ends with this process)
                 threading.Thread(target=serve_router, args=(port, p_url, d_url), daemon=True).start()
             elif mode == "process":
-                router_proc = subprocess.Popen(router_command(p_url, d_url, port, Path(tempfile.mkdtemp())))
+                router_proc = subprocess.Popen(router_command(p_url, d_url, port, Path(scratch.name)))
             else:
                 raise SystemExit(f"--router takes thread or process, got {mode!r}")
             url = f"http://127.0.0.1:{port}"
@@ -136,12 +147,15 @@ def main(argv: list[str] | None = None) -> int:
                                           "ideal_tok_s": ideal, **result}), flush=True)
             finally:
                 if router_proc is not None:
-                    router_proc.terminate()
-                    router_proc.wait(10)
+                    stop(router_proc)
     finally:
         for proc in engines:
-            proc.terminate()
-            proc.wait(10)
+            stop(proc)
+        scratch.cleanup()
+    if args.out:
+        with open(args.out, "w") as stream:
+            json.dump([dict(zip(("router", "client_processes", "concurrency", "tok_s", "engines_tok_s", "tpot_p50_ms"),
+                                row)) for row in rows], stream, indent=1)
     print(f"\n{'router':<9}{'clients':>8}{'C':>4}{'tok/s':>9}{'engines could':>15}{'carried':>9}{'TPOT p50':>10}")
     for mode, procs, concurrency, tok_s, ideal, tpot in rows:
         print(f"{mode:<9}{procs:>8}{concurrency:>4}{tok_s:>9.0f}{ideal:>15.0f}{tok_s / ideal:>9.0%}{tpot:>10.2f}")

@@ -425,11 +425,24 @@ def _closed_loop_share(url: str, docs: list[list[int]], concurrency: int, max_to
     return asyncio.run(_closed_loop(url, docs, concurrency, max_tokens, start_at))
 
 
+def deal_documents(docs: list[list[int]], shares: list[int]) -> list[list[list[int]]]:
+    """Documents for each process in proportion to its streams: stream k of the whole run (in
+    the order a single process would start them) belongs to one process, and so do its
+    documents, so no process runs out of work early with streams to spare."""
+
+    owner = [index for index, share in enumerate(shares) for _ in range(share)]
+    parts: list[list[list[int]]] = [[] for _ in shares]
+    for position, doc in enumerate(docs):
+        parts[owner[position % len(owner)]].append(doc)
+    return parts
+
+
 def throughput_in_processes(url: str, docs: list[list[int]], concurrency: int, max_tokens: int,
                             processes: int) -> dict:
-    """`throughput` with the load generator spread over `processes` processes (concurrency and
-    documents dealt out round-robin, all starting at one moment): one Python process parsing
-    every streamed event was itself a ceiling (bench/harness_ceiling.py)."""
+    """`throughput` with the load generator spread over `processes` processes (streams split as
+    evenly as they go, documents dealt in proportion, all starting at one moment): one Python
+    process parsing every streamed event was itself a ceiling (bench/harness_ceiling.py).
+    `start_skew_s` says how far apart the processes actually started."""
 
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -439,15 +452,17 @@ def throughput_in_processes(url: str, docs: list[list[int]], concurrency: int, m
         return asyncio.run(throughput(url, docs, concurrency, max_tokens))
     shares = [concurrency // processes + (1 if i < concurrency % processes else 0) for i in range(processes)]
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pool.submit(time.sleep, 0).result()  # one worker up: the others start alongside it
+        pool.submit(time.sleep, 0).result()  # the pool is up; each further worker starts on its submit
         start_at = time.time() + 2.0 + 0.5 * processes  # every worker imported and waiting by then
-        futures = [pool.submit(_closed_loop_share, url, docs[i::processes], share, max_tokens, start_at)
-                   for i, share in enumerate(shares)]
+        futures = [pool.submit(_closed_loop_share, url, part, share, max_tokens, start_at)
+                   for part, share in zip(deal_documents(docs, shares), shares)]
         parts = [f.result() for f in futures]
     samples = [sample for part, _, _ in parts for sample in part]
-    wall = max(end for _, _, end in parts) - min(start for _, start, _ in parts)
+    starts = [start for _, start, _ in parts]
+    wall = max(end for _, _, end in parts) - min(starts)
     out = summarize(samples, wall)
     out["client_processes"] = processes
+    out["start_skew_s"] = max(starts) - min(starts)
     return out
 
 
@@ -769,6 +784,9 @@ def print_round_ratios(rounds: list[dict[str, dict]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `timeout` (bench/run_on_device.sh) ends a run with SIGTERM: exit through the `finally`s so
+    # the engines and the router, each in its own session, are stopped rather than left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "1gpu", "2gpu"), default="2gpu")
     parser.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b")

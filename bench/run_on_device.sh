@@ -3,8 +3,10 @@
 # installed (bash .kit/pK/install-vllm-kit.sh for every part; docs/BENCHMARKS.md has the calls).
 # Arguments go to pd_compare. Results land in $OUT: compare-<tag>.json, compare-<tag>.log and the
 # engine logs (logs-<tag>.tgz). Env: TAG (default: run), BUDGET_S (default 560), SITE (/tmp/site),
-# BENCH (default pd_compare): another bench module to run the same way, e.g.
-# `BENCH=history_copy_probe bash bench/run_on_device.sh --shape 7b --busy` (its JSON goes to --out).
+# BENCH (default pd_compare): another bench module that takes --out (history_copy_probe,
+# harness_ceiling, nixl_gpu_read), run the same way, e.g.
+# `BENCH=history_copy_probe bash bench/run_on_device.sh --shape 7b --busy`.
+# pd_compare gets SIGTERM at BUDGET_S (it then stops its engines), SIGKILL 40 s later.
 #
 # The kit has no uvicorn (the engines' and router's HTTP server): carry `.whl` with its wheel
 # (python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl uvicorn==0.54.0).
@@ -23,15 +25,17 @@ LOGS=/tmp/kvb-compare-$TAG
 rm -rf "$LOGS"
 BENCH=${BENCH:-pd_compare}
 if [ "$BENCH" = pd_compare ]; then
-  timeout "$BUDGET_S" python3 -m kvbaton.bench.pd_compare --log-dir "$LOGS" --out "$OUT/compare-$TAG.json" "$@" \
+  timeout -k 40 "$BUDGET_S" python3 -m kvbaton.bench.pd_compare --log-dir "$LOGS" --out "$OUT/compare-$TAG.json" "$@" \
     2>&1 | tee "$OUT/compare-$TAG.log" | grep -v "^{" | tail -n 60
   rc=${PIPESTATUS[0]}
 else
-  timeout "$BUDGET_S" python3 -m "kvbaton.bench.$BENCH" --out "$OUT/$BENCH-$TAG.json" "$@" 2>&1 \
+  timeout -k 40 "$BUDGET_S" python3 -m "kvbaton.bench.$BENCH" --out "$OUT/$BENCH-$TAG.json" "$@" 2>&1 \
     | tee "$OUT/$BENCH-$TAG.log" | tail -n 40
   rc=${PIPESTATUS[0]}
 fi
 # Engine logs (not the model dir, not the event logs' bulk beyond 20 MB).
-tar czf "$OUT/logs-$TAG.tgz" -C /tmp --exclude='*/model/*' "kvb-compare-$TAG" 2>/dev/null
+if [ -d "$LOGS" ]; then
+  tar czf "$OUT/logs-$TAG.tgz" -C /tmp --exclude='*/model/*' "kvb-compare-$TAG" 2>/dev/null
+fi
 ls -la "$OUT"
 exit "$rc"

@@ -350,9 +350,10 @@ class Authority(xo.Actor):
                                len(msg.results), failed[0][0], failed[0][1])
             io["demotions"] += len(msg.results)
             io["demotions_failed"] += len(failed)
-            io["demote_batches"] += 1
-            io["demote_seconds"] += msg.seconds
-            io["demote_fence_seconds"] += msg.fence_seconds
+            if msg.seconds > 0:  # a timed batch (a copier that failed before copying says 0)
+                io["demote_batches"] += 1
+                io["demote_seconds"] += msg.seconds
+                io["demote_fence_seconds"] += msg.fence_seconds
             for key, ok, _error in msg.results:
                 try:  # one key's trouble must not leave the rest of the batch DEMOTING for good
                     self._apply(ev.HistoryDemoted(now, key, ok))

@@ -257,11 +257,11 @@ def deployment_from_args(args) -> Deployment:
     if model is None:
         model_dir = build_tiny_model(log_dir / "tiny-model")
         model, tokenizer, load_format = str(model_dir), str(model_dir / "tokenizer"), "dummy"
-    device = args.device
-    if device == "auto":
-        device = "gpu" if cuda_device_count() > 0 else "cpu"
-    block_size = args.block_size or (16 if device == "gpu" else 32)
     attached = bool(args.prefill_url or args.decode_url)
+    device = args.device
+    if device == "auto":  # (attached: the engines are someone else's; no need to ask nvidia-smi)
+        device = "cpu" if attached else ("gpu" if cuda_device_count() > 0 else "cpu")
+    block_size = args.block_size or (16 if device == "gpu" else 32)
     specs = [] if attached else plan_engines(args.prefill, args.decode, device, args.kv_cache_bytes,
                                              args.prefill_kv_cache_bytes, args.gpu_history_bytes,
                                              args.engine_port_base)
@@ -300,6 +300,7 @@ def run_serve(args) -> int:
     try:
         asyncio.run(main())
     finally:
-        progress("stopping engines")
+        if any(engine.process is not None for engine in deployment.engines):
+            progress("stopping engines")
         deployment.stop()
     return 0

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from kvbaton.bench.harness_ceiling import spawn, wait_healthy  # noqa: E402
+from kvbaton.bench.harness_ceiling import spawn, stop, wait_healthy  # noqa: E402
 from kvbaton.bench.pd_compare import (  # noqa: E402
     client_processes_for, free_port, router_command, throughput_in_processes)
 
@@ -37,14 +37,23 @@ def routed(tmp_path_factory):
         yield f"http://127.0.0.1:{router_port}"
     finally:
         for process in (router, engine):
-            process.terminate()
-            process.wait(10)
+            stop(process)
+
+
+def test_documents_are_dealt_in_proportion_to_each_processs_streams():
+    from kvbaton.bench.pd_compare import deal_documents
+
+    docs = [[i] for i in range(20)]
+    parts = deal_documents(docs, [7, 7, 6])
+    assert sorted(doc for part in parts for doc in part) == docs  # each exactly once
+    assert [len(part) for part in parts] == [7, 7, 6]
+    assert parts[0][:2] == [[0], [1]] and parts[2][0] == [14]  # in the order one process would start them
 
 
 def test_load_generator_in_processes_counts_every_token_through_a_router_process(routed):
     docs = [[5] * (10 + i) for i in range(9)]
     result = throughput_in_processes(routed, docs, concurrency=4, max_tokens=6, processes=2)
-    assert result["client_processes"] == 2
+    assert result["client_processes"] == 2 and 0 <= result["start_skew_s"] < 5
     assert result["requests"] == 9 and result["failed"] == 0
     assert round(result["output_tok_s"] * result["wall_s"]) == 9 * 6
     assert result["ttft_p50_ms"] > 0

@@ -139,6 +139,12 @@ class SidecarHandle:
         self.log_file = log_file
         self.backlog: list[m.Msg] = []
         self.ready = False
+        self._seen_alive_at = float("-inf")  # monotonic time of the last check that found it running
+
+    # The scheduler asks `alive` for every request waiting on the sidecar, every step; the check is
+    # a waitpid, which lets go of the GIL (see Link.drain for what taking it back costs). A death
+    # is noticed this much later at most: its requests then recompute, as they would anyway.
+    ALIVE_RECHECK_S = 0.05
 
     @classmethod
     def start(cls, config: SidecarConfig, log_dir: str) -> "SidecarHandle":
@@ -201,7 +207,13 @@ class SidecarHandle:
         return msgs
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        now = time.monotonic()
+        if now - self._seen_alive_at < self.ALIVE_RECHECK_S:
+            return True
+        if self.process.poll() is None:
+            self._seen_alive_at = now
+            return True
+        return False
 
     def stop(self) -> None:
         if self.process.poll() is None:

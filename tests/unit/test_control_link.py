@@ -41,3 +41,24 @@ def test_drain_returns_waiting_messages_in_order_and_nothing_when_empty(tmp_path
         link.close()
         inbox.close(0)
         decisions.close(0)
+
+
+def test_sidecar_liveness_is_rechecked_at_most_every_50_ms_and_a_death_sticks():
+    from types import SimpleNamespace
+
+    from kvbaton.control.client import SidecarHandle
+
+    process = SimpleNamespace(code=None, polls=0)
+
+    def poll():
+        process.polls += 1
+        return process.code
+
+    process.poll = poll
+    handle = SidecarHandle(None, process, None, "127.0.0.1:1", "")
+    assert handle.alive() and handle.alive() and process.polls == 1  # the second answer came from the check
+    process.code = -9  # the sidecar dies
+    assert handle.alive()  # not noticed within the recheck interval
+    time.sleep(SidecarHandle.ALIVE_RECHECK_S + 0.01)
+    assert not handle.alive() and not handle.alive()
+    assert process.polls == 3  # once dead, every call looks again (and finds it dead)

@@ -20,10 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
-
-import httpx
 
 
 def fake_engine_app(tpot_s: float):
@@ -76,18 +73,6 @@ def serve_router(port: int, p_url: str, d_url: str) -> None:
     uvicorn.run(build_app(Router([p_url], [d_url])), host="127.0.0.1", port=port, log_level="warning")
 
 
-def wait_healthy(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up in {timeout_s} s")
-
-
 def stop(process: subprocess.Popen) -> None:
     process.terminate()
     try:
@@ -103,7 +88,7 @@ def spawn(target: str, *args: str) -> subprocess.Popen:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvbaton.bench.pd_compare import free_port, router_command, throughput_in_processes
+    from kvbaton.bench.pd_compare import free_port, router_command, throughput_in_processes, wait_healthy
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[16, 32])
@@ -123,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     scratch = tempfile.TemporaryDirectory(prefix="kvb-harness-")  # the router's log folder
     try:
-        wait_healthy(p_url)
-        wait_healthy(d_url)
+        wait_healthy(p_url, 60, engines[0])
+        wait_healthy(d_url, 60, engines[1])
         docs = [[5] * 64 for _ in range(args.requests)]
         for mode in [m for m in args.router.split(",") if m]:
             port = free_port()
@@ -137,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"--router takes thread or process, got {mode!r}")
             url = f"http://127.0.0.1:{port}"
             try:
-                wait_healthy(url)
+                wait_healthy(url, 60, router_proc)
                 for procs in args.client_processes:
                     for concurrency in args.concurrency:
                         result = throughput_in_processes(url, docs, concurrency, args.max_tokens, procs)

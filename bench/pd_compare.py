@@ -240,24 +240,14 @@ class Stack:
             # Its own process (`kvbaton serve` attached to the engines): in a thread of this
             # process it shared one GIL with the load generator, and the two carried ~4,600 tok/s
             # at C32 on this machine's CPU with engines that cost nothing (bench/harness_ceiling.py).
-            import httpx
-
             log = self.s.log_dir / self.system.name / "router.log"
             cmd = router_command(self.urls["prefill"], self.urls["decode"], port, log.parent)
             with open(log, "wb") as out:
                 process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True)
             self.processes.append(process)
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{self.router_url}/health", timeout=2).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.system.name}: the router did not start on port {port}; see {log}")
-                time.sleep(0.2)
+            wait_healthy(self.router_url, 60, process, f"{self.system.name}'s router (see {log})")
+            return
         import uvicorn
 
         from kvbaton.router.app import Router, build_app
@@ -320,6 +310,25 @@ def engine_args_for(s: Settings, system: System, role: str) -> list[str]:
             args += ["enforce_eager=false", "compilation_config=" + json.dumps(
                 {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": s.max_num_seqs})]
     return args
+
+
+def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = None, what: str = "") -> None:
+    """Until `url`/health answers 200; raises when `timeout_s` passes or `process` exits first."""
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{what or url} exited ({process.returncode}) before it answered")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what or url} did not answer /health within {timeout_s} s")
+        time.sleep(0.2)
 
 
 def router_command(prefill_url: str, decode_url: str, port: int, log_dir: Path) -> list[str]:

@@ -291,9 +291,8 @@ class NixlTransport:
         self._agent_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._read_finished = threading.Condition(self._state_lock)  # wakes wait() at once
-        self._ended_at: dict[str, float] = {}  # read id -> when it ended (for the collect phase)
         self._in_flight: dict[str, _InFlight] = {}
-        self._finished: dict[str, ReadResult] = {}
+        self._finished: dict[str, tuple[ReadResult, float]] = {}  # read id -> (result, when it ended)
         self._read_ids = PendingReadIds()
         self._notification_buffer: list[tuple[str, bytes]] = []  # collected by the helper
         # The helper thread: posts READs (post_in_thread) and progresses the agent when idle.
@@ -413,9 +412,8 @@ class NixlTransport:
                 self._agent_lock.release()
         with self._state_lock:
             now = time.perf_counter()
-            results = [self._collected(result, now) for result in self._finished.values()]
+            results = [_collected(result, ended, now) for result, ended in self._finished.values()]
             self._finished.clear()
-            self._ended_at.clear()
             for result in results:
                 self._read_ids.release(result.read_id)
             events = [self._landing_events.pop(r.read_id) for r in results
@@ -439,9 +437,9 @@ class NixlTransport:
             with self._read_finished:
                 if read_id not in self._read_ids:
                     raise KeyError(f"read {read_id!r} is unknown or was already collected")
-                result = self._finished.pop(read_id, None)
-                if result is not None:
-                    result = self._collected(result, time.perf_counter())
+                finished = self._finished.pop(read_id, None)
+                if finished is not None:
+                    result = _collected(*finished, time.perf_counter())
                     self._read_ids.release(read_id)
                     event = self._landing_events.pop(read_id, None)
                     break
@@ -753,17 +751,8 @@ class NixlTransport:
             phases = (posting - started, prepared - posting, transferred - prepared, ended - transferred)
         result = ReadResult(read_id, ok, error, nbytes, ended - started, descriptors, landed, phases)
         with self._read_finished:
-            self._finished[read_id] = result
-            self._ended_at[read_id] = ended
+            self._finished[read_id] = (result, ended)
             self._read_finished.notify_all()
-
-    def _collected(self, result: ReadResult, now: float) -> ReadResult:
-        """`result` with its collect phase (how long it waited for poll/wait) appended (state
-        lock held)."""
-        ended = self._ended_at.pop(result.read_id, None)
-        if not result.phases or ended is None:
-            return result
-        return msgspec.structs.replace(result, phases=result.phases + (max(0.0, now - ended),))
 
     def _drop_peer(self, peer_id: str) -> None:
         peer = self._peers.pop(peer_id)
@@ -778,6 +767,13 @@ class NixlTransport:
 
 
 # --------------------------------------------------------------------------------- helpers
+
+
+def _collected(result: ReadResult, ended: float, now: float) -> ReadResult:
+    """`result` with its collect phase (from its end until poll/wait handed it over) appended."""
+    if not result.phases:
+        return result
+    return msgspec.structs.replace(result, phases=result.phases + (max(0.0, now - ended),))
 
 
 def _as_str(name: Any) -> str:

@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from kvbaton.bench.harness_ceiling import spawn, stop, wait_healthy  # noqa: E402
+from kvbaton.bench.harness_ceiling import spawn, stop  # noqa: E402
 from kvbaton.bench.pd_compare import (  # noqa: E402
-    client_processes_for, free_port, router_command, throughput_in_processes)
+    client_processes_for, free_port, router_command, throughput_in_processes, wait_healthy)
 
 
 def test_client_processes_follow_concurrency_unless_asked():
@@ -32,8 +32,8 @@ def routed(tmp_path_factory):
     engine_url = f"http://127.0.0.1:{engine_port}"
     router = subprocess.Popen(router_command(engine_url, engine_url, router_port, tmp_path_factory.mktemp("router")))
     try:
-        wait_healthy(engine_url)
-        wait_healthy(f"http://127.0.0.1:{router_port}")
+        wait_healthy(engine_url, 60, engine)
+        wait_healthy(f"http://127.0.0.1:{router_port}", 60, router)
         yield f"http://127.0.0.1:{router_port}"
     finally:
         for process in (router, engine):

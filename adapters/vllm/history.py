@@ -133,8 +133,15 @@ class SlotStore:
         import torch
 
         self.torch = torch
-        # One view per distinct layer cache, blocks first (layers that share a cache appear once).
-        self.views = []
+        # Blocks-first views of every distinct layer cache (layers that share a cache appear
+        # once), cut into pieces whose blocks are each one contiguous stretch of memory: a
+        # K/V-first cache `[2, blocks, ...]` (CUDA's layout) is two pieces, K and V. A run of
+        # consecutive blocks is then one plain copy per piece (a DMA on CUDA), with no gather
+        # kernel: beside another process's work on the same GPU each kernel waits for a time
+        # slice, and a chain of kernel -> copy -> kernel per layer made a 229 MB demotion take
+        # 38 ms instead of 5 (bench/history_copy_probe.py --busy).
+        self.views: list = []
+        self.view_layer: list[int] = []  # the layer cache each piece is part of (read_slot)
         seen = set()
         for index, (name, tensor) in enumerate(kv_caches.items()):
             ident = (int(tensor.data_ptr()), tuple(tensor.shape), tuple(tensor.stride()))
@@ -142,7 +149,9 @@ class SlotStore:
                 continue
             seen.add(ident)
             block_dim = block_dims[index] if block_dims is not None else 0
-            self.views.append(tensor.movedim(block_dim, 0) if block_dim else tensor)
+            pieces = block_first_pieces(tensor, block_dim)
+            self.view_layer += [len(seen) - 1] * len(pieces)
+            self.views += pieces
         if not self.views:
             raise ValueError("no KV cache layers to keep history of")
         self.device = self.views[0].device
@@ -271,7 +280,19 @@ class SlotStore:
     def _rows_per_chunk(self, tensor) -> int:
         return max(1, self.CHUNK_BYTES // max(1, math.prod(tensor.shape[1:]) * tensor.element_size()))
 
+    def _copy_runs(self, sources, destinations, runs) -> None:
+        """Per piece, one plain copy per run ((first source row, first destination row, rows), as
+        `pair_runs` gives them): on CUDA one DMA each, asynchronous when one side is pinned."""
+
+        for source, destination in zip(sources, destinations):
+            for src, dst, count in runs:
+                destination[dst:dst + count].copy_(source[src:src + count], non_blocking=self.cuda)
+
     def _stage_copy(self, engine_blocks, slots) -> None:
+        runs = pair_runs(zip(engine_blocks, slots))
+        if len(runs) <= self.MAX_RUN_COPIES:
+            self._copy_runs(self.views, self.tiers["gpu"], runs)
+            return
         blocks = self._index(engine_blocks, self.device)  # uploaded on this stream, before use
         index = self._index(slots, self.device)
         for view, tier in zip(self.views, self.tiers["gpu"]):
@@ -341,22 +362,23 @@ class SlotStore:
         at the end instead of one synchronous, pageable copy per layer."""
 
         torch = self.torch
-        if len(moves) == 1:
-            _key, gslot, cslot = moves[0]
-            for gpu, cpu in zip(self.tiers["gpu"], self.tiers["cpu"]):
-                cpu[cslot].copy_(gpu[gslot], non_blocking=self.cuda)
+        direct = pair_runs((gslot, cslot) for _, gslot, cslot in moves)
+        if len(direct) <= self.MAX_RUN_COPIES:  # slot runs on both sides: DMAs only
+            self._copy_runs(self.tiers["gpu"], self.tiers["cpu"], direct)
             return
         moves = sorted(moves, key=lambda move: move[2])
         runs = cpu_slot_runs([cslot for _, _, cslot in moves])
         gidx = self._index((g for _, g, _ in moves), self.device)
-        step = self._rows_per_chunk(self.tiers["gpu"][0])
         if len(runs) <= self.MAX_RUN_COPIES:
-            for gpu, cpu in zip(self.tiers["gpu"], self.tiers["cpu"]):
-                for offset, group, size in split_runs(runs, step):
-                    # Freed on this stream: its memory is reused only by later work on it.
-                    gathered = gpu.index_select(0, gidx[offset:offset + size])
+            # Per chunk, every piece's gather first, then the DMAs: one wait for a time slice
+            # per chunk instead of one per piece when another process shares the GPU.
+            step = max(1, self.CHUNK_BYTES // max(1, self.slot_bytes))  # every piece's chunk is alive at once
+            for offset, group, size in split_runs(runs, step):
+                # Freed on this stream: their memory is reused only by later work on it.
+                gathered = [gpu.index_select(0, gidx[offset:offset + size]) for gpu in self.tiers["gpu"]]
+                for picked, cpu in zip(gathered, self.tiers["cpu"]):
                     for first, cslot, count in group:
-                        cpu[cslot:cslot + count].copy_(gathered[first:first + count], non_blocking=self.cuda)
+                        cpu[cslot:cslot + count].copy_(picked[first:first + count], non_blocking=self.cuda)
             return
         cidx = self._index((c for _, _, c in moves), "cpu")
         step = max(1, self.CHUNK_BYTES // max(1, self.slot_bytes))  # every layer's chunk is alive at once
@@ -428,6 +450,12 @@ class SlotStore:
             slots, blocks = plan[tier]
             if not slots:
                 continue
+            direct = pair_runs(zip(slots, blocks))
+            if len(direct) <= self.MAX_RUN_COPIES:
+                # Slot runs onto block runs: one plain copy per run and piece, no kernel (a
+                # DMA straight from the pinned tier, or a device copy from the GPU tier).
+                self._copy_runs(self.tiers[tier], self.views, direct)
+                continue
             runs = None
             if tier == "cpu" and self.cuda:
                 pairs = sorted(zip(slots, blocks))
@@ -437,33 +465,43 @@ class SlotStore:
             src_device = self.device if tier == "gpu" else "cpu"
             index = None if runs is not None else self._index(slots, src_device)  # runs name their rows
             batches.append((tier, index, self._index(blocks, self.device), runs))
-        for layer, view in enumerate(self.views):  # per layer: one batch per tier
-            for tier, slots, blocks, runs in batches:
-                source = self.tiers[tier][layer]
-                step = self._rows_per_chunk(view)
-                if source.device == view.device:
+        for tier, slots, blocks, runs in batches:
+            sources = self.tiers[tier]
+            if sources[0].device == self.views[0].device:  # kernels only, per piece
+                for source, view in zip(sources, self.views):
+                    step = self._rows_per_chunk(view)
                     for start in range(0, len(slots), step):
                         view.index_copy_(0, blocks[start:start + step],
                                          source.index_select(0, slots[start:start + step]))
-                elif runs is not None:
-                    # Straight from the pinned tier, one asynchronous DMA per run: the engine
-                    # thread copies nothing on the host (the gather below copies the whole
-                    # restore there first, 229 MB for a 7B-shaped 4000-token prompt). The slots
-                    # stay booked as read until the job's event.
-                    for offset, group, size in split_runs(runs, step):
-                        view.index_copy_(0, blocks[offset:offset + size], upload_runs(source, group, view.device))
-                else:
-                    # Scattered: gather into *pinned* memory, so the upload is still an
-                    # asynchronous DMA on the restore stream (from pageable memory CUDA stages
-                    # it synchronously). Measured in tests/gpu: 3.0-3.4 -> 3.7-4.4 GB/s against
-                    # a pageable gather. Torch's pinned allocator keeps the buffer until the
-                    # copy ran.
-                    for start in range(0, len(slots), step):
-                        part = slots[start:start + step]
-                        staged = torch.empty((len(part), *source.shape[1:]), dtype=source.dtype,
-                                             pin_memory=True)
-                        torch.index_select(source, 0, part, out=staged)
-                        view.index_copy_(0, blocks[start:start + step], staged.to(view.device, non_blocking=True))
+                continue
+            # From the CPU tier, per chunk of rows: every piece's upload first, then every
+            # piece's scatter, so the kernels wait for one time slice per chunk (not one per
+            # piece) when another process shares the GPU.
+            step = max(1, self.CHUNK_BYTES // max(1, self.slot_bytes))  # every piece's chunk is alive at once
+            if runs is not None:
+                # Straight from the pinned tier, one asynchronous DMA per run: the engine
+                # thread copies nothing on the host (the gather below copies the whole
+                # restore there first, 229 MB for a 7B-shaped 4000-token prompt). The slots
+                # stay booked as read until the job's event.
+                for offset, group, size in split_runs(runs, step):
+                    uploads = [upload_runs(source, group, view.device) for source, view in zip(sources, self.views)]
+                    for view, rows in zip(self.views, uploads):
+                        view.index_copy_(0, blocks[offset:offset + size], rows)
+                continue
+            # Scattered: gather into *pinned* memory, so the upload is still an asynchronous DMA
+            # on the restore stream (from pageable memory CUDA stages it synchronously).
+            # Measured in tests/gpu: 3.0-3.4 -> 3.7-4.4 GB/s against a pageable gather. Torch's
+            # pinned allocator keeps the buffer until the copy ran.
+            for start in range(0, len(slots), step):
+                part = slots[start:start + step]
+                uploads = []
+                for source, view in zip(sources, self.views):
+                    staged = torch.empty((len(part), *source.shape[1:]), dtype=source.dtype,
+                                         pin_memory=self.cuda)
+                    torch.index_select(source, 0, part, out=staged)
+                    uploads.append(staged.to(view.device, non_blocking=True))
+                for view, rows in zip(self.views, uploads):
+                    view.index_copy_(0, blocks[start:start + step], rows)
 
     def end_restore(self, job: RestoreJob) -> None:
         with self.lock:
@@ -500,11 +538,11 @@ class SlotStore:
             if not tier:
                 raise KeyError(key)
             slot = self.maps[tier][key]
-        out = []
-        for tensor in self.tiers[tier]:
+        out: dict[int, bytes] = {}
+        for layer, tensor in zip(self.view_layer, self.tiers[tier]):
             flat = tensor[slot].detach().to("cpu").contiguous().view(-1).view(self.torch.uint8)
-            out.append(bytes(flat.numpy()))
-        return out
+            out[layer] = out.get(layer, b"") + bytes(flat.numpy())
+        return list(out.values())
 
     def stats(self) -> dict:
         with self.lock:
@@ -633,6 +671,35 @@ def upload_runs(source, runs, device):
     for first, row, count in runs:
         out[first:first + count].copy_(source[row:row + count], non_blocking=True)
     return out
+
+
+def block_first_pieces(tensor, block_dim: int) -> list:
+    """`tensor` (one layer's KV cache) with its block dimension first, as pieces in which every
+    block is one contiguous stretch: the tensor itself when blocks come first; for a contiguous
+    `[2, blocks, ...]` cache its K and V halves; otherwise (a strided layout, or too many
+    pieces) one strided view, copied with gathers."""
+
+    if not block_dim:
+        return [tensor]
+    lead = math.prod(tensor.shape[:block_dim])
+    if not tensor.is_contiguous() or lead > 8:
+        return [tensor.movedim(block_dim, 0)]
+    flat = tensor.reshape(lead, *tensor.shape[block_dim:])
+    return [flat[i] for i in range(lead)]
+
+
+def pair_runs(pairs) -> list[tuple[int, int, int]]:
+    """(source row, destination row) pairs as runs where both go up by one, in source order:
+    (first source row, first destination row, rows)."""
+
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in sorted(pairs):
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            first, into, count = runs[-1]
+            runs[-1] = (first, into, count + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
 
 
 def split_runs(runs, step: int) -> list[tuple[int, list[tuple[int, int, int]], int]]:

@@ -17,7 +17,9 @@ from kvbaton.adapters.vllm.history import (  # noqa: E402
     cpu_slot_runs,
     history_plan,
     upload_runs,
+    block_first_pieces,
     kv_block_bytes,
+    pair_runs,
     split_runs,
 )
 from kvbaton.adapters.vllm.settings import parse_settings  # noqa: E402
@@ -395,6 +397,60 @@ def test_copies_in_small_chunks_stay_bit_exact(scattered):
     random.Random(6).shuffle(targets)
     store.restore([(f"k{b}", "", t) for b, t in zip(range(NUM_BLOCKS), targets)])
     assert all(engine_block(caches, t, 0) == saved[b] for b, t in zip(range(NUM_BLOCKS), targets))
+
+
+def test_pair_runs_merge_only_where_both_sides_go_up_by_one():
+    assert pair_runs([(5, 9), (3, 7), (4, 8), (6, 1), (7, 2)]) == [(3, 7, 3), (6, 1, 2)]
+    assert pair_runs([(0, 4), (1, 4)]) == [(0, 4, 1), (1, 4, 1)]
+    assert pair_runs([]) == []
+
+
+def test_kv_first_caches_are_cut_into_contiguous_pieces():
+    """A contiguous `[2, blocks, ...]` cache is its K and V halves, each with every block one
+    contiguous stretch; a block-first cache is itself; a strided one stays one (gathered) view."""
+    kv_first = torch.zeros((2, NUM_BLOCKS, 32, 16))
+    pieces = block_first_pieces(kv_first, 1)
+    assert len(pieces) == 2 and all(p.is_contiguous() and p.shape == (NUM_BLOCKS, 32, 16) for p in pieces)
+    assert pieces[1].data_ptr() == kv_first[1].data_ptr()
+    block_first = torch.zeros((NUM_BLOCKS, 2, 32, 16))
+    assert block_first_pieces(block_first, 0)[0] is block_first
+    strided = torch.zeros((32, NUM_BLOCKS, 2, 16)).transpose(0, 2)  # (2, blocks, 32, 16), not contiguous
+    assert len(block_first_pieces(strided, 1)) == 1
+
+
+@pytest.mark.parametrize("block_first", [True, False])
+@pytest.mark.parametrize("direct", [True, False])
+def test_run_copies_and_gathers_move_the_same_bytes(block_first, direct):
+    """Stage, demotion and restore copy run by run (plain copies, no gather) when slots and
+    blocks pair up in few runs, and gather otherwise (MAX_RUN_COPIES 0 forces it): both land
+    every key's bytes, K/V-first caches too, in order or shuffled."""
+    block_dim = 0 if block_first else 1
+    caches = make_caches(block_first=block_first, layers=2)
+    store = SlotStore(caches, [block_dim] * 2, gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
+    assert len(store.views) == (2 if block_first else 4)
+    if not direct:
+        store.MAX_RUN_COPIES = 0
+    saved = {b: engine_block(caches, b, block_dim) for b in range(NUM_BLOCKS)}
+    originals = {name: tensor.clone() for name, tensor in caches.items()}
+    for shuffled in (False, True):
+        order = list(range(NUM_BLOCKS))
+        if shuffled:
+            random.Random(11).shuffle(order)
+        store.stage([(b, f"k{b}") for b in order])
+        assert all(store.read_slot(f"k{b}") == saved[b] for b in range(NUM_BLOCKS))
+        assert store.demote_many([f"k{b}" for b in order[:16]]) == [None] * 16
+        assert all(store.read_slot(f"k{b}") == saved[b] for b in range(NUM_BLOCKS))
+        for tensor in caches.values():
+            tensor.zero_()
+        targets = order[::-1] if shuffled else list(range(NUM_BLOCKS))
+        nbytes, gpu, cpu = store.restore([(f"k{b}", "", t) for b, t in zip(range(NUM_BLOCKS), targets)])
+        assert (gpu, cpu) == (NUM_BLOCKS - 16, 16)
+        assert all(engine_block(caches, t, block_dim) == saved[b] for b, t in zip(range(NUM_BLOCKS), targets))
+        for b in range(NUM_BLOCKS):
+            store.drop(f"k{b}")
+        for name, tensor in caches.items():  # the engine's blocks back as they were
+            tensor.copy_(originals[name])
+    assert len(store.free["gpu"]) == NUM_BLOCKS and len(store.free["cpu"]) == 2 * NUM_BLOCKS
 
 
 def test_upload_runs_copies_rows_in_run_order():

@@ -165,11 +165,12 @@ class SlotStore:
         }
         self.slot_bytes = sum(math.prod(v.shape[1:]) * v.element_size() for v in self.views)
         self.maps: dict[str, dict[str, int]] = {"gpu": {}, "cpu": {}}
-        # Free slots. GPU tier: a stack. CPU tier: a min-heap, so a demotion batch takes the
-        # lowest free slots, which come in runs where a stretch was freed together (an evicted
-        # prompt): a CPU-tier restore then uploads a few runs instead of gathering every block.
-        self.free: dict[str, list[int]] = {"gpu": list(range(self.slots["gpu"] - 1, -1, -1)),
-                                           "cpu": list(range(self.slots["cpu"]))}
+        # Free slots, per tier a min-heap: a stage or demotion batch takes the lowest free
+        # slots, ascending, which come in runs where a stretch was freed together (an evicted
+        # prompt). Its blocks then pair up with slots in runs, and every run is one plain copy
+        # per piece. (A stack handed a stage its GPU slots in descending order: no two blocks
+        # paired up, and every stage and demotion went through gather kernels.)
+        self.free: dict[str, list[int]] = {tier: list(range(self.slots[tier])) for tier in self.TIERS}
         self.lock = threading.Lock()
         self.reading: dict[tuple[str, int], int] = {}  # (tier, slot) -> restores reading it
         self.deferred: set[tuple[str, int]] = set()  # freed while being read: free after the read
@@ -221,10 +222,7 @@ class SlotStore:
         return host.to(device, non_blocking=True)  # the pinned allocator keeps `host` until it ran
 
     def _free_slot(self, tier: str, slot: int) -> None:
-        if tier == "cpu":
-            heapq.heappush(self.free["cpu"], slot)
-        else:
-            self.free[tier].append(slot)
+        heapq.heappush(self.free[tier], slot)
 
     def _release(self, tier: str, slot: int) -> None:
         """Give a slot back (lock held); one still being read is freed when the read ends."""
@@ -258,14 +256,15 @@ class SlotStore:
                 raise RuntimeError(f"no free GPU-tier slot for {len(copies)} blocks "
                                    f"({len(free)} of {self.slots['gpu']} free)")
             for _ in copies:
-                slots.append(free.pop())
+                slots.append(heapq.heappop(free))
         try:
             self._run(self.stream, self._stage_copy, [block for block, _ in copies], slots,
                       after_engine=False)
             self._fence(self.stream)
         except BaseException:
             with self.lock:
-                self.free["gpu"].extend(reversed(slots))
+                for slot in slots:
+                    heapq.heappush(self.free["gpu"], slot)
             raise
         with self.lock:
             for (_block, key), slot in zip(copies, slots):

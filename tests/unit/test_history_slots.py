@@ -453,6 +453,23 @@ def test_run_copies_and_gathers_move_the_same_bytes(block_first, direct):
     assert len(store.free["gpu"]) == NUM_BLOCKS and len(store.free["cpu"]) == 2 * NUM_BLOCKS
 
 
+def test_slots_are_taken_lowest_first_so_consecutive_blocks_pair_in_one_run():
+    """Both tiers hand out their lowest free slots: consecutive engine blocks staged, demoted and
+    freed again, round after round, stay one run of paired slots (one copy per piece)."""
+    store = SlotStore(make_caches(layers=1), [0], gpu_slots=8, cpu_slots=8)
+    blocks = list(range(4, 12))
+    for round_ in range(3):
+        keys = [f"r{round_}.{b}" for b in blocks]
+        store.stage(list(zip(blocks, keys)))
+        gpu_slots = [store.maps["gpu"][key] for key in keys]
+        assert len(pair_runs(zip(blocks, gpu_slots))) == 1
+        assert store.demote_many(keys) == [None] * len(keys)
+        cpu_slots = [store.maps["cpu"][key] for key in keys]
+        assert len(pair_runs(zip(gpu_slots, cpu_slots))) == 1
+        for key in keys:
+            store.drop(key)
+
+
 def test_upload_runs_copies_rows_in_run_order():
     source = torch.arange(40, dtype=torch.float32).reshape(10, 4)
     runs = cpu_slot_runs([1, 2, 3, 7, 8])

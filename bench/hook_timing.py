@@ -218,7 +218,11 @@ def difference(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dic
     """Per engine side: what happened between two snapshots (hooks per step, step period)."""
 
     out = {}
-    for key, now in after.items():
+    for key, now in sorted(after.items()):
+        if key in before and now.get("time") == before[key].get("time"):
+            # Not written since: an engine of an earlier round (`--rounds`), whose file shares
+            # this round's side name and must not replace its figures with zeros.
+            continue
         then = before.get(key, {"hooks": {}, "step": [0] * BUCKETS, "batch": [0, 0, 0]})
         bucket_ns = now.get("bucket_ns", BUCKET_NS)
         step = [a - b for a, b in zip(now["step"], then["step"])]

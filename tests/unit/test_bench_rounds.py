@@ -44,3 +44,20 @@ def test_hook_trace_names_each_request_and_reads_back_by_time(tmp_path, monkeypa
     quiet = hook_timing.HookClock("kvbaton-kv_producer", "worker")
     quiet.path = ""
     assert quiet.trace is None  # off unless asked
+
+
+def test_hook_figures_of_an_earlier_rounds_engine_do_not_replace_this_rounds():
+    """With --rounds, an earlier round's engine left its file (another pid, same side name) in
+    the hook folder: unchanged since the snapshot, it must not overwrite this round's figures."""
+    from kvbaton.bench import hook_timing
+
+    def figures(calls, when):
+        return {"hooks": {"build_connector_meta": [calls, calls * 1e-5, 1e-4]}, "step": [0] * hook_timing.BUCKETS,
+                "batch": [calls, calls, calls], "bucket_ns": hook_timing.BUCKET_NS, "time": when}
+
+    stale = figures(500, 1.0)
+    before = {"kvbaton-kv_consumer-scheduler-100": figures(0, 2.0), "kvbaton-kv_consumer-scheduler-900": stale}
+    after = {"kvbaton-kv_consumer-scheduler-100": figures(40, 3.0), "kvbaton-kv_consumer-scheduler-900": stale}
+    side = hook_timing.difference(before, after)["kvbaton-kv_consumer-scheduler"]
+    assert side["working_steps"] == 40
+    assert side["hooks"]["build_connector_meta"]["calls"] == 40

@@ -175,6 +175,7 @@ class SlotStore:
         self.reading: dict[tuple[str, int], int] = {}  # (tier, slot) -> restores reading it
         self.deferred: set[tuple[str, int]] = set()  # freed while being read: free after the read
         self.last_demote_fence_s = 0.0  # the last demotion batch's wait for its copies (copier thread)
+        self.last_demote_runs = (0, False)  # and its (paired runs, gathered?), as DemotesDone books them
         # One copy stream for history writes (the copier's), one for restores (the engine's).
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.restore_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
@@ -362,6 +363,7 @@ class SlotStore:
 
         torch = self.torch
         direct = pair_runs((gslot, cslot) for _, gslot, cslot in moves)
+        self.last_demote_runs = (len(direct), len(direct) > self.MAX_RUN_COPIES)
         if len(direct) <= self.MAX_RUN_COPIES:  # slot runs on both sides: DMAs only
             self._copy_runs(self.tiers["gpu"], self.tiers["cpu"], direct)
             return
@@ -622,10 +624,13 @@ class HistoryCopier:
             return m.DemotesDone(tuple((key, False, self.broken or "no history store") for key in keys))
         started = time.perf_counter()
         self.store.last_demote_fence_s = 0.0
+        self.store.last_demote_runs = (0, False)
         errors = self.store.demote_many(keys)
+        runs, gathered = self.store.last_demote_runs
         return m.DemotesDone(tuple((key, err is None, "" if err is None else str(err))
                                    for key, err in zip(keys, errors)),
-                             time.perf_counter() - started, self.store.last_demote_fence_s)
+                             time.perf_counter() - started, self.store.last_demote_fence_s,
+                             paired_runs=runs, gathered=gathered)
 
     def _handle(self, msg):
         kind = type(msg)

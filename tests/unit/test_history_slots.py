@@ -278,6 +278,16 @@ def test_copier_moves_consecutive_demotion_messages_as_one_batch_and_answers_eve
     assert "no free CPU-tier slot" in done.results[2][2]
     assert store.where("a") == store.where("b") == "cpu" and store.where("c") == ""
     assert 0 <= done.fence_seconds < done.seconds  # the fence wait is part of the batch's time
+    # Slots 0, 1 of the GPU tier into CPU slots 0, 1: one run, copied run by run.
+    assert (done.paired_runs, done.gathered) == (1, False)
+    store.MAX_RUN_COPIES = 0
+    store.stage([(6, "d")])
+    gathered = copier._demote_batch([m.DemoteCopies(("d",))])
+    assert gathered.results[0][1] is False  # the CPU tier is full; the GPU slot is freed anyway
+    store.drop("a")
+    store.stage([(7, "e")])
+    gathered = copier._demote_batch([m.DemoteCopies(("e",))])
+    assert gathered.results[0][1] and (gathered.paired_runs, gathered.gathered) == (1, True)
 
 
 def test_copier_answers_a_demotion_batch_that_raised(tmp_path):

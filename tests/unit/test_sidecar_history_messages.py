@@ -46,12 +46,14 @@ def test_one_admissions_demotions_are_one_message_before_its_stage(authority):
     assert [type(msg).__name__ for msg in second] == ["DemoteCopies", "StageCopies"]
     demoted = second[0].keys
     assert len(demoted) == 3 and set(demoted) <= {"a0", "a1", "a2", "a3"}
-    a._on_message(m.DemotesDone(tuple((key, True, "") for key in demoted), 0.004, 0.003))
+    a._on_message(m.DemotesDone(tuple((key, True, "") for key in demoted), 0.004, 0.003,
+                                paired_runs=2, gathered=True))
     blocks = a.ledger.history.blocks
     assert [blocks[key].state for key in demoted] == ["CPU"] * 3
     assert a.history_io["demotions"] == 3 and a.history_io["demotions_failed"] == 0
     assert a.history_io["demote_batches"] == 1
     assert (a.history_io["demote_seconds"], a.history_io["demote_fence_seconds"]) == (0.004, 0.003)
+    assert (a.history_io["demote_paired_runs"], a.history_io["demote_gathered_batches"]) == (2, 1)
     assert a.ledger.check_invariants() == []
 
 

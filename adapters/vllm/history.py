@@ -247,7 +247,6 @@ class SlotStore:
 
         if not copies:
             return 0
-        slots: list[int] = []
         with self.lock:
             for _block, key in copies:
                 if self.where(key):
@@ -256,8 +255,11 @@ class SlotStore:
             if len(free) < len(copies):
                 raise RuntimeError(f"no free GPU-tier slot for {len(copies)} blocks "
                                    f"({len(free)} of {self.slots['gpu']} free)")
-            for _ in copies:
-                slots.append(heapq.heappop(free))
+            # The lowest free slots, ascending, to the engine blocks in ascending order: a
+            # stretch of blocks lands in a stretch of slots (one copy per piece and run).
+            slots = [0] * len(copies)
+            for index in sorted(range(len(copies)), key=lambda i: copies[i][0]):
+                slots[index] = heapq.heappop(free)
         try:
             self._run(self.stream, self._stage_copy, [block for block, _ in copies], slots,
                       after_engine=False)
@@ -316,18 +318,23 @@ class SlotStore:
         moves: list[tuple[str, int, int]] = []
         moving: set[str] = set()
         with self.lock:
+            taking: list[tuple[str, int]] = []
             for key in keys:
                 gslot = None if key in moving else self.maps["gpu"].get(key)
                 moving.add(key)
                 if gslot is None:
                     errors.append(KeyError(f"{key} is not in the GPU tier"))
-                elif not self.free["cpu"]:
+                elif len(taking) >= len(self.free["cpu"]):
                     del self.maps["gpu"][key]
                     self._release("gpu", gslot)
                     errors.append(RuntimeError(f"no free CPU-tier slot ({self.slots['cpu']} slots)"))
                 else:
-                    moves.append((key, gslot, heapq.heappop(self.free["cpu"])))
+                    taking.append((key, gslot))
                     errors.append(None)
+            # The lowest free CPU slots, ascending, to the GPU slots in ascending order: a
+            # stretch of GPU slots lands in a stretch of CPU slots (one copy per piece and run).
+            for key, gslot in sorted(taking, key=lambda move: move[1]):
+                moves.append((key, gslot, heapq.heappop(self.free["cpu"])))
         if not moves:
             return errors
         # While the copy runs the key stays in the GPU tier: a restore that looks it up meanwhile

@@ -480,6 +480,22 @@ def test_slots_are_taken_lowest_first_so_consecutive_blocks_pair_in_one_run():
             store.drop(key)
 
 
+def test_shuffled_stage_and_demotion_still_pair_slots_in_one_run():
+    """Slots go to blocks (stage) and GPU slots (demotion) in ascending order, whatever order
+    the batch names them in: a shuffled stretch of blocks is still one run on both tiers."""
+    store = SlotStore(make_caches(layers=1), [0], gpu_slots=8, cpu_slots=8)
+    blocks = list(range(10, 18))
+    random.Random(4).shuffle(blocks)
+    keys = [f"k{b}" for b in blocks]
+    store.stage(list(zip(blocks, keys)))
+    assert len(pair_runs((b, store.maps["gpu"][k]) for b, k in zip(blocks, keys))) == 1
+    gpu_slots = {k: store.maps["gpu"][k] for k in keys}
+    shuffled = keys[:]
+    random.Random(5).shuffle(shuffled)
+    assert store.demote_many(shuffled) == [None] * len(keys)
+    assert len(pair_runs((gpu_slots[k], store.maps["cpu"][k]) for k in keys)) == 1
+
+
 def test_upload_runs_copies_rows_in_run_order():
     source = torch.arange(40, dtype=torch.float32).reshape(10, 4)
     runs = cpu_slot_runs([1, 2, 3, 7, 8])

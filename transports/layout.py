@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -381,59 +381,86 @@ class DescriptorPlan:
         return ([(int(a), int(n)) for a, n in self.src], [(int(a), int(n)) for a, n in self.dst])
 
 
+class _SpanTable(NamedTuple):
+    """A layout's (layer, span) pieces as arrays, one row each, in layer then span order."""
+
+    base: np.ndarray  # address of the piece in block 0: the layer's base_ptr plus the span's offset
+    stride: np.ndarray  # the layer's block stride in bytes
+    nbytes: np.ndarray  # the span's bytes per block
+    region: np.ndarray  # which of the layout's regions holds the layer
+    fills_stride: np.ndarray  # the span is the whole block stride: a run of blocks is one stretch
+    spans_per_layer: tuple[int, ...]
+
+
+# Tables of the layouts used lately, by identity (a peer's and the engine's own layout are the
+# same objects read after read); the landing area makes a fresh layout per read.
+_TABLES: dict[int, tuple[KvLayout, _SpanTable]] = {}
+
+
+def _span_table(layout: KvLayout) -> _SpanTable:
+    cached = _TABLES.get(id(layout))
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    rows = []
+    for layer in layout.layers:
+        region = region_index(layout, layer.base_ptr)
+        for span in layer.spans:
+            rows.append((layer.base_ptr + span.offset, layer.block_stride_bytes, span.nbytes, region,
+                         span.nbytes == layer.block_stride_bytes))
+    columns = list(zip(*rows)) if rows else [(), (), (), (), ()]
+    table = _SpanTable(np.asarray(columns[0], dtype=np.int64), np.asarray(columns[1], dtype=np.int64),
+                       np.asarray(columns[2], dtype=np.int64), np.asarray(columns[3], dtype=np.int64),
+                       np.asarray(columns[4], dtype=bool), tuple(len(layer.spans) for layer in layout.layers))
+    if len(_TABLES) >= 16:
+        _TABLES.clear()
+    _TABLES[id(layout)] = (layout, table)
+    return table
+
+
 def descriptors_for_runs(src_layout: KvLayout, dst_layout: KvLayout,
                          runs: Sequence[tuple[int, int, int]]) -> DescriptorPlan:
     """Turn block runs into the fewest (addr, nbytes) descriptor pairs the two layouts allow.
 
     Layers and spans are paired by position; `check_compatible` must have passed. Block ids are
-    not range-checked here (see `check_block_ids`).
+    not range-checked here (see `check_block_ids`). Every (layer, span) piece is computed at
+    once with numpy: a read is on the engine's hot path, and a loop over 28 layers cost 0.55 ms.
     """
     if len(src_layout.layers) != len(dst_layout.layers):
         raise LayoutMismatch(f"{len(src_layout.layers)} source layers vs {len(dst_layout.layers)} "
                              "destination layers")
-    if not runs:
+    src, dst = _span_table(src_layout), _span_table(dst_layout)
+    if src.spans_per_layer != dst.spans_per_layer:
+        layer = next(i for i, (a, b) in enumerate(zip(src.spans_per_layer, dst.spans_per_layer)) if a != b)
+        raise LayoutMismatch(f"layer {src_layout.layers[layer].name!r}: {src.spans_per_layer[layer]} "
+                             f"source spans vs {dst.spans_per_layer[layer]} destination spans")
+    if not np.array_equal(src.nbytes, dst.nbytes):
+        row = int(np.flatnonzero(src.nbytes != dst.nbytes)[0])
+        layer = int(np.searchsorted(np.cumsum(src.spans_per_layer), row, side="right"))
+        raise LayoutMismatch(f"layer {src_layout.layers[layer].name!r}: span of {int(src.nbytes[row])} "
+                             f"bytes vs {int(dst.nbytes[row])} bytes")
+    if not runs or not len(src.base):
         empty = np.zeros((0, 2), dtype=np.uint64)
         return DescriptorPlan(empty, empty.copy())
     run_array = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
     run_src, run_dst, run_count = run_array[:, 0], run_array[:, 1], run_array[:, 2]
-    # Per-block expansion, built lazily: only layouts whose spans do not fill the block stride
-    # need a descriptor per block.
-    per_block: tuple[np.ndarray, np.ndarray] | None = None
-
-    src_addr_parts: list[np.ndarray] = []
-    dst_addr_parts: list[np.ndarray] = []
-    size_parts: list[np.ndarray] = []
-    region_parts: list[np.ndarray] = []  # (src region, dst region) per descriptor
-    for src_layer, dst_layer in zip(src_layout.layers, dst_layout.layers):
-        layer_regions = (region_index(src_layout, src_layer.base_ptr),
-                         region_index(dst_layout, dst_layer.base_ptr))
-        if len(src_layer.spans) != len(dst_layer.spans):
-            raise LayoutMismatch(f"layer {src_layer.name!r}: {len(src_layer.spans)} source spans vs "
-                                 f"{len(dst_layer.spans)} destination spans")
-        for src_span, dst_span in zip(src_layer.spans, dst_layer.spans):
-            if src_span.nbytes != dst_span.nbytes:
-                raise LayoutMismatch(f"layer {src_layer.name!r}: span of {src_span.nbytes} bytes "
-                                     f"vs {dst_span.nbytes} bytes")
-            runs_are_contiguous = (src_span.nbytes == src_layer.block_stride_bytes
-                                   and dst_span.nbytes == dst_layer.block_stride_bytes)
-            if runs_are_contiguous:
-                src_ids, dst_ids, counts = run_src, run_dst, run_count
-            else:
-                if per_block is None:
-                    per_block = _expand_runs(run_src, run_dst, run_count)
-                src_ids, dst_ids = per_block
-                counts = np.ones_like(src_ids)
-            src_addr_parts.append(src_layer.base_ptr + src_span.offset
-                                  + src_ids * src_layer.block_stride_bytes)
-            dst_addr_parts.append(dst_layer.base_ptr + dst_span.offset
-                                  + dst_ids * dst_layer.block_stride_bytes)
-            size_parts.append(counts * src_span.nbytes)
-            region_parts.append(np.broadcast_to(np.asarray(layer_regions, dtype=np.int64),
-                                                (len(src_ids), 2)))
-    src_addr = np.concatenate(src_addr_parts)
-    dst_addr = np.concatenate(dst_addr_parts)
-    sizes = np.concatenate(size_parts)
-    return _merge_adjacent(src_addr, dst_addr, sizes, np.concatenate(region_parts))
+    whole = src.fills_stride & dst.fills_stride  # pieces where a run is one stretch on both sides
+    pieces = []
+    rows = np.flatnonzero(whole)
+    if len(rows):
+        pieces.append((rows, run_src, run_dst, run_count))
+    rows = np.flatnonzero(~whole)
+    if len(rows):  # the others need a descriptor per block
+        block_src, block_dst = _expand_runs(run_src, run_dst, run_count)
+        pieces.append((rows, block_src, block_dst, np.ones_like(block_src)))
+    src_parts, dst_parts, size_parts, region_parts = [], [], [], []
+    for rows, ids_src, ids_dst, counts in pieces:
+        src_parts.append((src.base[rows, None] + ids_src[None, :] * src.stride[rows, None]).ravel())
+        dst_parts.append((dst.base[rows, None] + ids_dst[None, :] * dst.stride[rows, None]).ravel())
+        size_parts.append((counts[None, :] * src.nbytes[rows, None]).ravel())
+        region_parts.append(np.stack([np.repeat(src.region[rows], len(ids_src)),
+                                      np.repeat(dst.region[rows], len(ids_src))], axis=1))
+    return _merge_adjacent(np.concatenate(src_parts), np.concatenate(dst_parts), np.concatenate(size_parts),
+                           np.concatenate(region_parts))
 
 
 def _expand_runs(run_src: np.ndarray, run_dst: np.ndarray, run_count: np.ndarray

@@ -679,3 +679,50 @@ def test_nixl_read_from_a_dead_peer_fails_within_the_timeout(prefill_process):
         assert "NIXL" in result.error
     finally:
         decode.close()
+
+
+@pytest.mark.parametrize("block_dim", [None, 1])
+def test_descriptors_for_runs_match_a_block_by_block_reference(block_dim):
+    """Every (layer, span) piece at once must give the descriptors a plain loop over layers,
+    spans and blocks gives (merged the same way), for K/V-first layouts too (two spans, no
+    run is one stretch) and for scattered or consecutive blocks."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from kvbaton.transports.layout import _merge_adjacent, region_index
+
+    shape = (40, 2, 16, 2, 8) if block_dim is None else (2, 40, 16, 2, 8)
+    caches = {f"l{i}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(4)}
+    layout = T.KvLayout.from_kv_caches(caches, 40, 16, block_dim=block_dim)
+    rng = random.Random(2)
+    for trial in range(20):
+        src = rng.sample(range(40), 12) if trial % 2 else list(range(5, 17))
+        dst = rng.sample(range(40), 12) if trial % 3 else list(range(20, 32))
+        runs = T.coalesce_runs(src, dst)
+        rows = []
+        for layer in layout.layers:
+            region = region_index(layout, layer.base_ptr)
+            for span in layer.spans:
+                for s, d in zip(src, dst):
+                    rows.append((layer.base_ptr + span.offset + s * layer.block_stride_bytes,
+                                 layer.base_ptr + span.offset + d * layer.block_stride_bytes, span.nbytes, region))
+        src_addr, dst_addr, sizes, regions = (np.asarray(column, dtype=np.int64) for column in zip(*rows))
+        want = _merge_adjacent(src_addr, dst_addr, sizes, np.stack([regions, regions], axis=1))
+        got = T.descriptors_for_runs(layout, layout, runs)
+        assert np.array_equal(got.src, want.src) and np.array_equal(got.dst, want.dst)
+        assert got.nbytes == len(src) * sum(layer.block_nbytes for layer in layout.layers)
+
+
+def test_descriptors_for_runs_name_the_layer_whose_spans_differ():
+    import torch
+
+    small = {f"l{i}": torch.zeros((8, 2, 16, 2, 8), dtype=torch.bfloat16) for i in range(2)}
+    wide = {"l0": small["l0"], "l1": torch.zeros((8, 2, 16, 2, 16), dtype=torch.bfloat16)}
+    a = T.KvLayout.from_kv_caches(small, 8, 16)
+    b = T.KvLayout.from_kv_caches(wide, 8, 16)
+    with pytest.raises(T.LayoutMismatch, match="layer 'l1': span of 1024 bytes vs 2048 bytes"):
+        T.descriptors_for_runs(a, b, [(0, 0, 1)])
+    with pytest.raises(T.LayoutMismatch, match="2 source layers vs 1 destination layers"):
+        T.descriptors_for_runs(a, T.KvLayout.from_kv_caches({"l0": small["l0"]}, 8, 16), [(0, 0, 1)])

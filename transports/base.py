@@ -46,10 +46,12 @@ class ReadResult(msgspec.Struct, frozen=True):
     descriptors: how many descriptors the read was posted as (0 when the transport does not say).
     landed: the read went through a landing area and was scattered into place.
     phases: for a read that was posted and ended well (empty when the transport does not say):
-        (queued: start_read until posting began, prepare: describing and initialising the
-        transfer, transfer_call: the post call itself, settle: from the post's return until the
-        transport saw the end, collect: from then until poll/wait handed the result over). The
-        first four add up to `seconds`; collect comes after it.
+        (queued: start_read until posting began, describe: building the descriptors (or index
+        lists), initialize: the transport library preparing the transfer from them,
+        transfer_call: the post call itself, settle: from the post's return until the transport
+        saw the end, collect: from then until poll/wait handed the result over). The first five
+        add up to `seconds`; collect comes after it. (Before 2026-12-01's fifth session
+        describe and initialize were one phase, "prepare".)
     """
 
     read_id: str

@@ -210,9 +210,9 @@ class _InFlight:
     injected_error: str | None = None  # set when fault_hook made this read a partial one
     descriptors: int = 0
     landing: tuple[int, int, np.ndarray] | None = None  # (start, count, dst blocks in pair order)
-    # perf_counter marks for ReadResult.phases: posting began, the transfer was initialised, the
-    # post call (transfer()) returned.
-    marks: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # perf_counter marks for ReadResult.phases: posting began, the descriptors were built (ours),
+    # the transfer was initialised (NIXL), the post call (transfer()) returned.
+    marks: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
 
 class NixlTransport:
@@ -617,6 +617,7 @@ class NixlTransport:
             raise UnknownPeer(f"peer {job.peer_id!r} was removed before the read was posted")
         nbytes = len(job.dst_blocks) * layout.block_nbytes
         descriptors, landing = 0, None  # reported for reads described here (not prepped/faulty)
+        described = posting  # set again just before NIXL is called to initialise the transfer
         if not job.dst_blocks:
             if job.notif_msg:  # nothing to move, but the target still learns the read is done
                 self._agent.send_notif(peer.remote_name, job.notif_msg)
@@ -625,6 +626,7 @@ class NixlTransport:
         if job.inject_fault:
             plan = _truncated(descriptors_for_runs(
                 peer.layout, layout, coalesce_runs(job.src_blocks, job.dst_blocks)))
+            described = time.perf_counter()
             handle = self._initialize(plan, peer, b"")  # a failed read must not notify
             moved = plan.nbytes
             error = f"fault injected by fault_hook after {moved} of {nbytes} bytes"
@@ -633,6 +635,7 @@ class NixlTransport:
             dst = np.asarray(job.dst_blocks, dtype=np.int64)
             remote_indices = (peer.group_offsets[:, None] + src[None, :]).ravel().astype(np.int32)
             local_indices = (self._local_group_offsets[:, None] + dst[None, :]).ravel().astype(np.int32)
+            described = time.perf_counter()
             handle = self._agent.make_prepped_xfer("READ", self._local_dlist, local_indices,
                                                    peer.dlist, remote_indices, job.notif_msg)
             moved, error = nbytes, None
@@ -641,6 +644,7 @@ class NixlTransport:
             if landing is None:
                 plan = descriptors_for_runs(peer.layout, layout,
                                             coalesce_runs(job.src_blocks, job.dst_blocks))
+                described = time.perf_counter()
                 handle = self._initialize(plan, peer, job.notif_msg)
             else:
                 start, count, src_sorted, dst_sorted = landing
@@ -648,6 +652,7 @@ class NixlTransport:
                     plan = descriptors_for_runs(
                         peer.layout, self._landing.layout_for(start, count),
                         coalesce_runs(src_sorted.tolist(), range(count)))
+                    described = time.perf_counter()
                     handle = self._initialize(plan, peer, job.notif_msg)
                 except BaseException:
                     self._landing.release(start, count)
@@ -668,7 +673,7 @@ class NixlTransport:
                 # (Not released: NIXL may still write there, so the reservation is never reused.)
                 self._landing.release(*in_flight.landing[:2])
             raise
-        in_flight.marks = (posting, prepared, time.perf_counter())
+        in_flight.marks = (posting, described, prepared, time.perf_counter())
         self._in_flight[job.read_id] = in_flight
         if state != "PROC":  # DONE (CMA copies inside transfer) or ERR: settle it now
             self._settle(in_flight, state)
@@ -743,12 +748,13 @@ class NixlTransport:
 
     def _finish(self, read_id: str, *, ok: bool, error: str | None, nbytes: int,
                 started: float, descriptors: int = 0, landed: bool = False,
-                marks: tuple[float, float, float] | None = None) -> None:
+                marks: tuple[float, float, float, float] | None = None) -> None:
         ended = time.perf_counter()
         phases: tuple[float, ...] = ()
         if marks is not None and marks[0]:
-            posting, prepared, transferred = marks
-            phases = (posting - started, prepared - posting, transferred - prepared, ended - transferred)
+            posting, described, prepared, transferred = marks
+            phases = (posting - started, described - posting, prepared - described,
+                      transferred - prepared, ended - transferred)
         result = ReadResult(read_id, ok, error, nbytes, ended - started, descriptors, landed, phases)
         with self._read_finished:
             self._finished[read_id] = (result, ended)

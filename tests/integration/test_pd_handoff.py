@@ -160,7 +160,7 @@ def test_transferred_kv_is_bit_identical(pd):
     # Good reads say where their time went (a read with nothing to move has no phases): the four
     # phases until a read's end are part of its seconds, all of them when every read said.
     assert 0 < transfer["phased_reads"] <= transfer["reads"] - transfer["failed"], transfer
-    phased = sum(transfer[f"{phase}_seconds"] for phase in ("queued", "prepare", "transfer_call", "settle"))
+    phased = sum(transfer[f"{phase}_seconds"] for phase in ("queued", "describe", "initialize", "transfer_call", "settle"))
     assert phased <= transfer["seconds"] * (1 + 1e-6), transfer
     if transfer["phased_reads"] == transfer["reads"] - transfer["failed"]:
         assert phased == pytest.approx(transfer["seconds"], rel=1e-6), transfer

@@ -538,12 +538,12 @@ def test_nixl_reads_between_two_processes(prefill_process, descriptor_mode, post
         assert results["contiguous"].ok, results["contiguous"].error
         assert results["contiguous"].nbytes == 2048 * layout.block_nbytes == 32 << 20
         assert not results["faulty"].ok and "fault injected" in results["faulty"].error
-        # Where each good read's time went: four phases that add up to its seconds, then the
+        # Where each good read's time went: five phases that add up to its seconds, then the
         # wait for whoever collected it; a failed read reports none.
         for name in ("scattered", "contiguous"):
             phases = results[name].phases
-            assert len(phases) == 5 and min(phases) >= 0, (name, phases)
-            assert sum(phases[:4]) == pytest.approx(results[name].seconds, abs=1e-6)
+            assert len(phases) == 6 and min(phases) >= 0, (name, phases)
+            assert sum(phases[:5]) == pytest.approx(results[name].seconds, abs=1e-6)
         assert results["faulty"].phases == ()
         assert decode.poll() == []
         _check_blocks(caches, expected, layout, contiguous_src, contiguous_dst)

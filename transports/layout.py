@@ -398,8 +398,9 @@ _TABLES: dict[int, tuple[KvLayout, _SpanTable]] = {}
 
 
 def _span_table(layout: KvLayout) -> _SpanTable:
-    cached = _TABLES.get(id(layout))
+    cached = _TABLES.pop(id(layout), None)
     if cached is not None and cached[0] is layout:
+        _TABLES[id(layout)] = cached  # most recently used last: the engines' layouts stay
         return cached[1]
     rows = []
     for layer in layout.layers:
@@ -411,8 +412,8 @@ def _span_table(layout: KvLayout) -> _SpanTable:
     table = _SpanTable(np.asarray(columns[0], dtype=np.int64), np.asarray(columns[1], dtype=np.int64),
                        np.asarray(columns[2], dtype=np.int64), np.asarray(columns[3], dtype=np.int64),
                        np.asarray(columns[4], dtype=bool), tuple(len(layer.spans) for layer in layout.layers))
-    if len(_TABLES) >= 16:
-        _TABLES.clear()
+    while len(_TABLES) >= 16:
+        _TABLES.pop(next(iter(_TABLES)))  # the least recently used
     _TABLES[id(layout)] = (layout, table)
     return table
 

@@ -218,7 +218,8 @@ def difference(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dic
     """Per engine side: what happened between two snapshots (hooks per step, step period)."""
 
     out = {}
-    for key, now in sorted(after.items()):
+    # Oldest first: where two files of one side changed, the newest engine's figures stay.
+    for key, now in sorted(after.items(), key=lambda item: (item[1].get("time", 0.0), item[0])):
         if key in before and now.get("time") == before[key].get("time"):
             # Not written since: an engine of an earlier round (`--rounds`), whose file shares
             # this round's side name and must not replace its figures with zeros.

@@ -728,7 +728,8 @@ def history_io_line(io: dict) -> str:
 
     batches = io.get("demote_batches", 0)
     fence = (f" (fence {io.get('demote_fence_seconds', 0.0) / batches * 1e3:.2f} ms, "
-             f"{io.get('demote_paired_runs', 0) / batches:.1f} slot runs per batch, "
+             f"{io.get('demote_paired_runs', 0) / max(1, io.get('demote_copied_batches', 0)):.1f} "
+             f"slot runs per batch that copied, "
              f"{io.get('demote_gathered_batches', 0)} gathered)") if batches else ""
     return (f"stages {each(io.get('stages', 0), io.get('stage_seconds', 0.0), io.get('stage_bytes', 0))}; "
             f"demotion batches {each(batches, io.get('demote_seconds', 0.0))}{fence}, "

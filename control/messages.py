@@ -138,7 +138,8 @@ class DemotesDone(Msg, tag="hdemoted"):
     """The demotions of one `DemoteCopies` (or of several in a row): per key, (key, ok, error);
     how long the batch took on the copier, and of that how long it waited for its copies' fence;
     how its copies went: `paired_runs`, the runs in which GPU slots and CPU slots both go up by
-    one, and `gathered`, whether there were too many to copy run by run (gather kernels)."""
+    one (0 when nothing was copied), and `gathered`, whether there were too many to copy run by
+    run (gather kernels)."""
 
     results: tuple[tuple[str, bool, str], ...]
     seconds: float = 0.0

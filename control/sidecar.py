@@ -79,7 +79,8 @@ class Authority(xo.Actor):
         self.history_io = {"stages": 0, "stage_bytes": 0, "stage_seconds": 0.0, "stages_failed": 0,
                            "demotions": 0, "demotions_failed": 0, "demote_batches": 0,
                            "demote_seconds": 0.0, "demote_fence_seconds": 0.0,
-                           "demote_paired_runs": 0, "demote_gathered_batches": 0, "restores": 0, "restore_bytes": 0,
+                           "demote_paired_runs": 0, "demote_copied_batches": 0, "demote_gathered_batches": 0,
+                           "restores": 0, "restore_bytes": 0,
                            "restore_seconds": 0.0, "restores_failed": 0, "restored_gpu_blocks": 0,
                            "restored_cpu_blocks": 0}
         self.slot_stats: dict = {}
@@ -356,6 +357,7 @@ class Authority(xo.Actor):
                 io["demote_seconds"] += msg.seconds
                 io["demote_fence_seconds"] += msg.fence_seconds
                 io["demote_paired_runs"] += msg.paired_runs
+                io["demote_copied_batches"] += int(msg.paired_runs > 0)  # it copied something
                 io["demote_gathered_batches"] += int(msg.gathered)
             for key, ok, _error in msg.results:
                 try:  # one key's trouble must not leave the rest of the batch DEMOTING for good

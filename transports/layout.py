@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -394,14 +395,17 @@ class _SpanTable(NamedTuple):
 
 # Tables of the layouts used lately, by identity (a peer's and the engine's own layout are the
 # same objects read after read); the landing area makes a fresh layout per read.
+# Several transports in one process (tests, benches) may describe reads at once: one lock.
 _TABLES: dict[int, tuple[KvLayout, _SpanTable]] = {}
+_TABLES_LOCK = threading.Lock()
 
 
 def _span_table(layout: KvLayout) -> _SpanTable:
-    cached = _TABLES.pop(id(layout), None)
-    if cached is not None and cached[0] is layout:
-        _TABLES[id(layout)] = cached  # most recently used last: the engines' layouts stay
-        return cached[1]
+    with _TABLES_LOCK:
+        cached = _TABLES.pop(id(layout), None)
+        if cached is not None and cached[0] is layout:
+            _TABLES[id(layout)] = cached  # most recently used last: the engines' layouts stay
+            return cached[1]
     rows = []
     for layer in layout.layers:
         region = region_index(layout, layer.base_ptr)
@@ -412,9 +416,10 @@ def _span_table(layout: KvLayout) -> _SpanTable:
     table = _SpanTable(np.asarray(columns[0], dtype=np.int64), np.asarray(columns[1], dtype=np.int64),
                        np.asarray(columns[2], dtype=np.int64), np.asarray(columns[3], dtype=np.int64),
                        np.asarray(columns[4], dtype=bool), tuple(len(layer.spans) for layer in layout.layers))
-    while len(_TABLES) >= 16:
-        _TABLES.pop(next(iter(_TABLES)))  # the least recently used
-    _TABLES[id(layout)] = (layout, table)
+    with _TABLES_LOCK:
+        while len(_TABLES) >= 16:
+            _TABLES.pop(next(iter(_TABLES)))  # the least recently used
+        _TABLES[id(layout)] = (layout, table)
     return table
 
 
@@ -429,6 +434,9 @@ def descriptors_for_runs(src_layout: KvLayout, dst_layout: KvLayout,
     if len(src_layout.layers) != len(dst_layout.layers):
         raise LayoutMismatch(f"{len(src_layout.layers)} source layers vs {len(dst_layout.layers)} "
                              "destination layers")
+    if not runs:
+        empty = np.zeros((0, 2), dtype=np.uint64)
+        return DescriptorPlan(empty, empty.copy())
     src, dst = _span_table(src_layout), _span_table(dst_layout)
     if src.spans_per_layer != dst.spans_per_layer:
         layer = next(i for i, (a, b) in enumerate(zip(src.spans_per_layer, dst.spans_per_layer)) if a != b)
@@ -439,7 +447,7 @@ def descriptors_for_runs(src_layout: KvLayout, dst_layout: KvLayout,
         layer = int(np.searchsorted(np.cumsum(src.spans_per_layer), row, side="right"))
         raise LayoutMismatch(f"layer {src_layout.layers[layer].name!r}: span of {int(src.nbytes[row])} "
                              f"bytes vs {int(dst.nbytes[row])} bytes")
-    if not runs or not len(src.base):
+    if not len(src.base):
         empty = np.zeros((0, 2), dtype=np.uint64)
         return DescriptorPlan(empty, empty.copy())
     run_array = np.asarray(runs, dtype=np.int64).reshape(-1, 3)

@@ -157,7 +157,7 @@ def test_transferred_kv_is_bit_identical(pd):
     assert received == source
     transfer = pd.d.call_connector("debug_state")["transfer"]
     assert transfer["landed"] >= 1, transfer  # the bytes came through the landing area
-    # Good reads say where their time went (a read with nothing to move has no phases): the four
+    # Good reads say where their time went (a read with nothing to move has no phases): the five
     # phases until a read's end are part of its seconds, all of them when every read said.
     assert 0 < transfer["phased_reads"] <= transfer["reads"] - transfer["failed"], transfer
     phased = sum(transfer[f"{phase}_seconds"] for phase in ("queued", "describe", "initialize", "transfer_call", "settle"))

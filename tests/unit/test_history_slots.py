@@ -280,10 +280,11 @@ def test_copier_moves_consecutive_demotion_messages_as_one_batch_and_answers_eve
     assert 0 <= done.fence_seconds < done.seconds  # the fence wait is part of the batch's time
     # Slots 0, 1 of the GPU tier into CPU slots 0, 1: one run, copied run by run.
     assert (done.paired_runs, done.gathered) == (1, False)
-    store.MAX_RUN_COPIES = 0
+    store.MAX_DIRECT_COPIES = 0  # gathers from here on
     store.stage([(6, "d")])
     gathered = copier._demote_batch([m.DemoteCopies(("d",))])
     assert gathered.results[0][1] is False  # the CPU tier is full; the GPU slot is freed anyway
+    assert gathered.paired_runs == 0  # nothing was copied
     store.drop("a")
     store.stage([(7, "e")])
     gathered = copier._demote_batch([m.DemoteCopies(("e",))])
@@ -392,6 +393,7 @@ def test_copies_in_small_chunks_stay_bit_exact(scattered):
     caches = make_caches(layers=2)
     store = SlotStore(caches, [0] * len(caches), gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
     store.CHUNK_BYTES = 3 * store.slot_bytes // len(store.views)  # 3 rows of one layer
+    store.MAX_DIRECT_COPIES = 0  # the gathers, which the chunks cap
     if scattered:
         store.free["cpu"] = list(range(0, 2 * NUM_BLOCKS, 2))
     saved = {b: engine_block(caches, b, 0) for b in range(NUM_BLOCKS)}
@@ -432,14 +434,14 @@ def test_kv_first_caches_are_cut_into_contiguous_pieces():
 @pytest.mark.parametrize("direct", [True, False])
 def test_run_copies_and_gathers_move_the_same_bytes(block_first, direct):
     """Stage, demotion and restore copy run by run (plain copies, no gather) when slots and
-    blocks pair up in few runs, and gather otherwise (MAX_RUN_COPIES 0 forces it): both land
+    blocks pair up in few runs, and gather otherwise (MAX_DIRECT_COPIES 0 forces it): both land
     every key's bytes, K/V-first caches too, in order or shuffled."""
     block_dim = 0 if block_first else 1
     caches = make_caches(block_first=block_first, layers=2)
     store = SlotStore(caches, [block_dim] * 2, gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
     assert len(store.views) == (2 if block_first else 4)
     if not direct:
-        store.MAX_RUN_COPIES = 0
+        store.MAX_RUN_COPIES = store.MAX_DIRECT_COPIES = 0
     saved = {b: engine_block(caches, b, block_dim) for b in range(NUM_BLOCKS)}
     originals = {name: tensor.clone() for name, tensor in caches.items()}
     for shuffled in (False, True):
@@ -461,6 +463,30 @@ def test_run_copies_and_gathers_move_the_same_bytes(block_first, direct):
         for name, tensor in caches.items():  # the engine's blocks back as they were
             tensor.copy_(originals[name])
     assert len(store.free["gpu"]) == NUM_BLOCKS and len(store.free["cpu"]) == 2 * NUM_BLOCKS
+
+
+def test_a_key_named_twice_in_one_stage_takes_one_slot():
+    store = SlotStore(make_caches(layers=1), [0], gpu_slots=4, cpu_slots=0)
+    assert store.stage([(3, "a"), (5, "a"), (6, "b")]) == 2 * store.slot_bytes
+    assert store.read_slot("a") == engine_block(make_caches(layers=1), 3, 0)
+    assert len(store.free["gpu"]) == 2 and len(store.maps["gpu"]) == 2
+
+
+def test_a_strided_piece_is_copied_with_gathers_and_stays_bit_exact():
+    """A cache that cannot be cut into contiguous pieces stays one strided view: plain copies
+    into it would need a temporary as large as the run, so stage and restore gather."""
+    caches = {f"l{i}": torch.randn((32, NUM_BLOCKS, 2, 16)).to(torch.bfloat16).transpose(0, 2)
+              for i in range(2)}  # (2, blocks, 32, 16), blocks second, not contiguous
+    store = SlotStore(caches, [1, 1], gpu_slots=NUM_BLOCKS, cpu_slots=NUM_BLOCKS)
+    assert len(store.views) == 2 and not store.views_contiguous
+    saved = {b: engine_block(caches, b, 1) for b in range(NUM_BLOCKS)}
+    store.stage([(b, f"k{b}") for b in range(NUM_BLOCKS)])
+    assert store.demote_many([f"k{b}" for b in range(8)]) == [None] * 8
+    assert all(store.read_slot(f"k{b}") == saved[b] for b in range(NUM_BLOCKS))
+    for tensor in caches.values():
+        tensor.zero_()
+    store.restore([(f"k{b}", "", b) for b in range(NUM_BLOCKS)])
+    assert all(engine_block(caches, b, 1) == saved[b] for b in range(NUM_BLOCKS))
 
 
 def test_slots_are_taken_lowest_first_so_consecutive_blocks_pair_in_one_run():
@@ -509,6 +535,7 @@ def test_demotion_batches_land_bit_exact_by_runs_and_through_staging(scattered):
     MAX_RUN_COPIES) goes through a staging buffer. Both land every key's bytes in its slot."""
     caches = make_caches(layers=2)
     store = SlotStore(caches, [0] * len(caches), gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
+    store.MAX_DIRECT_COPIES = 0  # not run by run on both tiers: the gathers
     if scattered:  # every other CPU slot free: each demoted key is a run of its own
         store.free["cpu"] = list(range(0, 2 * NUM_BLOCKS, 2))  # a min-heap already
     saved = {b: engine_block(caches, b, 0) for b in range(NUM_BLOCKS)}
@@ -541,8 +568,11 @@ def test_cuda_tiers_stage_demote_restore_bit_exact():
     # store of its own.
     wide = SlotStore(caches, [1] * 3, gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
     wide.CHUNK_BYTES = 5 * wide.slot_bytes // 3  # 5 rows of a layer: every copy runs in chunks
-    for free in (list(range(0, 2 * NUM_BLOCKS, 2)), list(range(2 * NUM_BLOCKS))):  # min-heaps
+    # Gathers with scattered and with contiguous CPU slots, then plain copies run by run.
+    for free, direct in ((list(range(0, 2 * NUM_BLOCKS, 2)), 0), (list(range(2 * NUM_BLOCKS)), 0),
+                         (list(range(2 * NUM_BLOCKS)), SlotStore.MAX_DIRECT_COPIES)):  # min-heaps
         wide.free["cpu"] = free
+        wide.MAX_DIRECT_COPIES = direct
         wide.stage([(b, f"w{b}") for b in range(NUM_BLOCKS)])
         assert wide.demote_many([f"w{b}" for b in range(NUM_BLOCKS)]) == [None] * NUM_BLOCKS
         assert all(wide.read_slot(f"w{b}") == saved[b] for b in range(NUM_BLOCKS))

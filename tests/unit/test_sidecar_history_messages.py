@@ -53,7 +53,8 @@ def test_one_admissions_demotions_are_one_message_before_its_stage(authority):
     assert a.history_io["demotions"] == 3 and a.history_io["demotions_failed"] == 0
     assert a.history_io["demote_batches"] == 1
     assert (a.history_io["demote_seconds"], a.history_io["demote_fence_seconds"]) == (0.004, 0.003)
-    assert (a.history_io["demote_paired_runs"], a.history_io["demote_gathered_batches"]) == (2, 1)
+    assert (a.history_io["demote_paired_runs"], a.history_io["demote_copied_batches"],
+            a.history_io["demote_gathered_batches"]) == (2, 1, 1)
     assert a.ledger.check_invariants() == []
 
 

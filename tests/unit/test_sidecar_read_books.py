@@ -1,5 +1,5 @@
 """D's sidecar books where its reads spent their time, as the transport reports it per read
-(queued, prepare, transfer call, settle, collect): summed over the good reads that say."""
+(queued, describe, initialize, transfer call, settle, collect): summed over the good reads that say."""
 
 from __future__ import annotations
 

@@ -4,6 +4,14 @@ restores them from each tier, next to torch's single-copy ceilings for the same 
 GPU idle and then shared with a second process that keeps it busy (as D's decode does on one GPU).
 
     python -m kvbaton.bench.history_copy_probe --shape 7b --blocks 250 [--busy] [--out FILE]
+        [--layout block-first|kv-first] [--runs 1,9,40]
+
+--layout: vLLM 0.24's GPU caches are block-first per layer, (blocks, 2, block size, KV heads,
+head dim) (tests/gpu test_kv_cache_layout); kv-first, (2, blocks, ...), is what the first runs of
+this probe used (the store cuts it into K and V pieces). --runs: the blocks of every copy come in
+this many runs of consecutive blocks and slots (1: the best case; a busy P's retained prompts and
+free slots are fragmented), one measurement per value; each row says whether the store copied
+run by run or gathered.
 
 Why: in a 7B revisit with CUDA graphs a 250-block demotion (229 MB) took 53.7 ms P50 against 16.2
 ms eager (docs/BENCHMARKS.md, fourth session). This separates the store's own copy time from
@@ -46,19 +54,36 @@ def timed(fn, sync) -> float:
     return time.perf_counter() - started
 
 
-def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 16) -> dict:
+def in_runs(total: int, runs: int, start: int) -> list[int]:
+    """`total` ids from `start` in `runs` runs of consecutive ids, one id skipped between runs."""
+
+    runs = max(1, min(runs, total))
+    out: list[int] = []
+    for run in range(runs):
+        length = total // runs + (1 if run < total % runs else 0)
+        out.extend(range(start, start + length))
+        start += length + 1
+    return out
+
+
+def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 16,
+          layout: str = "block-first", runs: int = 1) -> dict:
     import torch
 
-    from kvbaton.adapters.vllm.history import SlotStore
+    from kvbaton.adapters.vllm.history import SlotStore, pair_runs
 
     layers, heads, dim = SHAPES[shape]
     cuda = device.startswith("cuda")
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    engine_blocks = max(1024, 4 * blocks)
-    # vLLM's GPU layout per layer: (2, blocks, block size, KV heads, head dim), blocks on dim 1.
-    caches = {f"layer.{i}": torch.randn((2, engine_blocks, block_size, heads, dim), device=device,
-                                        dtype=torch.bfloat16) for i in range(layers)}
-    store = SlotStore(caches, [1] * layers, gpu_slots=blocks, cpu_slots=2 * blocks)
+    engine_blocks = max(1024, 8 * blocks)
+    shape_of = ((engine_blocks, 2, block_size, heads, dim) if layout == "block-first"
+                else (2, engine_blocks, block_size, heads, dim))
+    caches = {f"layer.{i}": torch.randn(shape_of, device=device, dtype=torch.bfloat16) for i in range(layers)}
+    block_dim = 0 if layout == "block-first" else 1
+    store = SlotStore(caches, [block_dim] * layers, gpu_slots=2 * blocks, cpu_slots=4 * blocks)
+    stage_from = in_runs(blocks, runs, 0)  # engine blocks a prompt sits in
+    restore_into = in_runs(blocks, runs, 4 * blocks)  # engine blocks vLLM allocated for a revisit
+    paths: dict[str, str] = {}
     nbytes = blocks * store.slot_bytes
     rows: dict[str, list[float]] = {k: [] for k in ("stage", "demote", "restore_gpu", "restore_cpu",
                                                     "ceiling_d2d", "ceiling_d2h", "ceiling_h2d")}
@@ -67,27 +92,36 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
     host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=cuda)
 
     def restore(tier_keys):
-        job = store.begin_restore([(key, tier, 2 * blocks + i) for i, (key, tier) in enumerate(tier_keys)])
+        job = store.begin_restore([(key, tier, block) for (key, tier), block in zip(tier_keys, restore_into)])
         while not job.done():
             time.sleep(20e-6)
         store.end_restore(job)
 
     for repeat in range(repeats):
         keys = [f"r{repeat}-{i}" for i in range(blocks)]
-        rows["stage"].append(timed(lambda: store.stage(list(zip(range(blocks), keys))), sync))
+        # Free slots in `runs` runs: the stage's GPU slots and the demotion's CPU slots.
+        store.free["gpu"] = in_runs(blocks, runs, 0)
+        store.free["cpu"] = in_runs(blocks, runs, 0)
+        rows["stage"].append(timed(lambda: store.stage(list(zip(stage_from, keys))), sync))
         rows["restore_gpu"].append(timed(lambda: restore([(k, "gpu") for k in keys]), sync))
         errors = []
         rows["demote"].append(timed(lambda: errors.extend(store.demote_many(keys)), sync))
+        paths["demote"] = "gathered" if store.last_demote_runs[1] else "run by run"
         failed = [e for e in errors if e is not None]
         if failed:
             raise RuntimeError(f"demotion failed: {failed[0]!r}")
         rows["restore_cpu"].append(timed(lambda: restore([(k, "cpu") for k in keys]), sync))
         for key in keys:
             store.drop(key)
+        store.free = {tier: list(range(store.slots[tier])) for tier in store.TIERS}  # min-heaps
         rows["ceiling_d2d"].append(timed(lambda: flat2.copy_(flat), sync))
         rows["ceiling_d2h"].append(timed(lambda: host.copy_(flat, non_blocking=cuda), sync))
         rows["ceiling_h2d"].append(timed(lambda: flat.copy_(host, non_blocking=cuda), sync))
-    out = {"shape": shape, "blocks": blocks, "bytes": nbytes, "slot_bytes": store.slot_bytes, "device": device}
+    for name, pairs in (("stage", zip(stage_from, in_runs(blocks, runs, 0))),
+                        ("restore", zip(in_runs(blocks, runs, 0), restore_into))):
+        paths[name] = "run by run" if store._direct(pair_runs(pairs), onto_views=True) else "gathered"
+    out = {"shape": shape, "layout": layout, "runs": runs, "pieces": len(store.views), "paths": paths,
+           "blocks": blocks, "bytes": nbytes, "slot_bytes": store.slot_bytes, "device": device}
     for name, samples in rows.items():
         median = statistics.median(samples[1:] if len(samples) > 2 else samples)  # the first warms up
         out[name] = {"median_ms": median * 1e3, "GBps": nbytes / median / 1e9}
@@ -95,13 +129,14 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'GPU':<6}{'copy':<13}{'ms':>9}{'GB/s':>9}   ceiling (same bytes, one copy)")
+    print(f"\n{'GPU':<6}{'runs':>5}  {'copy':<13}{'path':<12}{'ms':>9}{'GB/s':>9}   ceiling (same bytes, one copy)")
     ceilings = {"stage": "ceiling_d2d", "restore_gpu": "ceiling_d2d", "demote": "ceiling_d2h",
                 "restore_cpu": "ceiling_h2d"}
     for result in results:
         for name, ceiling in ceilings.items():
             row, top = result[name], result[ceiling]
-            print(f"{result['load']:<6}{name:<13}{row['median_ms']:>9.2f}{row['GBps']:>9.1f}   "
+            path = result["paths"].get(name.split("_")[0], "")
+            print(f"{result['load']:<6}{result['runs']:>5}  {name:<13}{path:<12}{row['median_ms']:>9.2f}{row['GBps']:>9.1f}   "
                   f"{top['GBps']:.1f} GB/s ({row['GBps'] / top['GBps']:.0%})")
 
 
@@ -112,13 +147,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--device", default="", help="default: cuda:0 when there is one, else cpu")
     parser.add_argument("--busy", action="store_true", help="also measure with a second process keeping the GPU busy")
+    parser.add_argument("--layout", choices=("block-first", "kv-first"), default="block-first")
+    parser.add_argument("--runs", default="1", help="comma-separated: runs of consecutive blocks and slots per copy")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
 
     import torch
 
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    results = [{"load": "idle", **probe(args.shape, args.blocks, args.repeats, device)}]
+    run_counts = [int(x) for x in args.runs.split(",") if x]
+
+    def measure(load: str) -> list[dict]:
+        return [{"load": load, **probe(args.shape, args.blocks, args.repeats, device, layout=args.layout, runs=runs)}
+                for runs in run_counts]
+
+    results = measure("idle")
     if args.busy and device.startswith("cuda"):
         context = multiprocessing.get_context("spawn")
         ready, stop = context.Event(), context.Event()
@@ -128,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             if not ready.wait(120):
                 raise RuntimeError("the busy process did not start")
             time.sleep(1.0)
-            results.append({"load": "busy", **probe(args.shape, args.blocks, args.repeats, device)})
+            results += measure("busy")
         finally:
             stop.set()
             worker.join(30)

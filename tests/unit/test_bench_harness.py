@@ -73,6 +73,21 @@ def test_history_copy_probe_times_every_copy_of_the_same_bytes():
     assert result["bytes"] == 8 * result["slot_bytes"] == 8 * 16 * 24 * 2 * 2 * 64 * 2
     for name in ("stage", "demote", "restore_gpu", "restore_cpu", "ceiling_d2d", "ceiling_d2h", "ceiling_h2d"):
         assert result[name]["median_ms"] > 0 and result[name]["GBps"] > 0
+    assert result["pieces"] == 24 and set(result["paths"].values()) == {"run by run"}
+    # Fragmented: 8 runs x 48 K/V pieces is over the store's plain-copy budget, so it gathers.
+    scattered = probe("0.5b", blocks=8, repeats=2, device="cpu", layout="kv-first", runs=8)
+    assert scattered["pieces"] == 48 and set(scattered["paths"].values()) == {"gathered"}
+    assert scattered["bytes"] == result["bytes"]
+
+
+def test_in_runs_gives_the_asked_number_of_runs():
+    from kvbaton.adapters.vllm.history import cpu_slot_runs
+    from kvbaton.bench.history_copy_probe import in_runs
+
+    for total, runs in ((250, 1), (250, 9), (250, 40), (7, 7)):
+        ids = in_runs(total, runs, 100)
+        assert len(ids) == len(set(ids)) == total and ids == sorted(ids) and ids[0] == 100
+        assert len(cpu_slot_runs(ids)) == runs
 
 
 def test_both_connectors_get_the_same_engine_arguments():

@@ -6,8 +6,12 @@ The policy (which keys to keep, demote, evict, restore) is the core's (`core/his
 * `SlotStore` owns two tiers of fixed-size slots, one slot per engine block over all layers:
   the "gpu" tier on the KV cache's device, the "cpu" tier in host memory (pinned when the KV
   cache is on CUDA, so device<->host copies can be asynchronous). On CPU engines both tiers are
-  plain host memory. Each tier is one tensor per distinct layer cache, `[slots, *block_shape]`;
-  a key maps to one slot index per tier. Sized from the budgets (`budget // block_bytes`), so
+  plain host memory. Each tier is one tensor per piece of a distinct layer cache (the cache
+  itself when blocks come first, its K and V halves when it is `[2, blocks, ...]`),
+  `[slots, *piece_block_shape]`; a key maps to one slot index per tier. Slots are handed out
+  lowest first, in the order of the blocks they copy, so a stretch of blocks pairs with a
+  stretch of slots and each such run is one plain copy per piece (a DMA on CUDA, no kernel);
+  only fragmented copies gather. Sized from the budgets (`budget // block_bytes`), so
   the core's byte accounting and the slots agree exactly.
 * `HistoryCopier`, a thread of the worker, drains the sidecar's `history` socket and runs the
   writes into history (stage, demote, drop) in arrival order on one copy stream (on CUDA: a side

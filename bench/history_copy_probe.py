@@ -119,7 +119,7 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
         rows["ceiling_h2d"].append(timed(lambda: flat.copy_(host, non_blocking=cuda), sync))
     for name, pairs in (("stage", zip(stage_from, in_runs(blocks, runs, 0))),
                         ("restore", zip(in_runs(blocks, runs, 0), restore_into))):
-        paths[name] = "run by run" if store._direct(pair_runs(pairs), onto_views=True) else "gathered"
+        paths[name] = "run by run" if store.copies_run_by_run(pair_runs(pairs), onto_views=True) else "gathered"
     out = {"shape": shape, "layout": layout, "runs": runs, "pieces": len(store.views), "paths": paths,
            "blocks": blocks, "bytes": nbytes, "slot_bytes": store.slot_bytes, "device": device}
     for name, samples in rows.items():

@@ -301,7 +301,7 @@ class SlotStore:
             for src, dst, count in runs:
                 destination[dst:dst + count].copy_(source[src:src + count], non_blocking=self.cuda)
 
-    def _direct(self, runs, onto_views: bool) -> bool:
+    def copies_run_by_run(self, runs, onto_views: bool) -> bool:
         """Copy these runs one plain copy per run and piece: when the pieces involved are
         contiguous and the calls stay few (each costs the calling thread, the engine's for a
         restore, a few microseconds of Python)."""
@@ -312,7 +312,7 @@ class SlotStore:
 
     def _stage_copy(self, engine_blocks, slots) -> None:
         runs = pair_runs(zip(engine_blocks, slots))
-        if self._direct(runs, onto_views=True):
+        if self.copies_run_by_run(runs, onto_views=True):
             self._copy_runs(self.views, self.tiers["gpu"], runs)
             return
         blocks = self._index(engine_blocks, self.device)  # uploaded on this stream, before use
@@ -397,7 +397,7 @@ class SlotStore:
 
         torch = self.torch
         direct = pair_runs((gslot, cslot) for _, gslot, cslot in moves)
-        if self._direct(direct, onto_views=False):  # slot runs on both sides: DMAs only
+        if self.copies_run_by_run(direct, onto_views=False):  # slot runs on both sides: DMAs only
             self._copy_runs(self.tiers["gpu"], self.tiers["cpu"], direct)
             return len(direct), False
         moves = sorted(moves, key=lambda move: move[2])
@@ -486,7 +486,7 @@ class SlotStore:
             if not slots:
                 continue
             direct = pair_runs(zip(slots, blocks))
-            if self._direct(direct, onto_views=True):
+            if self.copies_run_by_run(direct, onto_views=True):
                 # Slot runs onto block runs: one plain copy per run and piece, no kernel (a
                 # DMA straight from the pinned tier, or a device copy from the GPU tier).
                 self._copy_runs(self.tiers[tier], self.views, direct)

@@ -4,11 +4,12 @@ restores them from each tier, next to torch's single-copy ceilings for the same 
 GPU idle and then shared with a second process that keeps it busy (as D's decode does on one GPU).
 
     python -m kvbaton.bench.history_copy_probe --shape 7b --blocks 250 [--busy] [--out FILE]
-        [--layout block-first|kv-first] [--runs 1,9,40]
+        [--layout block-first|kv-first|cross-layer] [--runs 1,9,40]
 
 --layout: vLLM 0.24's GPU caches are block-first per layer, (blocks, 2, block size, KV heads,
 head dim) (tests/gpu test_kv_cache_layout); kv-first, (2, blocks, ...), is what the first runs of
-this probe used (the store cuts it into K and V pieces). --runs: the blocks of every copy come in
+this probe used (the store cuts it into K and V pieces); cross-layer is vLLM's layout when the
+connector asks for it (`cross_layer_blocks`): one tensor whose blocks hold every layer. --runs: the blocks of every copy come in
 this many runs of consecutive blocks and slots (1: the best case; a busy P's retained prompts and
 free slots are fragmented), one measurement per value; each row says whether the store copied
 run by run or gathered.
@@ -76,11 +77,15 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
     cuda = device.startswith("cuda")
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     engine_blocks = max(1024, 8 * blocks)
-    shape_of = ((engine_blocks, 2, block_size, heads, dim) if layout == "block-first"
-                else (2, engine_blocks, block_size, heads, dim))
-    caches = {f"layer.{i}": torch.randn(shape_of, device=device, dtype=torch.bfloat16) for i in range(layers)}
-    block_dim = 0 if layout == "block-first" else 1
-    store = SlotStore(caches, [block_dim] * layers, gpu_slots=2 * blocks, cpu_slots=4 * blocks)
+    if layout == "cross-layer":
+        caches = {"all": torch.randn((engine_blocks, layers, 2, block_size, heads, dim), device=device,
+                                     dtype=torch.bfloat16)}
+    else:
+        shape_of = ((engine_blocks, 2, block_size, heads, dim) if layout == "block-first"
+                    else (2, engine_blocks, block_size, heads, dim))
+        caches = {f"layer.{i}": torch.randn(shape_of, device=device, dtype=torch.bfloat16) for i in range(layers)}
+    block_dim = 1 if layout == "kv-first" else 0
+    store = SlotStore(caches, [block_dim] * len(caches), gpu_slots=2 * blocks, cpu_slots=4 * blocks)
     stage_from = in_runs(blocks, runs, 0)  # engine blocks a prompt sits in
     restore_into = in_runs(blocks, runs, 4 * blocks)  # engine blocks vLLM allocated for a revisit
     paths: dict[str, str] = {}
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--device", default="", help="default: cuda:0 when there is one, else cpu")
     parser.add_argument("--busy", action="store_true", help="also measure with a second process keeping the GPU busy")
-    parser.add_argument("--layout", choices=("block-first", "kv-first"), default="block-first")
+    parser.add_argument("--layout", choices=("block-first", "kv-first", "cross-layer"), default="block-first")
     parser.add_argument("--runs", default="1", help="comma-separated: runs of consecutive blocks and slots per copy")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)

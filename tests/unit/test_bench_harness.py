@@ -78,6 +78,10 @@ def test_history_copy_probe_times_every_copy_of_the_same_bytes():
     scattered = probe("0.5b", blocks=8, repeats=2, device="cpu", layout="kv-first", runs=8)
     assert scattered["pieces"] == 48 and set(scattered["paths"].values()) == {"gathered"}
     assert scattered["bytes"] == result["bytes"]
+    # vLLM's cross-layer layout: one piece, so even 8 runs are 8 plain copies.
+    cross = probe("0.5b", blocks=8, repeats=2, device="cpu", layout="cross-layer", runs=8)
+    assert cross["pieces"] == 1 and set(cross["paths"].values()) == {"run by run"}
+    assert cross["bytes"] == result["bytes"]
 
 
 def test_in_runs_gives_the_asked_number_of_runs():

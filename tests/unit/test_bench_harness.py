@@ -129,3 +129,14 @@ def test_history_io_line_reports_per_operation_times_and_how_demotions_copied():
     assert line.startswith("stages 2 x 5.00 ms, 10.0 GB/s; ")
     assert "demotion batches 4 x 10.00 ms (fence 2.50 ms, 2.5 slot runs per batch that copied, 1 gathered), 900 blocks" in line
     assert line.endswith("restores none")
+
+
+def test_read_phases_line_reports_per_read_phases_size_and_descriptors():
+    from kvbaton.bench.pd_compare import read_phases_line
+    from kvbaton.control.messages import READ_PHASES
+
+    books = {"phased_reads": 4, "reads": 4, "bytes": 8_000_000, "descriptors": 336, "landed": 1,
+             **{f"{phase}_seconds": 0.004 for phase in READ_PHASES}}
+    line = read_phases_line(books)
+    assert line.startswith("4 reads, per read: queued 1.00 ms, describe 1.00 ms, initialize 1.00 ms")
+    assert line.endswith("; 2.0 MB and 84 descriptors per read, 1 of 4 landed")

@@ -67,6 +67,16 @@ def in_runs(total: int, runs: int, start: int) -> list[int]:
     return out
 
 
+def gather_kind(store, cpu_runs: int, restore: bool) -> str:
+    """Which gather a CPU-tier copy that cannot go run by run takes: with few runs of CPU slots,
+    a gather on the device and one DMA per run ("gather+runs"); otherwise through host memory
+    ("host gather"). A restore on a CPU engine gathers like any same-device copy."""
+
+    if restore and not store.cuda:
+        return "gathered"
+    return "gather+runs" if cpu_runs <= store.MAX_RUN_COPIES else "host gather"
+
+
 def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 16,
           layout: str = "block-first", runs: int = 1) -> dict:
     import torch
@@ -86,6 +96,7 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
         caches = {f"layer.{i}": torch.randn(shape_of, device=device, dtype=torch.bfloat16) for i in range(layers)}
     block_dim = 1 if layout == "kv-first" else 0
     store = SlotStore(caches, [block_dim] * len(caches), gpu_slots=2 * blocks, cpu_slots=4 * blocks)
+    runs = max(1, min(runs, blocks))  # what in_runs can give
     stage_from = in_runs(blocks, runs, 0)  # engine blocks a prompt sits in
     restore_into = in_runs(blocks, runs, 4 * blocks)  # engine blocks vLLM allocated for a revisit
     paths: dict[str, str] = {}
@@ -111,7 +122,7 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
         rows["restore_gpu"].append(timed(lambda: restore([(k, "gpu") for k in keys]), sync))
         errors = []
         rows["demote"].append(timed(lambda: errors.extend(store.demote_many(keys)), sync))
-        paths["demote"] = "gathered" if store.last_demote_runs[1] else "run by run"
+        paths["demote"] = gather_kind(store, runs, restore=False) if store.last_demote_runs[1] else "run by run"
         failed = [e for e in errors if e is not None]
         if failed:
             raise RuntimeError(f"demotion failed: {failed[0]!r}")
@@ -124,7 +135,10 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
         rows["ceiling_h2d"].append(timed(lambda: flat.copy_(host, non_blocking=cuda), sync))
     for name, pairs in (("stage", zip(stage_from, in_runs(blocks, runs, 0))),
                         ("restore", zip(in_runs(blocks, runs, 0), restore_into))):
-        paths[name] = "run by run" if store.copies_run_by_run(pair_runs(pairs), onto_views=True) else "gathered"
+        direct = store.copies_run_by_run(pair_runs(pairs), onto_views=True)
+        paths[name] = "run by run" if direct else "gathered"
+        if name == "restore":  # from the CPU tier a gather goes one of two ways
+            paths["restore_cpu"] = "run by run" if direct else gather_kind(store, runs, restore=True)
     out = {"shape": shape, "layout": layout, "runs": runs, "pieces": len(store.views), "paths": paths,
            "blocks": blocks, "bytes": nbytes, "slot_bytes": store.slot_bytes, "device": device}
     for name, samples in rows.items():
@@ -134,14 +148,14 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'GPU':<6}{'runs':>5}  {'copy':<13}{'path':<12}{'ms':>9}{'GB/s':>9}   ceiling (same bytes, one copy)")
+    print(f"\n{'GPU':<6}{'runs':>5}  {'copy':<13}{'path':<13}{'ms':>9}{'GB/s':>9}   ceiling (same bytes, one copy)")
     ceilings = {"stage": "ceiling_d2d", "restore_gpu": "ceiling_d2d", "demote": "ceiling_d2h",
                 "restore_cpu": "ceiling_h2d"}
     for result in results:
         for name, ceiling in ceilings.items():
             row, top = result[name], result[ceiling]
-            path = result["paths"].get(name.split("_")[0], "")
-            print(f"{result['load']:<6}{result['runs']:>5}  {name:<13}{path:<12}{row['median_ms']:>9.2f}{row['GBps']:>9.1f}   "
+            path = result["paths"].get(name, result["paths"].get(name.split("_")[0], ""))
+            print(f"{result['load']:<6}{result['runs']:>5}  {name:<13}{path:<13}{row['median_ms']:>9.2f}{row['GBps']:>9.1f}   "
                   f"{top['GBps']:.1f} GB/s ({row['GBps'] / top['GBps']:.0%})")
 
 

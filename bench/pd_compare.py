@@ -716,9 +716,10 @@ def read_phases_line(transfer: dict) -> str:
     line = f"{reads} reads, per read: " + ", ".join(
         f"{phase} {transfer.get(f'{phase}_seconds', 0.0) / reads * 1e3:.2f} ms" for phase in READ_PHASES)
     posted = transfer.get("reads", 0)
-    if posted:  # what each read moved and how it was described (descriptors: reads described here)
-        line += (f"; {transfer.get('bytes', 0) / posted / 1e6:.1f} MB and "
-                 f"{transfer.get('descriptors', 0) / posted:.0f} descriptors per read, "
+    good = posted - transfer.get("failed", 0)
+    if good > 0:  # bytes count the good reads; descriptors only the reads described here
+        line += (f"; {transfer.get('bytes', 0) / good / 1e6:.1f} MB and "
+                 f"{transfer.get('descriptors', 0) / good:.0f} descriptors per good read, "
                  f"{transfer.get('landed', 0)} of {posted} landed")
     return line
 

@@ -386,7 +386,7 @@ class SlotStore:
     # (one asynchronous copy each); a more scattered one is staged and scattered on the host.
     MAX_RUN_COPIES = 16
     # Plain copies (runs x pieces) one stage, demotion or restore may issue instead of gathers:
-    # 9 runs of a 28-layer model. Measured beside a busy GPU, the plain copies of 250 7B blocks
+    # 9 runs of a block-first 28-layer model (4 of a K/V-first one, 56 pieces). Measured beside a busy GPU, the plain copies of 250 7B blocks
     # ran at 89% of one pinned copy and the gathers at 11-26% (history_copy_probe --busy).
     MAX_DIRECT_COPIES = 256
 

@@ -429,7 +429,8 @@ def descriptors_for_runs(src_layout: KvLayout, dst_layout: KvLayout,
 
     Layers and spans are paired by position; `check_compatible` must have passed. Block ids are
     not range-checked here (see `check_block_ids`). Every (layer, span) piece is computed at
-    once with numpy: a read is on the engine's hot path, and a loop over 28 layers cost 0.55 ms.
+    once with numpy: a read is on the engine's hot path, and a loop over 28 layers cost 0.35-0.55
+    ms for a 250-block read on a 2-core development machine (now 0.07 ms).
     """
     if len(src_layout.layers) != len(dst_layout.layers):
         raise LayoutMismatch(f"{len(src_layout.layers)} source layers vs {len(dst_layout.layers)} "

@@ -43,6 +43,7 @@ import time
 from typing import Any, NamedTuple
 
 from ...control import messages as m
+from ...transports.layout import coalesce_runs
 
 logger = logging.getLogger("vllm.kvbaton.history")
 
@@ -355,7 +356,7 @@ class SlotStore:
             # stretch of GPU slots lands in a stretch of CPU slots (one copy per piece and run).
             for key, gslot in sorted(taking, key=lambda move: move[1]):
                 moves.append((key, gslot, heapq.heappop(self.free["cpu"])))
-        self.last_demote_runs = (0, False)
+        self.last_demote_fence_s, self.last_demote_runs = 0.0, (0, False)  # this batch's, below
         if not moves:
             return errors
         # While the copy runs the key stays in the GPU tier: a restore that looks it up meanwhile
@@ -382,12 +383,14 @@ class SlotStore:
                 self._release("gpu", gslot)  # deferred while a restore reads it
         return errors
 
-    # A demotion or restore whose CPU-tier slots form at most this many runs copies run by run
-    # (one asynchronous copy each); a more scattered one is staged and scattered on the host.
+    # A demotion or CPU-tier restore that cannot go run by run (below), with CPU-tier slots in at
+    # most this many runs, gathers on the device and moves each run with one asynchronous DMA; a
+    # more scattered one goes through host memory.
     MAX_RUN_COPIES = 16
     # Plain copies (runs x pieces) one stage, demotion or restore may issue instead of gathers:
-    # 9 runs of a block-first 28-layer model (4 of a K/V-first one, 56 pieces). Measured beside a busy GPU, the plain copies of 250 7B blocks
-    # ran at 89% of one pinned copy and the gathers at 11-26% (history_copy_probe --busy).
+    # 9 runs of a block-first 28-layer model, 4 of a K/V-first one (56 pieces). Beside a busy
+    # GPU, plain copies of 250 7B blocks ran at 89% of one pinned copy, the gathers at 11-26%
+    # (history_copy_probe --busy).
     MAX_DIRECT_COPIES = 256
 
     def _demote_copy(self, moves) -> tuple[int, bool]:
@@ -657,8 +660,6 @@ class HistoryCopier:
         if self.store is None:
             return m.DemotesDone(tuple((key, False, self.broken or "no history store") for key in keys))
         started = time.perf_counter()
-        self.store.last_demote_fence_s = 0.0
-        self.store.last_demote_runs = (0, False)
         errors = self.store.demote_many(keys)
         runs, gathered = self.store.last_demote_runs
         return m.DemotesDone(tuple((key, err is None, "" if err is None else str(err))
@@ -728,16 +729,11 @@ def block_first_pieces(tensor, block_dim: int) -> list:
 
 def pair_runs(pairs) -> list[tuple[int, int, int]]:
     """(source row, destination row) pairs as runs where both go up by one, in source order:
-    (first source row, first destination row, rows)."""
+    (first source row, first destination row, rows); the transports' `coalesce_runs` on the
+    pairs sorted by source."""
 
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in sorted(pairs):
-        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
-            first, into, count = runs[-1]
-            runs[-1] = (first, into, count + 1)
-        else:
-            runs.append((src, dst, 1))
-    return runs
+    ordered = sorted(pairs)
+    return coalesce_runs([src for src, _ in ordered], [dst for _, dst in ordered])
 
 
 def split_runs(runs, step: int) -> list[tuple[int, list[tuple[int, int, int]], int]]:

@@ -4,7 +4,7 @@ restores them from each tier, next to torch's single-copy ceilings for the same 
 GPU idle and then shared with a second process that keeps it busy (as D's decode does on one GPU).
 
     python -m kvbaton.bench.history_copy_probe --shape 7b --blocks 250 [--busy] [--out FILE]
-        [--layout block-first|kv-first|cross-layer] [--runs 1,9,40]
+        [--layout block-first|kv-first|cross-layer] [--runs 1,9,40] [--limits DIRECT:HOST,...]
 
 --layout: vLLM 0.24's GPU caches are block-first per layer, (blocks, 2, block size, KV heads,
 head dim) (tests/gpu test_kv_cache_layout); kv-first, (2, blocks, ...), is what the first runs of
@@ -12,7 +12,8 @@ this probe used (the store cuts it into K and V pieces); cross-layer is vLLM's l
 connector asks for it (`cross_layer_blocks`): one tensor whose blocks hold every layer. --runs: the blocks of every copy come in
 this many runs of consecutive blocks and slots (1: the best case; a busy P's retained prompts and
 free slots are fragmented), one measurement per value; each row says whether the store copied
-run by run or gathered.
+run by run or gathered. --limits: the store's MAX_DIRECT_COPIES:MAX_HOST_COPIES, one measurement
+per pair (default: the store's own), to compare the copy paths on the same blocks.
 
 Why: in a 7B revisit with CUDA graphs a 250-block demotion (229 MB) took 53.7 ms P50 against 16.2
 ms eager (docs/BENCHMARKS.md, fourth session). This separates the store's own copy time from
@@ -78,7 +79,7 @@ def gather_kind(store, cpu_runs: int, restore: bool) -> str:
 
 
 def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 16,
-          layout: str = "block-first", runs: int = 1) -> dict:
+          layout: str = "block-first", runs: int = 1, limits: tuple[int, int] | None = None) -> dict:
     import torch
 
     from kvbaton.adapters.vllm.history import SlotStore, pair_runs
@@ -96,6 +97,8 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
         caches = {f"layer.{i}": torch.randn(shape_of, device=device, dtype=torch.bfloat16) for i in range(layers)}
     block_dim = 1 if layout == "kv-first" else 0
     store = SlotStore(caches, [block_dim] * len(caches), gpu_slots=2 * blocks, cpu_slots=4 * blocks)
+    if limits is not None:
+        store.MAX_DIRECT_COPIES, store.MAX_HOST_COPIES = limits
     runs = max(1, min(runs, blocks))  # what in_runs can give
     stage_from = in_runs(blocks, runs, 0)  # engine blocks a prompt sits in
     restore_into = in_runs(blocks, runs, 4 * blocks)  # engine blocks vLLM allocated for a revisit
@@ -135,11 +138,13 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
         rows["ceiling_h2d"].append(timed(lambda: flat.copy_(host, non_blocking=cuda), sync))
     for name, pairs in (("stage", zip(stage_from, in_runs(blocks, runs, 0))),
                         ("restore", zip(in_runs(blocks, runs, 0), restore_into))):
-        direct = store.copies_run_by_run(pair_runs(pairs), onto_views=True)
-        paths[name] = "run by run" if direct else "gathered"
-        if name == "restore":  # from the CPU tier a gather goes one of two ways
-            paths["restore_cpu"] = "run by run" if direct else gather_kind(store, runs, restore=True)
+        direct = pair_runs(pairs)
+        paths[name] = "run by run" if store.copies_run_by_run(direct, onto_views=True) else "gathered"
+        if name == "restore":  # from the CPU tier: its own limit, and a gather goes one of two ways
+            paths["restore_cpu"] = ("run by run" if store.copies_run_by_run(direct, onto_views=True, host=True)
+                                    else gather_kind(store, runs, restore=True))
     out = {"shape": shape, "layout": layout, "runs": runs, "pieces": len(store.views), "paths": paths,
+           "limits": [store.MAX_DIRECT_COPIES, store.MAX_HOST_COPIES],
            "blocks": blocks, "bytes": nbytes, "slot_bytes": store.slot_bytes, "device": device}
     for name, samples in rows.items():
         median = statistics.median(samples[1:] if len(samples) > 2 else samples)  # the first warms up
@@ -152,11 +157,12 @@ def print_table(results: list[dict]) -> None:
     ceilings = {"stage": "ceiling_d2d", "restore_gpu": "ceiling_d2d", "demote": "ceiling_d2h",
                 "restore_cpu": "ceiling_h2d"}
     for result in results:
+        limits = ":".join(str(v) for v in result["limits"])
         for name, ceiling in ceilings.items():
             row, top = result[name], result[ceiling]
             path = result["paths"].get(name, result["paths"].get(name.split("_")[0], ""))
             print(f"{result['load']:<6}{result['runs']:>5}  {name:<13}{path:<13}{row['median_ms']:>9.2f}{row['GBps']:>9.1f}   "
-                  f"{top['GBps']:.1f} GB/s ({row['GBps'] / top['GBps']:.0%})")
+                  f"{top['GBps']:.1f} GB/s ({row['GBps'] / top['GBps']:.0%})  limits {limits}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", action="store_true", help="also measure with a second process keeping the GPU busy")
     parser.add_argument("--layout", choices=("block-first", "kv-first", "cross-layer"), default="block-first")
     parser.add_argument("--runs", default="1", help="comma-separated: runs of consecutive blocks and slots per copy")
+    parser.add_argument("--limits", default="",
+                        help="comma-separated DIRECT:HOST pairs for MAX_DIRECT_COPIES:MAX_HOST_COPIES "
+                             "(default: the store's)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
 
@@ -175,10 +184,17 @@ def main(argv: list[str] | None = None) -> int:
 
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     run_counts = [int(x) for x in args.runs.split(",") if x]
+    try:
+        limit_sets = [tuple(int(v) for v in pair.split(":")) for pair in args.limits.split(",") if pair] or [None]
+    except ValueError:
+        parser.error(f"--limits takes DIRECT:HOST pairs of integers, got {args.limits!r}")
+    if any(limits is not None and len(limits) != 2 for limits in limit_sets):
+        parser.error(f"--limits takes DIRECT:HOST pairs, got {args.limits!r}")
 
     def measure(load: str) -> list[dict]:
-        return [{"load": load, **probe(args.shape, args.blocks, args.repeats, device, layout=args.layout, runs=runs)}
-                for runs in run_counts]
+        return [{"load": load, **probe(args.shape, args.blocks, args.repeats, device, layout=args.layout,
+                                       runs=runs, limits=limits)}
+                for limits in limit_sets for runs in run_counts]
 
     results = measure("idle")
     if args.busy and device.startswith("cuda"):

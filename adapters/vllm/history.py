@@ -302,14 +302,16 @@ class SlotStore:
             for src, dst, count in runs:
                 destination[dst:dst + count].copy_(source[src:src + count], non_blocking=self.cuda)
 
-    def copies_run_by_run(self, runs, onto_views: bool) -> bool:
+    def copies_run_by_run(self, runs, onto_views: bool, host: bool = False) -> bool:
         """Copy these runs one plain copy per run and piece: when the pieces involved are
-        contiguous and the calls stay few (each costs the calling thread, the engine's for a
-        restore, a few microseconds of Python)."""
+        contiguous and the calls stay few enough to beat a gather. `host`: one side is the
+        pinned CPU tier (on CUDA each copy is then a DMA, cheap beside a gather through host
+        memory); otherwise both sides are device memory (or, on CPU engines, host memory)."""
 
         if onto_views and not self.views_contiguous:
             return False
-        return len(runs) * len(self.views) <= self.MAX_DIRECT_COPIES
+        limit = self.MAX_HOST_COPIES if host and self.cuda else self.MAX_DIRECT_COPIES
+        return len(runs) * len(self.views) <= limit
 
     def _stage_copy(self, engine_blocks, slots) -> None:
         runs = pair_runs(zip(engine_blocks, slots))
@@ -387,11 +389,16 @@ class SlotStore:
     # most this many runs, gathers on the device and moves each run with one asynchronous DMA; a
     # more scattered one goes through host memory.
     MAX_RUN_COPIES = 16
-    # Plain copies (runs x pieces) one stage, demotion or restore may issue instead of gathers:
-    # 9 runs of a block-first 28-layer model, 4 of a K/V-first one (56 pieces). Beside a busy
-    # GPU, plain copies of 250 7B blocks ran at 89% of one pinned copy, the gathers at 11-26%
-    # (history_copy_probe --busy).
-    MAX_DIRECT_COPIES = 256
+    # Plain copies (runs x pieces) one stage or GPU-tier restore may issue instead of gathers.
+    # Within the GPU each cost 16-20 us of device time (250 7B blocks, block-first, in 9 runs:
+    # 252 copies, 4.3-5.0 ms) and the gathers took 1.8-2.3 ms for any number of runs, idle or
+    # beside a busy process (history_copy_probe); 96 is 3 runs of a block-first 28-layer model.
+    MAX_DIRECT_COPIES = 96
+    # The same for copies between the GPU and the pinned CPU tier (demotions, CPU-tier restores),
+    # where each copy is a DMA costing ~2.4 us (252 copies 5.3 ms, 28 copies 4.7 ms, for 229 MB)
+    # and the fallbacks are slow: gather+runs 12-14 ms; a host gather 28 ms idle and 1.4-1.9 s
+    # beside a busy process. The cost of this many is the engine thread's few us per call.
+    MAX_HOST_COPIES = 4096
 
     def _demote_copy(self, moves) -> tuple[int, bool]:
         """Copy GPU-tier slots into CPU-tier slots, per layer. On CUDA every device-to-host copy
@@ -400,7 +407,7 @@ class SlotStore:
 
         torch = self.torch
         direct = pair_runs((gslot, cslot) for _, gslot, cslot in moves)
-        if self.copies_run_by_run(direct, onto_views=False):  # slot runs on both sides: DMAs only
+        if self.copies_run_by_run(direct, onto_views=False, host=True):  # slot runs on both sides: DMAs only
             self._copy_runs(self.tiers["gpu"], self.tiers["cpu"], direct)
             return len(direct), False
         moves = sorted(moves, key=lambda move: move[2])
@@ -418,19 +425,34 @@ class SlotStore:
                         cpu[cslot:cslot + count].copy_(picked[first:first + count], non_blocking=self.cuda)
             return len(direct), True
         cidx = self._index((c for _, _, c in moves), "cpu")
-        step = max(1, self.CHUNK_BYTES // max(1, self.slot_bytes))  # every layer's chunk is alive at once
-        for start in range(0, len(moves), step):  # one chunk of every layer per wait
-            staged = []
-            for gpu in self.tiers["gpu"]:
-                picked = gpu.index_select(0, gidx[start:start + step])
-                host = torch.empty(picked.shape, dtype=gpu.dtype, pin_memory=self.cuda)
-                host.copy_(picked, non_blocking=self.cuda)
-                staged.append(host)
+        step = max(1, self.CHUNK_BYTES // max(1, self.slot_bytes))  # every piece's chunk is alive at once
+        for start in range(0, len(moves), step):
+            # Every piece's gather, then every DMA into one pinned buffer for the chunk, then one
+            # wait: kernels and DMAs alternating per piece would each wait for a time slice when
+            # another process shares the GPU.
+            picked = [gpu.index_select(0, gidx[start:start + step]) for gpu in self.tiers["gpu"]]
+            staged = self._host_staging([(rows.shape, rows.dtype) for rows in picked])
+            for host, rows in zip(staged, picked):
+                host.copy_(rows, non_blocking=self.cuda)
             if self.cuda:
                 torch.cuda.current_stream(self.device).synchronize()  # this stream: the copies above
             for host, cpu in zip(staged, self.tiers["cpu"]):
                 cpu.index_copy_(0, cidx[start:start + step], host)
         return len(direct), True
+
+    def _host_staging(self, specs) -> list:
+        """Host tensors shaped `specs` ((shape, dtype), ...), carved from one buffer (pinned on
+        CUDA): one allocation per chunk, not one per piece."""
+
+        torch = self.torch
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+        starts, total = [], 0
+        for size in sizes:
+            starts.append(total)
+            total += -(-size // 256) * 256  # every view aligned for any element type
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.cuda)
+        return [buffer[start:start + size].view(dtype).view(shape)
+                for start, size, (shape, dtype) in zip(starts, sizes, specs)]
 
     def drop(self, key: str, tier: str = "") -> bool:
         """Forget `key` wherever it is (the core names a tier; a key is only ever in one)."""
@@ -489,7 +511,7 @@ class SlotStore:
             if not slots:
                 continue
             direct = pair_runs(zip(slots, blocks))
-            if self.copies_run_by_run(direct, onto_views=True):
+            if self.copies_run_by_run(direct, onto_views=True, host=tier == "cpu"):
                 # Slot runs onto block runs: one plain copy per run and piece, no kernel (a
                 # DMA straight from the pinned tier, or a device copy from the GPU tier).
                 self._copy_runs(self.tiers[tier], self.views, direct)
@@ -532,12 +554,11 @@ class SlotStore:
             # pinned allocator keeps the buffer until the copy ran.
             for start in range(0, len(slots), step):
                 part = slots[start:start + step]
+                staged = self._host_staging([((len(part), *source.shape[1:]), source.dtype) for source in sources])
                 uploads = []
-                for source, view in zip(sources, self.views):
-                    staged = torch.empty((len(part), *source.shape[1:]), dtype=source.dtype,
-                                         pin_memory=self.cuda)
-                    torch.index_select(source, 0, part, out=staged)
-                    uploads.append(staged.to(view.device, non_blocking=True))
+                for source, host, view in zip(sources, staged, self.views):
+                    torch.index_select(source, 0, part, out=host)
+                    uploads.append(host.to(view.device, non_blocking=True))
                 for view, rows in zip(self.views, uploads):
                     view.index_copy_(0, blocks[start:start + step], rows)
 

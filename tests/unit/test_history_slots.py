@@ -552,6 +552,34 @@ def test_demotion_batches_land_bit_exact_by_runs_and_through_staging(scattered):
         assert store.read_slot(f"k{b}") == saved[b]
 
 
+def test_copies_between_gpu_and_pinned_tier_have_their_own_limit():
+    """On CUDA a copy between the GPU and the pinned CPU tier is a DMA, cheap beside the gathers,
+    so it has a higher limit (MAX_HOST_COPIES) than copies within one device; CPU engines use
+    MAX_DIRECT_COPIES for both."""
+    caches = make_caches(layers=2)
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=4, cpu_slots=4)
+    store.MAX_DIRECT_COPIES, store.MAX_HOST_COPIES = 4, 8
+    runs = [(i, i, 1) for i in range(3)]  # 3 runs x 2 pieces = 6 copies
+    assert not store.copies_run_by_run(runs, onto_views=True, host=True)  # CPU engine: direct limit
+    store.cuda = True  # only the limit is consulted
+    assert store.copies_run_by_run(runs, onto_views=True, host=True)
+    assert not store.copies_run_by_run(runs, onto_views=True, host=False)
+    assert not store.copies_run_by_run(runs * 2, onto_views=False, host=True)  # 12 copies
+
+
+def test_host_staging_carves_aligned_views_of_each_shape_and_type():
+    caches = make_caches(layers=1)
+    store = SlotStore(caches, [0], gpu_slots=2, cpu_slots=2)
+    specs = [((3, 5), torch.bfloat16), ((2, 7), torch.float32), ((1,), torch.int64)]
+    views = store._host_staging(specs)
+    assert [(tuple(v.shape), v.dtype) for v in views] == [(s, d) for s, d in specs]
+    assert all((v.data_ptr() - views[0].data_ptr()) % 256 == 0 for v in views)  # from the buffer's start
+    for index, view in enumerate(views):  # disjoint: writing one leaves the others as they were
+        view.fill_(index + 1)
+    assert [int(v.flatten()[0]) for v in views] == [1, 2, 3]
+    assert all(bool((v == i + 1).all()) for i, v in enumerate(views))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tiers_stage_demote_restore_bit_exact():
@@ -572,7 +600,7 @@ def test_cuda_tiers_stage_demote_restore_bit_exact():
     for free, direct in ((list(range(0, 2 * NUM_BLOCKS, 2)), 0), (list(range(2 * NUM_BLOCKS)), 0),
                          (list(range(2 * NUM_BLOCKS)), SlotStore.MAX_DIRECT_COPIES)):  # min-heaps
         wide.free["cpu"] = free
-        wide.MAX_DIRECT_COPIES = direct
+        wide.MAX_DIRECT_COPIES = wide.MAX_HOST_COPIES = direct
         wide.stage([(b, f"w{b}") for b in range(NUM_BLOCKS)])
         assert wide.demote_many([f"w{b}" for b in range(NUM_BLOCKS)]) == [None] * NUM_BLOCKS
         assert all(wide.read_slot(f"w{b}") == saved[b] for b in range(NUM_BLOCKS))

@@ -5,6 +5,9 @@
 #
 #   bash bench/device_plan.sh A   # tests/gpu with CUDA graphs, then the history copy probe
 #   bash bench/device_plan.sh B   # 7B revisit with cross-layer blocks, 0.5B throughput vs gil5
+#   bash bench/device_plan.sh C   # tests/gpu with the cross-layer default (and per-layer history),
+#                                 # the slot store's GPU unit test, the copy probe's paths by limits
+#   bash bench/device_plan.sh D   # 0.5B throughput: native, kvbaton (cross-layer), kvbaton-perlayer
 #
 # The order and the reasons: docs/BENCHMARKS.md, fifth session, "Next, in this order".
 set -uo pipefail
@@ -44,8 +47,26 @@ case "${1:-}" in
     compare thru05gil 250 --device 1gpu --shape 0.5b --systems native,kvbaton,kvbaton-gil5 \
       --scenarios throughput
     ;;
+  C)
+    KVBATON_GPU_CUDA_GRAPHS=1 BUDGET_S=${GPU_TESTS_S:-230} bash "$REPO/tests/gpu/run_on_device.sh" > /dev/null 2>&1
+    echo "tests/gpu (cross-layer default): rc=$?"
+    grep -h -E "^(FAILED|ERROR)|^=+ .*(passed|failed|error)|rc=" "$OUT"/pytest*.log "$OUT/env.txt" 2>/dev/null \
+      | tail -n 30
+    mkdir -p "$OUT/perlayer"
+    OUT=$OUT/perlayer HANDOFF=0 KVBATON_GPU_CROSS_LAYER=0 KVBATON_GPU_CUDA_GRAPHS=1 BUDGET_S=110 \
+      bash "$REPO/tests/gpu/run_on_device.sh" > /dev/null 2>&1
+    echo "tests/gpu history, per-layer: rc=$?"
+    grep -h -E "^(FAILED|ERROR)|^=+ .*(passed|failed|error)" "$OUT"/perlayer/pytest*.log 2>/dev/null | tail -n 10
+    (cd "$REPO" && PYTHONPATH=/tmp/kvb:${SITE:-/tmp/site} timeout 120 python3 -m pytest -q -p no:cacheprovider \
+      tests/unit/test_history_slots.py > "$OUT/pytest_slots_unit.txt" 2>&1)
+    echo "slot store unit tests on CUDA: rc=$?"; tail -n 3 "$OUT/pytest_slots_unit.txt"
+    probe limits 170 --shape 7b --busy --runs 16,40 --limits 96:4096,96:0 --repeats 4
+    ;;
+  D)
+    compare thru05x 280 --device 1gpu --shape 0.5b --systems native,kvbaton,kvbaton-perlayer --scenarios throughput
+    ;;
   *)
-    echo "usage: bash bench/device_plan.sh A|B" >&2
+    echo "usage: bash bench/device_plan.sh A|B|C|D" >&2
     exit 2
     ;;
 esac

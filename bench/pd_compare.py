@@ -875,8 +875,12 @@ def main(argv: list[str] | None = None) -> int:
         # P's history restores run inside the step that computes the rest (history_restore_sync).
         "kvbaton-syncrestore": System("kvbaton-syncrestore", "kvbaton", settings={"history_restore_sync": True},
                                       timed=timed),
-        # One KV tensor whose blocks hold every layer (cross_layer_blocks): a run is one descriptor.
+        # One KV tensor whose blocks hold every layer (cross_layer_blocks, the default since the
+        # sixth session): a run is one descriptor. kvbaton-perlayer is the A/B: per-layer caches,
+        # one descriptor per layer and run (what native's NixlConnector registers).
         "kvbaton-xlayer": System("kvbaton-xlayer", "kvbaton", settings={"cross_layer_blocks": True}, timed=timed),
+        "kvbaton-perlayer": System("kvbaton-perlayer", "kvbaton", settings={"cross_layer_blocks": False},
+                                   timed=timed),
     }
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]

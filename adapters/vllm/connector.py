@@ -198,8 +198,9 @@ class KvbatonConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         if self.settings.cross_layer_blocks:
-            logger.warning("kvbaton: cross_layer_blocks is set but vLLM registered per-layer KV caches "
-                           "(this vLLM version, device or model does not offer the cross-layer layout)")
+            # The default asks on every engine; CPU engines and vLLM 0.29+ never offer it.
+            logger.info("kvbaton: vLLM registered per-layer KV caches (this vLLM version, device or "
+                        "model does not offer the cross-layer layout cross_layer_blocks asks for)")
         self._worker.register_kv_caches(kv_caches)  # a failure here must stop the engine: let it raise
 
     @property

@@ -75,8 +75,10 @@ BLOCK_BYTES = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2  # one block, every l
 # GPU: the default budget (256 MiB: 1365 blocks). CPU: 384 blocks, a few prompts spill it.
 P_GPU_HISTORY_BYTES = 384 * BLOCK_BYTES if ON_CPU else None
 RETENTION_DEADLINE_S = 1.0  # a loaded machine may copy slowly: do not drop retentions here
-# KVBATON_GPU_CROSS_LAYER=1: the engines ask vLLM for a cross-layer KV cache (`cross_layer_blocks`).
-CROSS_LAYER = {"cross_layer_blocks": True} if os.environ.get("KVBATON_GPU_CROSS_LAYER") == "1" else {}
+# KVBATON_GPU_CROSS_LAYER=0/1: the engines ask vLLM for per-layer or cross-layer KV caches
+# (`cross_layer_blocks`); unset, the default (cross-layer).
+CROSS_LAYER = ({"cross_layer_blocks": os.environ["KVBATON_GPU_CROSS_LAYER"] == "1"}
+               if os.environ.get("KVBATON_GPU_CROSS_LAYER") in ("0", "1") else {})  # else the default
 FILLER_LENGTH = 4432
 D_BLOCKS = MAX_MODEL_LEN // BLOCK + 16
 CONCURRENT, ABANDON = 32, 3

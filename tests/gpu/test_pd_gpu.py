@@ -20,7 +20,8 @@ recomputing, handoff GB/s against GPU copies of the same bytes) into a JSON repo
 
 `KVBATON_GPU_LANDING` (all, the default here / auto / off) picks how D's reads use its landing
 area (every read packed then scattered on D's GPU / only when that saves descriptors / never).
-`KVBATON_GPU_CROSS_LAYER=1` has P and D ask vLLM for a cross-layer KV cache (`cross_layer_blocks`).
+`KVBATON_GPU_CROSS_LAYER=0` has P and D ask vLLM for per-layer KV caches (`cross_layer_blocks`
+off; the default asks for one cross-layer cache).
 `KVBATON_GPU_CUDA_GRAPHS=1` has every engine replay CUDA graphs for decode-only steps (not eager).
 
 Topologies: `1gpu` (P, D and S share GPU 0) always; `2gpu` (P on GPU 0; D and S on GPU 1) when
@@ -57,6 +58,7 @@ pytest.importorskip("nixl")
 import numpy as np  # noqa: E402
 
 from kvbaton.control.messages import READ_PHASES  # noqa: E402
+from kvbaton.adapters.vllm.settings import Settings  # noqa: E402
 
 from ..integration.engine_harness import EngineProcess, RemoteError  # noqa: E402
 from ..integration.log_checks import replay_engine_logs  # noqa: E402
@@ -160,8 +162,11 @@ def _topology_params():
 LANDING = os.environ.get("KVBATON_GPU_LANDING", "all")
 LANDING_SETTINGS = {"all": {"landing_bytes": 256 << 20, "landing_min_runs_saved": 0},
                     "auto": {}, "off": {"landing_bytes": 0}}[LANDING]
-# KVBATON_GPU_CROSS_LAYER=1: P and D ask vLLM for a cross-layer KV cache (`cross_layer_blocks`).
-CROSS_LAYER = {"cross_layer_blocks": True} if os.environ.get("KVBATON_GPU_CROSS_LAYER") == "1" else {}
+# KVBATON_GPU_CROSS_LAYER=0/1: P and D ask vLLM for per-layer or cross-layer KV caches
+# (`cross_layer_blocks`); unset, the default (cross-layer).
+CROSS_LAYER = ({"cross_layer_blocks": os.environ["KVBATON_GPU_CROSS_LAYER"] == "1"}
+               if os.environ.get("KVBATON_GPU_CROSS_LAYER") in ("0", "1") else {})  # else the default
+CROSS_LAYER_ON = CROSS_LAYER.get("cross_layer_blocks", Settings().cross_layer_blocks)
 # KVBATON_GPU_CUDA_GRAPHS=1: every engine (P, D and the reference) replays CUDA graphs for
 # decode-only steps, as bench/pd_compare.py runs them by default, instead of running eager. A
 # handoff's or restore's first step on P is then a graph replay too (one token).
@@ -385,8 +390,9 @@ def test_kv_cache_layout(pd):
     pd.report["kv_layout"] = info
     print(f"\n[{pd.topology}] {json.dumps(info)}")
     for side in info.values():
-        # A cross-layer cache is one registered span holding every layer (`__cross_layers__`).
-        assert side["layers"] == (1 if CROSS_LAYER else LAYERS)
+        # A cross-layer cache is one registered span holding every layer (`__cross_layers__`);
+        # CPU engines (the dry run) never offer it.
+        assert side["layers"] == (1 if CROSS_LAYER_ON and pd.topology != "cpu" else LAYERS)
         assert side["dtype"] == "torch.bfloat16"
         assert side["block_size"] == BLOCK
         assert side["device"].startswith("cpu" if ON_CPU else "cuda")

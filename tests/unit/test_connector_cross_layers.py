@@ -27,8 +27,9 @@ def bare_connector(settings: dict) -> KvbatonConnector:
     return connector
 
 
-def test_cross_layer_blocks_are_asked_for_only_when_set():
-    assert bare_connector({}).prefer_cross_layer_blocks is False
+def test_cross_layer_blocks_are_asked_for_unless_turned_off():
+    assert bare_connector({}).prefer_cross_layer_blocks is True  # the default
+    assert bare_connector({"cross_layer_blocks": False}).prefer_cross_layer_blocks is False
     assert bare_connector({"cross_layer_blocks": True}).prefer_cross_layer_blocks is True
     # vLLM may read the property before the settings exist (a half-built connector): no.
     assert object.__new__(KvbatonConnector).prefer_cross_layer_blocks is False

@@ -9,7 +9,13 @@
 #                                 # the slot store's GPU unit test, the copy probe's paths by limits
 #   bash bench/device_plan.sh D   # 0.5B throughput: native, kvbaton (cross-layer), kvbaton-perlayer
 #   bash bench/device_plan.sh E   # the history tests alone, cross-layer and per-layer
+#   bash bench/device_plan.sh F   # 7B throughput C32: native, kvbaton, kvbaton-syncrestore,
+#                                 # kvbaton-restorewait (restores under load)
+#   bash bench/device_plan.sh G   # cold arrivals and the churn control with cross-layer caches
+#   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, then 0.5B and 7B throughput
 #
+# A fresh machine's first engines start slowly (78 s against 30-40 s warm, sixth session): give
+# the first call's budget room.
 # The order and the reasons: docs/BENCHMARKS.md, fifth session, "Next, in this order".
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,7 +36,7 @@ compare() {  # TAG, seconds, then pd_compare's arguments
   shift 2
   TAG=$tag BUDGET_S=$budget bash "$REPO/bench/run_on_device.sh" "$@" > /dev/null 2>&1
   echo "compare $tag: rc=$?"
-  grep -E -A5 "== (throughput|revisit after eviction)" "$OUT/compare-$tag.log" | grep -v "^--$"
+  grep -E -A8 "== (throughput|revisit after eviction|cold arrivals|changing working set)" "$OUT/compare-$tag.log" | grep -v "^--$"
   grep -E "copies \(|reads \(|Error|Traceback" "$OUT/compare-$tag.log" | tail -n 12
 }
 
@@ -76,8 +82,23 @@ case "${1:-}" in
   D)
     compare thru05x 280 --device 1gpu --shape 0.5b --systems native,kvbaton,kvbaton-perlayer --scenarios throughput
     ;;
+  F)
+    compare thru7sync 480 --device 1gpu --shape 7b \
+      --systems native,kvbaton,kvbaton-syncrestore,kvbaton-restorewait --scenarios throughput --concurrency 32
+    ;;
+  G)
+    compare coldx 300 --device 1gpu --shape 0.5b --systems native,kvbaton --scenarios cold,churn
+    ;;
+  H)
+    KVBATON_GPU_TOPOLOGIES=2gpu KVBATON_GPU_CUDA_GRAPHS=1 BUDGET_S=${GPU_TESTS_S:-300} \
+      bash "$REPO/tests/gpu/run_on_device.sh" > /dev/null 2>&1
+    echo "tests/gpu 2gpu: rc=$?"
+    grep -h -E "^(FAILED|ERROR)|^=+ .*(passed|failed|error)|rc=" "$OUT"/pytest*.log "$OUT/env.txt" 2>/dev/null \
+      | tail -n 30
+    compare thru05two 250 --device 2gpu --shape 0.5b --systems native,kvbaton --scenarios throughput
+    ;;
   *)
-    echo "usage: bash bench/device_plan.sh A|B|C|D|E" >&2
+    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H" >&2
     exit 2
     ;;
 esac

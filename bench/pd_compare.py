@@ -875,6 +875,9 @@ def main(argv: list[str] | None = None) -> int:
         # P's history restores run inside the step that computes the rest (history_restore_sync).
         "kvbaton-syncrestore": System("kvbaton-syncrestore", "kvbaton", settings={"history_restore_sync": True},
                                       timed=timed),
+        # P's get_finished waits up to 10 ms for restores still copying (history_restore_wait_s).
+        "kvbaton-restorewait": System("kvbaton-restorewait", "kvbaton", settings={"history_restore_wait_s": 0.01},
+                                      timed=timed),
         # One KV tensor whose blocks hold every layer (cross_layer_blocks, the default since the
         # sixth session): a run is one descriptor. kvbaton-perlayer is the A/B: per-layer caches,
         # one descriptor per layer and run (what native's NixlConnector registers).

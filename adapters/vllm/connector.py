@@ -751,8 +751,9 @@ class WorkerSide:
         self.history.start()
         self.restorer = RestoreRunner(store, broken)
 
-    def pump(self) -> None:
-        """On the engine's thread: take what the io thread left for it (see worker_io.py)."""
+    def pump(self, restore_wait_s: float = 0.0) -> None:
+        """On the engine's thread: take what the io thread left for it (see worker_io.py).
+        restore_wait_s: wait up to this long for asynchronous restores still copying."""
         if self.link is None:
             return
         inbox = self.io.inbox
@@ -774,7 +775,7 @@ class WorkerSide:
             elif kind is m.Debug and msg.key.startswith("history_") and self.restorer is not None:
                 self.restorer.debug(msg)
         if self.restorer is not None and self.restorer.jobs:
-            for done, request in self.restorer.poll():
+            for done, request in self.restorer.poll(restore_wait_s):
                 self.link.send(done)
                 if done.ok and request:
                     # As for a load's last read: the bytes are in place, so vLLM may schedule
@@ -841,7 +842,9 @@ class WorkerSide:
             self.link.send(reply)
 
     def get_finished(self, finished_req_ids):
-        self.pump()
+        # vLLM calls this right after launching the step's forward: a short wait for restores
+        # still copying overlaps that forward (history_restore_wait_s; start_load_kv never waits).
+        self.pump(restore_wait_s=self.conn.settings.history_restore_wait_s)
         sending, self.sending = self.sending, set()
         recving, self.recving = self.recving, set()
         return (sending or None), (recving or None)

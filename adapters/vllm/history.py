@@ -849,11 +849,13 @@ class RestoreRunner:
         if job.event is not None:
             self.store.torch.cuda.current_stream(self.store.device).wait_event(job.event)
 
-    def poll(self) -> list[tuple[m.RestoreDone, str]]:
+    def poll(self, wait_s: float = 0.0) -> list[tuple[m.RestoreDone, str]]:
         """The restores that ended, each with the request to report received to vLLM ("" for a
-        synchronous one: vLLM expects no finished_recving for it)."""
+        synchronous one: vLLM expects no finished_recving for it). wait_s: wait up to this long
+        in all for asynchronous restores still copying (sleeping, so the GIL is free)."""
         if not self.jobs:
             return []
+        deadline = time.perf_counter() + wait_s
         done, pending = [], []
         for lease, request, sync, job in self.jobs:
             if sync:
@@ -865,6 +867,9 @@ class RestoreRunner:
                     # engine has none; the lease would stay open, its keys pinned).
                     job.event.synchronize()
                 finished = job.done()
+                while not finished and time.perf_counter() < deadline:
+                    time.sleep(50e-6)
+                    finished = job.done()
             except Exception as exc:  # a device error surfaces here: the restore failed
                 self.store.end_restore(job)
                 done.append((m.RestoreDone(lease, False, error=str(exc)), request))

@@ -60,6 +60,14 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # recompute can leave them holding bytes nobody wrote. Failures need a key lost between
     # reservation and copy (rare), but this is why the setting is off by default.
     history_restore_sync: bool = False
+    # An asynchronous restore is started before a step's forward and reported to vLLM from a
+    # later step's get_finished, which vLLM calls right after launching the forward: a copy of a
+    # few ms then costs a whole step before vLLM schedules the request. With this > 0, P's
+    # get_finished waits up to this long (on the host, while the GPU runs the launched forward)
+    # for restores still copying, so one that ends in time is reported a step earlier. Under 7B
+    # throughput load P's steps ran 200 ms and more, and restores posted in one step ended
+    # together 300-330 ms later (docs/BENCHMARKS.md, sixth session). Off until measured on a GPU.
+    history_restore_wait_s: float = 0.0
     # Control plane.
     control_host: str = "127.0.0.1"
     control_port: int = 0  # 0: pick a free port
@@ -122,7 +130,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 _POSITIVE = ("unclaimed_ttl_s", "claim_lease_s", "claim_wait_s", "read_grant_wait_s",
              "heartbeat_interval_s", "peer_call_timeout_s", "history_lease_s", "history_retention_deadline_s",
              "debug_reads_per_load")
-_NON_NEGATIVE = ("gpu_history_bytes", "landing_min_runs_saved", "gil_switch_interval_s", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
+_NON_NEGATIVE = ("gpu_history_bytes", "landing_min_runs_saved", "gil_switch_interval_s", "history_restore_wait_s", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
                  "debug_hold_first_read_s", "debug_fail_every_nth_read")
 
 
@@ -150,6 +158,9 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
         if getattr(settings, key) < 0:
             raise SettingsError(f"kvbaton: kv_connector_extra_config {key!r} must be >= 0 "
                                 f"(got {getattr(settings, key)!r})")
+    if settings.history_restore_wait_s > 0.5:
+        raise SettingsError("kvbaton: kv_connector_extra_config 'history_restore_wait_s' must be at most "
+                            f"0.5 (seconds the engine thread may wait per step; got {settings.history_restore_wait_s!r})")
     if settings.cpu_history_bytes < -1:
         raise SettingsError("kvbaton: kv_connector_extra_config 'cpu_history_bytes' must be >= 0 "
                             "(or -1 for the engine's KV cache size)")

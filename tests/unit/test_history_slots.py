@@ -341,6 +341,35 @@ def test_restore_runner_reports_ends_and_keeps_read_slots_from_reuse():
     assert RestoreRunner(None, "no memory").start(m.RestoreCopies("L3", "r3", ())).error == "no memory"
 
 
+def test_restore_runner_waits_a_bounded_time_for_restores_still_copying():
+    """history_restore_wait_s: a restore that ends within the wait is reported by this poll (a
+    step earlier); one that does not is left in flight after about the wait, not longer."""
+    from kvbaton.adapters.vllm.history import RestoreRunner
+
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=1)
+    runner = RestoreRunner(store)
+    store.stage([(3, "a")])
+    runner.debug(m.Debug("history_hold_restore_s", 0.02))  # the copy "takes" 20 ms
+    assert runner.start(m.RestoreCopies("L1", "r1", (("a", "gpu", 10),))) is None
+    assert runner.poll() == []  # no wait: still in flight
+    done = runner.poll(wait_s=1.0)
+    assert [(d.lease, d.ok, request) for d, request in done] == [("L1", True, "r1")]
+    from kvbaton.adapters.vllm.settings import SettingsError
+    assert parse_settings({}).history_restore_wait_s == 0.0  # off by default
+    for bad in (-0.001, 0.6):
+        with pytest.raises(SettingsError, match="history_restore_wait_s"):
+            parse_settings({"history_restore_wait_s": bad})
+    runner.debug(m.Debug("history_hold_restore_s", 5.0))
+    assert runner.start(m.RestoreCopies("L2", "r2", (("a", "gpu", 11),))) is None
+    started = time.perf_counter()
+    assert runner.poll(wait_s=0.03) == []
+    waited = time.perf_counter() - started
+    assert 0.03 <= waited < 1.0, waited  # bounded by the wait, far below the 5 s copy
+    runner.jobs[0][-1].ready_at = 0.0  # the copy "ends"
+    assert [d.lease for d, _ in runner.poll()] == ["L2"]
+
+
 def test_batched_demotions_are_bit_exact_and_free_every_gpu_slot():
     caches = make_caches()
     store = SlotStore(caches, [0] * len(caches), gpu_slots=4, cpu_slots=2)

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The next GPU session's measurements as two device calls of under ten minutes each, each in a
-# call of its own after the kit is installed (docs/BENCHMARKS.md, "Reproducing"). Carry `.whl`.
-# Everything lands in $OUT; the summaries below are read back from the files there.
+# GPU sessions' measurements, one letter per device call of under ten minutes, each in a call of
+# its own after the kit is installed (docs/BENCHMARKS.md, "Reproducing"). Carry `.whl`.
+# Everything lands in $OUT; the summaries below are read back from the files there. Each step's
+# BUDGET_S is its upper bound; a letter's bounds may add up past 600 s where the steps measured
+# well below them (C: ~450 s of steps at most in practice).
 #
 #   bash bench/device_plan.sh A   # tests/gpu with CUDA graphs, then the history copy probe
 #   bash bench/device_plan.sh B   # 7B revisit with cross-layer blocks, 0.5B throughput vs gil5
+#                                 # (since cross-layer became the default, kvbaton = kvbaton-xlayer)
 #   bash bench/device_plan.sh C   # tests/gpu with the cross-layer default (and per-layer history),
 #                                 # the slot store's GPU unit test, the copy probe's paths by limits
 #   bash bench/device_plan.sh D   # 0.5B throughput: native, kvbaton (cross-layer), kvbaton-perlayer
@@ -12,11 +15,11 @@
 #   bash bench/device_plan.sh F   # 7B throughput C32: native, kvbaton, kvbaton-syncrestore,
 #                                 # kvbaton-restorewait (restores under load)
 #   bash bench/device_plan.sh G   # cold arrivals and the churn control with cross-layer caches
-#   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, then 0.5B and 7B throughput
+#   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, then 0.5B throughput
 #
 # A fresh machine's first engines start slowly (78 s against 30-40 s warm, sixth session): give
 # the first call's budget room.
-# The order and the reasons: docs/BENCHMARKS.md, fifth session, "Next, in this order".
+# The order and the reasons: docs/BENCHMARKS.md, the latest session's "Next, in this order".
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/kvb-out}

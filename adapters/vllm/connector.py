@@ -842,8 +842,9 @@ class WorkerSide:
             self.link.send(reply)
 
     def get_finished(self, finished_req_ids):
-        # vLLM calls this right after launching the step's forward: a short wait for restores
-        # still copying overlaps that forward (history_restore_wait_s; start_load_kv never waits).
+        # vLLM calls this right after launching a step's forward (if the step has one): a short
+        # wait for restores still copying overlaps that forward (history_restore_wait_s;
+        # start_load_kv never waits).
         self.pump(restore_wait_s=self.conn.settings.history_restore_wait_s)
         sending, self.sending = self.sending, set()
         recving, self.recving = self.recving, set()

@@ -390,15 +390,18 @@ class SlotStore:
     # more scattered one goes through host memory.
     MAX_RUN_COPIES = 16
     # Plain copies (runs x pieces) one stage or GPU-tier restore may issue instead of gathers.
-    # Within the GPU each cost 16-20 us of device time (250 7B blocks, block-first, in 9 runs:
-    # 252 copies, 4.3-5.0 ms) and the gathers took 1.8-2.3 ms for any number of runs, idle or
-    # beside a busy process (history_copy_probe); 96 is 3 runs of a block-first 28-layer model.
+    # Within the GPU each cost 16-20 us (250 7B blocks, block-first, in 9 runs: 252 copies,
+    # 4.3-5.0 ms); the gathers took 1.3-2.3 ms idle and 3.9-5.2 ms beside a busy process, for
+    # any number of runs (history_copy_probe). 96 (3 runs of a block-first 28-layer model) keeps
+    # run-by-run copies below the idle gathers; it also governs CPU engines, where both are
+    # memcpys.
     MAX_DIRECT_COPIES = 96
     # The same for copies between the GPU and the pinned CPU tier (demotions, CPU-tier restores),
-    # where each copy is a DMA costing ~2.4 us (252 copies 5.3 ms, 28 copies 4.7 ms, for 229 MB)
-    # and the fallbacks are slow: gather+runs 12-14 ms; a host gather 28 ms idle and 1.4-1.9 s
-    # beside a busy process. The cost of this many is the engine thread's few us per call.
-    MAX_HOST_COPIES = 4096
+    # each a DMA. 250 7B blocks in 40 runs (1,120 copies) took 10.1 ms idle and 17.8 ms busy run
+    # by run, against 20.5-28.4 ms idle and 40-950 ms busy through host memory; in 16 runs 5.5-7.8
+    # ms against gather+runs 8.9-17.8 ms. Issuing is the calling thread's time (the engine's for
+    # a restore), ~5-10 us a copy: capped near the largest count measured.
+    MAX_HOST_COPIES = 1152
 
     def _demote_copy(self, moves) -> tuple[int, bool]:
         """Copy GPU-tier slots into CPU-tier slots, per layer. On CUDA every device-to-host copy

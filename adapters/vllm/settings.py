@@ -65,8 +65,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # few ms then costs a whole step before vLLM schedules the request. With this > 0, P's
     # get_finished waits up to this long (on the host, while the GPU runs the launched forward)
     # for restores still copying, so one that ends in time is reported a step earlier. Under 7B
-    # throughput load P's steps ran 200 ms and more, and restores posted in one step ended
-    # together 300-330 ms later (docs/BENCHMARKS.md, sixth session). Off until measured on a GPU.
+    # throughput load P's steps were long (P90 75 ms, some 200 ms and more) and 21 of 45 restores
+    # were reported 280-340 ms after they were posted (docs/BENCHMARKS.md, sixth session). At
+    # most 0.1 s. Off until measured on a GPU.
     history_restore_wait_s: float = 0.0
     # Control plane.
     control_host: str = "127.0.0.1"
@@ -92,8 +93,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # adjacent blocks is one NIXL descriptor (and one history copy) instead of one per layer.
     # vLLM 0.14-0.28 honour it on GPU for models with one uniform attention group; other vLLM
     # versions and CPU engines ignore it. P and D must agree (their layouts are compared at the
-    # handshake). On by default: on an H200 it halved a 7B revisit's 224 MB reads (3.9 -> 2.1 ms,
-    # 95 -> 3 descriptors) and turned every history copy into one copy per run (docs/BENCHMARKS.md).
+    # handshake). On by default: on an H200 it nearly halved a 7B revisit's 224 MB reads (3.8 ->
+    # 2.1 ms, 95 -> 3 descriptors) and turned every history copy into one copy per run (docs/BENCHMARKS.md).
     cross_layer_blocks: bool = True
     # The engine process's GIL switch interval (Python's default is 5 ms): the worker's io
     # thread posts granted reads and reports their end, and must not wait a whole interval for
@@ -158,9 +159,9 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
         if getattr(settings, key) < 0:
             raise SettingsError(f"kvbaton: kv_connector_extra_config {key!r} must be >= 0 "
                                 f"(got {getattr(settings, key)!r})")
-    if settings.history_restore_wait_s > 0.5:
-        raise SettingsError("kvbaton: kv_connector_extra_config 'history_restore_wait_s' must be at most "
-                            f"0.5 (seconds the engine thread may wait per step; got {settings.history_restore_wait_s!r})")
+    if not 0.0 <= settings.history_restore_wait_s <= 0.1:  # (also refuses NaN)
+        raise SettingsError("kvbaton: kv_connector_extra_config 'history_restore_wait_s' must be between 0 "
+                            f"and 0.1 (seconds P's engine thread may wait per step; got {settings.history_restore_wait_s!r})")
     if settings.cpu_history_bytes < -1:
         raise SettingsError("kvbaton: kv_connector_extra_config 'cpu_history_bytes' must be >= 0 "
                             "(or -1 for the engine's KV cache size)")

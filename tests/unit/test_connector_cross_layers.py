@@ -1,5 +1,5 @@
-"""The connector asks vLLM for a cross-layer KV cache only when `cross_layer_blocks` is set, and
-registers one given to it as a single blocks-first layer."""
+"""The connector asks vLLM for a cross-layer KV cache unless `cross_layer_blocks` is turned off
+(it is on by default), and registers one given to it as a single blocks-first layer."""
 
 from __future__ import annotations
 

@@ -350,14 +350,14 @@ def test_restore_runner_waits_a_bounded_time_for_restores_still_copying():
     store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=1)
     runner = RestoreRunner(store)
     store.stage([(3, "a")])
-    runner.debug(m.Debug("history_hold_restore_s", 0.02))  # the copy "takes" 20 ms
+    runner.debug(m.Debug("history_hold_restore_s", 0.2))  # the copy "takes" 200 ms
     assert runner.start(m.RestoreCopies("L1", "r1", (("a", "gpu", 10),))) is None
     assert runner.poll() == []  # no wait: still in flight
     done = runner.poll(wait_s=1.0)
     assert [(d.lease, d.ok, request) for d, request in done] == [("L1", True, "r1")]
     from kvbaton.adapters.vllm.settings import SettingsError
     assert parse_settings({}).history_restore_wait_s == 0.0  # off by default
-    for bad in (-0.001, 0.6):
+    for bad in (-0.001, 0.2, float("nan")):
         with pytest.raises(SettingsError, match="history_restore_wait_s"):
             parse_settings({"history_restore_wait_s": bad})
     runner.debug(m.Debug("history_hold_restore_s", 5.0))
@@ -626,10 +626,13 @@ def test_cuda_tiers_stage_demote_restore_bit_exact():
     wide = SlotStore(caches, [1] * 3, gpu_slots=NUM_BLOCKS, cpu_slots=2 * NUM_BLOCKS)
     wide.CHUNK_BYTES = 5 * wide.slot_bytes // 3  # 5 rows of a layer: every copy runs in chunks
     # Gathers with scattered and with contiguous CPU slots, then plain copies run by run.
-    for free, direct in ((list(range(0, 2 * NUM_BLOCKS, 2)), 0), (list(range(2 * NUM_BLOCKS)), 0),
-                         (list(range(2 * NUM_BLOCKS)), SlotStore.MAX_DIRECT_COPIES)):  # min-heaps
+    # Last, scattered CPU slots moved one DMA per slot (the pinned tier's own, higher limit).
+    scattered, contiguous = list(range(0, 2 * NUM_BLOCKS, 2)), list(range(2 * NUM_BLOCKS))  # min-heaps
+    for free, (direct, host) in ((scattered, (0, 0)), (contiguous, (0, 0)),
+                                 (contiguous, (SlotStore.MAX_DIRECT_COPIES, SlotStore.MAX_HOST_COPIES)),
+                                 (scattered, (0, SlotStore.MAX_HOST_COPIES))):
         wide.free["cpu"] = free
-        wide.MAX_DIRECT_COPIES = wide.MAX_HOST_COPIES = direct
+        wide.MAX_DIRECT_COPIES, wide.MAX_HOST_COPIES = direct, host
         wide.stage([(b, f"w{b}") for b in range(NUM_BLOCKS)])
         assert wide.demote_many([f"w{b}" for b in range(NUM_BLOCKS)]) == [None] * NUM_BLOCKS
         assert all(wide.read_slot(f"w{b}") == saved[b] for b in range(NUM_BLOCKS))

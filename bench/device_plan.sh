@@ -12,8 +12,8 @@
 #                                 # the slot store's GPU unit test, the copy probe's paths by limits
 #   bash bench/device_plan.sh D   # 0.5B throughput: native, kvbaton (cross-layer), kvbaton-perlayer
 #   bash bench/device_plan.sh E   # the history tests alone, cross-layer and per-layer
-#   bash bench/device_plan.sh F   # 7B throughput C32: native, kvbaton, kvbaton-syncrestore,
-#                                 # kvbaton-restorewait (restores under load)
+#   bash bench/device_plan.sh F   # 7B throughput C32: native, kvbaton, kvbaton-nohist,
+#                                 # kvbaton-syncrestore, kvbaton-restorewait (history under load)
 #   bash bench/device_plan.sh G   # cold arrivals and the churn control with cross-layer caches
 #   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, then 0.5B throughput
 #
@@ -86,8 +86,9 @@ case "${1:-}" in
     compare thru05x 280 --device 1gpu --shape 0.5b --systems native,kvbaton,kvbaton-perlayer --scenarios throughput
     ;;
   F)
-    compare thru7sync 480 --device 1gpu --shape 7b \
-      --systems native,kvbaton,kvbaton-syncrestore,kvbaton-restorewait --scenarios throughput --concurrency 32
+    compare thru7sync 540 --device 1gpu --shape 7b \
+      --systems native,kvbaton,kvbaton-nohist,kvbaton-syncrestore,kvbaton-restorewait --scenarios throughput \
+      --concurrency 32
     ;;
   G)
     compare coldx 300 --device 1gpu --shape 0.5b --systems native,kvbaton --scenarios cold,churn

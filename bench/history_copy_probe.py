@@ -13,7 +13,8 @@ connector asks for it (`cross_layer_blocks`): one tensor whose blocks hold every
 this many runs of consecutive blocks and slots (1: the best case; a busy P's retained prompts and
 free slots are fragmented), one measurement per value; each row says whether the store copied
 run by run or gathered. --limits: the store's MAX_DIRECT_COPIES:MAX_HOST_COPIES, one measurement
-per pair (default: the store's own), to compare the copy paths on the same blocks.
+per pair (default: the store's own), to compare the copy paths on the same blocks. Restore rows
+also say how long issuing the copies took on the calling thread (the engine's, in a real P).
 
 Why: in a 7B revisit with CUDA graphs a 250-block demotion (229 MB) took 53.7 ms P50 against 16.2
 ms eager (docs/BENCHMARKS.md, fourth session). This separates the store's own copy time from
@@ -110,8 +111,12 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
     flat2 = torch.empty_like(flat)
     host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=cuda)
 
+    issue: dict[str, list[float]] = {"restore_gpu": [], "restore_cpu": []}  # the engine thread's share
+
     def restore(tier_keys):
+        started = time.perf_counter()
         job = store.begin_restore([(key, tier, block) for (key, tier), block in zip(tier_keys, restore_into)])
+        issue[f"restore_{tier_keys[0][1]}"].append(time.perf_counter() - started)
         while not job.done():
             time.sleep(20e-6)
         store.end_restore(job)
@@ -149,6 +154,8 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
     for name, samples in rows.items():
         median = statistics.median(samples[1:] if len(samples) > 2 else samples)  # the first warms up
         out[name] = {"median_ms": median * 1e3, "GBps": nbytes / median / 1e9}
+    for name, samples in issue.items():  # a restore's copies issued (begin_restore) on the calling thread
+        out[name]["issue_ms"] = statistics.median(samples[1:] if len(samples) > 2 else samples) * 1e3
     return out
 
 
@@ -162,7 +169,8 @@ def print_table(results: list[dict]) -> None:
             row, top = result[name], result[ceiling]
             path = result["paths"].get(name, result["paths"].get(name.split("_")[0], ""))
             print(f"{result['load']:<6}{result['runs']:>5}  {name:<13}{path:<13}{row['median_ms']:>9.2f}{row['GBps']:>9.1f}   "
-                  f"{top['GBps']:.1f} GB/s ({row['GBps'] / top['GBps']:.0%})  limits {limits}")
+                  f"{top['GBps']:.1f} GB/s ({row['GBps'] / top['GBps']:.0%})  limits {limits}"
+                  + (f"  issued in {row['issue_ms']:.2f} ms" if "issue_ms" in row else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

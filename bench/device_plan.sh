@@ -14,8 +14,10 @@
 #   bash bench/device_plan.sh E   # the history tests alone, cross-layer and per-layer
 #   bash bench/device_plan.sh F   # 7B throughput C32: native, kvbaton, kvbaton-nohist,
 #                                 # kvbaton-syncrestore, kvbaton-restorewait (history under load)
-#   bash bench/device_plan.sh G   # cold arrivals and the churn control with cross-layer caches
-#   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, then 0.5B throughput
+#   bash bench/device_plan.sh G   # NIXL reads alone with cross-layer caches (the bandwidth target
+#                                 # without D's step), cold arrivals and the churn control
+#   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, NIXL reads alone
+#                                 # over NVLink (cross-layer), then 0.5B throughput
 #
 # A fresh machine's first engines start slowly (78 s against 30-40 s warm, sixth session): give
 # the first call's budget room.
@@ -41,6 +43,20 @@ compare() {  # TAG, seconds, then pd_compare's arguments
   echo "compare $tag: rc=$?"
   grep -E -A8 "== (throughput|revisit after eviction|cold arrivals|changing working set)" "$OUT/compare-$tag.log" | grep -v "^--$"
   grep -E "copies \(|reads \(|Error|Traceback" "$OUT/compare-$tag.log" | tail -n 12
+}
+
+raw_read() {  # TAG, seconds, then nixl_gpu_read's arguments: NIXL reads alone against torch copies
+  local tag=$1 budget=$2
+  shift 2
+  BENCH=nixl_gpu_read TAG=$tag BUDGET_S=$budget bash "$REPO/bench/run_on_device.sh" "$@" > /dev/null 2>&1
+  echo "raw reads $tag: rc=$?"
+  python3 - "$OUT/nixl_gpu_read-$tag.json" <<'PY' 2>&1 | tail -n 20
+import json, sys
+results = json.load(open(sys.argv[1]))
+for name, row in results.items():
+    if isinstance(row, dict) and "gbps" in row:
+        print(f"{name:<40} {row.get('total_ms', row.get('ms', 0)):8.3f} ms {row['gbps']:8.1f} GB/s")
+PY
 }
 
 history_only() {  # KVBATON_GPU_CROSS_LAYER value ("" for the default), sub-folder of $OUT
@@ -91,6 +107,7 @@ case "${1:-}" in
       --concurrency 32
     ;;
   G)
+    raw_read xlayer1 90 --topology 1gpu --layout cross-layer
     compare coldx 300 --device 1gpu --shape 0.5b --systems native,kvbaton --scenarios cold,churn
     ;;
   H)
@@ -99,6 +116,7 @@ case "${1:-}" in
     echo "tests/gpu 2gpu: rc=$?"
     grep -h -E "^(FAILED|ERROR)|^=+ .*(passed|failed|error)|rc=" "$OUT"/pytest*.log "$OUT/env.txt" 2>/dev/null \
       | tail -n 30
+    raw_read xlayer2 90 --topology 2gpu --layout cross-layer
     compare thru05two 250 --device 2gpu --shape 0.5b --systems native,kvbaton --scenarios throughput
     ;;
   *)

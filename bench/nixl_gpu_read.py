@@ -7,12 +7,15 @@ posting (`start_read` with inline posting: descriptors, initialize_xfer, transfe
 for completion. Baselines in the same process: a torch copy of the same bytes between the same
 devices, and a per-layer gather of the same blocks.
 
-    python -m kvbaton.bench.nixl_gpu_read [--topology 1gpu|2gpu] [--repeats 10] [--out FILE]
+    python -m kvbaton.bench.nixl_gpu_read [--topology 1gpu|2gpu] [--layout per-layer|cross-layer]
+        [--repeats 10] [--out FILE]
 
 Conditions: contiguous blocks (one descriptor per layer), scattered blocks (one per block and
 layer), D's landing area for scattered destinations, prepped descriptor lists, and a Python thread keeping the GIL busy (an engine thread) with
-Python's default 5 ms switch interval and with 0.5 ms. Needs CUDA and NIXL (the GPU machines);
-`--device cpu` runs the same on DRAM for a dry run.
+Python's default 5 ms switch interval and with 0.5 ms. `--layout cross-layer`: one tensor whose
+blocks hold every layer, (blocks, 24, 2, 16, 2, 64), registered as one blocks-first layer, as the
+connector does with `cross_layer_blocks` (the default): a run of blocks is one descriptor. Needs
+CUDA and NIXL (the GPU machines); `--device cpu` runs the same on DRAM for a dry run.
 """
 
 from __future__ import annotations
@@ -31,25 +34,34 @@ LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD = 24, 10922, 16, 2, 64
 PROMPT_BLOCKS = 277
 
 
-def make_caches(torch, device: str, num_blocks: int) -> dict:
+def make_caches(torch, device: str, num_blocks: int, layout: str = "per-layer") -> dict:
+    if layout == "cross-layer":
+        return {"__cross_layers__": torch.zeros((num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD),
+                                                dtype=torch.bfloat16, device=device)}
     return {f"model.layers.{i}.self_attn.attn": torch.zeros((num_blocks, 2, BLOCK, KV_HEADS, HEAD),
                                                           dtype=torch.bfloat16, device=device)
             for i in range(LAYERS)}
 
 
-def _prefill(conn, visible: str | None, device: str, num_blocks: int) -> None:
+def describe(caches: dict, num_blocks: int, layout: str):
+    from kvbaton.transports.layout import KvLayout
+
+    # A cross-layer cache is registered blocks-first, as the connector does.
+    return KvLayout.from_kv_caches(caches, num_blocks, BLOCK, block_dim=0 if layout == "cross-layer" else None)
+
+
+def _prefill(conn, visible: str | None, device: str, num_blocks: int, layout: str) -> None:
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
     import torch
 
     from kvbaton.transports import NixlTransport
-    from kvbaton.transports.layout import KvLayout
 
-    caches = make_caches(torch, device, num_blocks)
+    caches = make_caches(torch, device, num_blocks, layout)
     for index, tensor in enumerate(caches.values()):
         tensor.view(torch.int16).copy_(block_pattern(torch, tensor, index))
     transport = NixlTransport("P", descriptor_mode="per_read")
-    transport.register(KvLayout.from_kv_caches(caches, num_blocks, BLOCK), caches)
+    transport.register(describe(caches, num_blocks, layout), caches)
     conn.send(transport.local_metadata())
     conn.recv()  # until D is done
     transport.close()
@@ -110,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topology", choices=("1gpu", "2gpu"), default="2gpu")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--layout", choices=("per-layer", "cross-layer"), default="per-layer")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
@@ -123,19 +136,19 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    process = context.Process(target=_prefill, args=(child, p_visible, "cpu" if cpu else "cuda:0", num_blocks),
-                              daemon=True)
+    process = context.Process(target=_prefill, args=(child, p_visible, "cpu" if cpu else "cuda:0", num_blocks,
+                                                      args.layout), daemon=True)
     process.start()
     import torch
 
     from kvbaton.transports import NixlTransport
-    from kvbaton.transports.layout import KvLayout
 
     device = "cpu" if cpu else "cuda:0"
-    caches = make_caches(torch, device, num_blocks)
-    layout = KvLayout.from_kv_caches(caches, num_blocks, BLOCK)
+    caches = make_caches(torch, device, num_blocks, args.layout)
+    layout = describe(caches, num_blocks, args.layout)
     metadata = parent.recv()
-    results: dict = {"topology": args.topology, "device": args.device, "prompt_blocks": PROMPT_BLOCKS}
+    results: dict = {"topology": args.topology, "device": args.device, "layout": args.layout,
+                     "prompt_blocks": PROMPT_BLOCKS}
     contiguous = list(range(1, PROMPT_BLOCKS + 1))
     rng = random.Random(0)
     scattered_src = sorted(rng.sample(range(1, num_blocks), PROMPT_BLOCKS))
@@ -156,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.setswitchinterval(default_interval)
         # In-thread posting (the transport's own helper), GIL busy: the connector's old path.
         threaded = NixlTransport("D-threaded", descriptor_mode="per_read", post_in_thread=True)
-        caches2 = make_caches(torch, device, num_blocks)
-        threaded.register(KvLayout.from_kv_caches(caches2, num_blocks, BLOCK), caches2)
+        caches2 = make_caches(torch, device, num_blocks, args.layout)
+        threaded.register(describe(caches2, num_blocks, args.layout), caches2)
         threaded.add_peer("P", metadata)
         results["threaded_contiguous"] = timed_reads(threaded, "P", contiguous, contiguous, args.repeats, "e")
         with GilHog():
@@ -172,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             per_read, "P", contiguous, scattered_dst_only, args.repeats, "i")
         landing = NixlTransport("D-landing", descriptor_mode="per_read", post_in_thread=False,
                                 landing_bytes=2 * PROMPT_BLOCKS * layout.block_nbytes)
-        caches4 = make_caches(torch, device, num_blocks)
-        landing.register(KvLayout.from_kv_caches(caches4, num_blocks, BLOCK), caches4)
+        caches4 = make_caches(torch, device, num_blocks, args.layout)
+        landing.register(describe(caches4, num_blocks, args.layout), caches4)
         landing.add_peer("P", metadata)
         results["landing_contiguous_src_scattered_dst"] = timed_reads(
             landing, "P", contiguous, scattered_dst_only, args.repeats, "j")
@@ -187,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         landing.close()
         del caches4
         prepped = NixlTransport("D-prepped", descriptor_mode="prepped", post_in_thread=False)
-        caches3 = make_caches(torch, device, num_blocks)
-        prepped.register(KvLayout.from_kv_caches(caches3, num_blocks, BLOCK), caches3)
+        caches3 = make_caches(torch, device, num_blocks, args.layout)
+        prepped.register(describe(caches3, num_blocks, args.layout), caches3)
         prepped.add_peer("P", metadata)
         results["prepped_contiguous"] = timed_reads(prepped, "P", contiguous, contiguous, args.repeats, "g")
         results["prepped_scattered"] = timed_reads(prepped, "P", scattered_src, scattered_dst, args.repeats, "h")
@@ -197,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         # Baselines: the same bytes with torch, between the same devices.
         if not cpu:
             src_dev = "cuda:1" if args.topology == "2gpu" and torch.cuda.device_count() > 1 else "cuda:0"
-            src = make_caches(torch, src_dev, PROMPT_BLOCKS + 1)
-            dst = make_caches(torch, device, num_blocks)
+            src = make_caches(torch, src_dev, PROMPT_BLOCKS + 1, args.layout)
+            dst = make_caches(torch, device, num_blocks, args.layout)
             index = torch.tensor(contiguous, device=device)
 
             def sync():

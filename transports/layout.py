@@ -194,8 +194,13 @@ class KvLayout(msgspec.Struct, frozen=True):
         if peer.block_size != self.block_size:
             raise LayoutMismatch(f"block_size differs: peer {peer.block_size}, ours {self.block_size}")
         if len(peer.layers) != len(self.layers):
+            # One registered layer against several: most likely one engine got a cross-layer KV
+            # cache (vLLM's one-tensor layout) and the other per-layer caches.
+            hint = (" (a single registered layer is a cross-layer KV cache: set the connector's "
+                    "cross_layer_blocks the same on both engines)"
+                    if 1 in (len(peer.layers), len(self.layers)) else "")
             raise LayoutMismatch(f"number of layers differs: peer {len(peer.layers)}, "
-                                 f"ours {len(self.layers)}")
+                                 f"ours {len(self.layers)}{hint}")
         for index, (theirs, ours) in enumerate(zip(peer.layers, self.layers)):
             if theirs.name != ours.name:
                 raise LayoutMismatch(f"layer {index} is {theirs.name!r} on the peer, {ours.name!r} here")

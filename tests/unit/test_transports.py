@@ -285,8 +285,10 @@ def test_cross_layer_layout_is_one_descriptor_per_run_for_every_layer():
     assert hnd_layout.layers[0].spans == (T.BlockSpan(0, hnd_layout.block_nbytes),)
     assert len(descriptors_for_runs(hnd_layout, hnd_layout, [(3, 10, 5)])) == 1
     # Engines that disagree (one cross-layer, one per-layer) are refused with the reason.
-    with pytest.raises(T.LayoutMismatch, match="number of layers"):
+    with pytest.raises(T.LayoutMismatch, match="number of layers.*cross_layer_blocks the same"):
         layout.check_compatible(per_layer)
+    with pytest.raises(T.LayoutMismatch, match="cross_layer_blocks the same"):
+        per_layer.check_compatible(layout)
 
 
 def test_descriptors_never_span_two_allocations():

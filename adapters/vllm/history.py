@@ -814,6 +814,10 @@ class RestoreRunner:
         # (lease, request, sync, job) in flight; `sync`: vLLM counted the blocks as loaded in
         # the step that queued the copies, and expects no finished_recving for the request.
         self.jobs: list[tuple[str, str, bool, RestoreJob]] = []
+        # Leases of the restores started since the last poll: the only ones `poll` waits for (an
+        # older one still copying is slow for a reason a short wait will not fix, and waiting for
+        # it every step would stretch every short step while it lasts).
+        self.fresh: set[str] = set()
         # Test hooks (sidecar Debug messages named history_*restore*).
         self.fail_next_restores = 0
         self.hold_restore_s = 0.0
@@ -834,6 +838,7 @@ class RestoreRunner:
         except Exception as exc:
             return m.RestoreDone(msg.lease, False, error=str(exc))
         self.jobs.append((msg.lease, msg.request, sync, job))
+        self.fresh.add(msg.lease)
         return None
 
     def abandon_last(self) -> None:
@@ -855,7 +860,9 @@ class RestoreRunner:
     def poll(self, wait_s: float = 0.0) -> list[tuple[m.RestoreDone, str]]:
         """The restores that ended, each with the request to report received to vLLM ("" for a
         synchronous one: vLLM expects no finished_recving for it). wait_s: wait up to this long
-        in all for asynchronous restores still copying (sleeping, so the GIL is free)."""
+        in all for asynchronous restores started since the last poll and still copying
+        (sleeping, so the GIL is free)."""
+        fresh, self.fresh = self.fresh, set()
         if not self.jobs:
             return []
         deadline = time.perf_counter() + wait_s
@@ -870,7 +877,7 @@ class RestoreRunner:
                     # engine has none; the lease would stay open, its keys pinned).
                     job.event.synchronize()
                 finished = job.done()
-                while not finished and time.perf_counter() < deadline:
+                while not finished and lease in fresh and time.perf_counter() < deadline:
                     time.sleep(50e-6)
                     finished = job.done()
             except Exception as exc:  # a device error surfaces here: the restore failed

@@ -640,10 +640,10 @@ class NixlTransport:
                                                    peer.dlist, remote_indices, job.notif_msg)
             moved, error = nbytes, None
         else:
-            landing = self._reserve_landing(job)
+            runs = coalesce_runs(job.src_blocks, job.dst_blocks)
+            landing = self._reserve_landing(job, len(runs))
             if landing is None:
-                plan = descriptors_for_runs(peer.layout, layout,
-                                            coalesce_runs(job.src_blocks, job.dst_blocks))
+                plan = descriptors_for_runs(peer.layout, layout, runs)
                 described = time.perf_counter()
                 handle = self._initialize(plan, peer, job.notif_msg)
             else:
@@ -678,10 +678,16 @@ class NixlTransport:
         if state != "PROC":  # DONE (CMA copies inside transfer) or ERR: settle it now
             self._settle(in_flight, state)
 
-    def _reserve_landing(self, job: _ReadJob):
+    def _reserve_landing(self, job: _ReadJob, direct_runs: int):
         """(start, count, src sorted, dst in the same order) when this read should land packed
-        and the area has room; None to read straight into the destination blocks."""
+        and the area has room; None to read straight into the destination blocks.
+
+        direct_runs: the runs a direct read would post (in the order given). Landed it would
+        post at least one, so with fewer than `landing_min_runs_saved` + 1 landing cannot save
+        enough (the usual contiguous read: no sorting needed to know)."""
         if self._landing is None or not job.dst_blocks:
+            return None
+        if direct_runs - 1 < self._landing_min_runs_saved:
             return None
         src_sorted, dst_sorted = landing_order(job.src_blocks, job.dst_blocks)
         direct, landed = run_counts(src_sorted, dst_sorted)

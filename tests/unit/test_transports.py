@@ -717,6 +717,34 @@ def test_descriptors_for_runs_match_a_block_by_block_reference(block_dim):
         assert got.nbytes == len(src) * sum(layer.block_nbytes for layer in layout.layers)
 
 
+@pytest.mark.parametrize("layout_name", sorted(LAYOUT_FACTORIES))
+def test_small_reads_are_described_as_the_vectorised_path_describes_them(layout_name, monkeypatch):
+    """Few runs are described in plain Python (SMALL_PLAN_PIECES); the plan must be the very
+    one the numpy path gives: same descriptors, same order, same merges."""
+    import numpy as np
+
+    from kvbaton.transports import layout as layout_module
+
+    rng = random.Random(f"small-{layout_name}")
+    num_blocks = 24
+    _src_caches, _dst_caches, src_layout, dst_layout = paired_caches(layout_name, num_blocks)
+    for trial in range(40):
+        count = rng.randint(1, 8)
+        src = sorted(rng.sample(range(num_blocks), count)) if trial % 2 else rng.sample(range(num_blocks), count)
+        dst = list(range(3, 3 + count)) if trial % 3 == 0 else rng.sample(range(num_blocks), count)
+        runs = coalesce_runs(src, dst)
+        small = descriptors_for_runs(src_layout, dst_layout, runs)
+        with monkeypatch.context() as patch:
+            patch.setattr(layout_module, "SMALL_PLAN_PIECES", 0)
+            vectorised = descriptors_for_runs(src_layout, dst_layout, runs)
+        assert small.src.dtype == vectorised.src.dtype == np.uint64
+        assert np.array_equal(small.src, vectorised.src) and np.array_equal(small.dst, vectorised.dst)
+        if layout_name in ("blocks_first", "cross_layers") and len(runs) * len(src_layout.layers) <= 64:
+            # whole blocks on both sides: the plain-Python path is the one taken
+            assert layout_module._small_plan(layout_module._span_table(src_layout),
+                                             layout_module._span_table(dst_layout), runs) is not None
+
+
 def test_descriptors_for_runs_name_the_layer_whose_spans_differ():
     import torch
 

@@ -814,9 +814,11 @@ class RestoreRunner:
         # (lease, request, sync, job) in flight; `sync`: vLLM counted the blocks as loaded in
         # the step that queued the copies, and expects no finished_recving for the request.
         self.jobs: list[tuple[str, str, bool, RestoreJob]] = []
-        # Leases of the restores started since the last poll: the only ones `poll` waits for (an
-        # older one still copying is slow for a reason a short wait will not fix, and waiting for
-        # it every step would stretch every short step while it lasts).
+        # Leases of the restores started since the last poll that waited: the only ones `poll`
+        # waits for (an older one still copying is slow for a reason a short wait will not fix,
+        # and waiting for it every step would stretch every short step while it lasts). A step
+        # polls twice: from start_load_kv without waiting (just after starting its restores),
+        # then from get_finished with the wait.
         self.fresh: set[str] = set()
         # Test hooks (sidecar Debug messages named history_*restore*).
         self.fail_next_restores = 0
@@ -860,10 +862,13 @@ class RestoreRunner:
     def poll(self, wait_s: float = 0.0) -> list[tuple[m.RestoreDone, str]]:
         """The restores that ended, each with the request to report received to vLLM ("" for a
         synchronous one: vLLM expects no finished_recving for it). wait_s: wait up to this long
-        in all for asynchronous restores started since the last poll and still copying
-        (sleeping, so the GIL is free)."""
-        fresh, self.fresh = self.fresh, set()
+        in all for asynchronous restores started since the last poll that waited, and still
+        copying (sleeping, so the GIL is free)."""
+        fresh = self.fresh
+        if wait_s > 0:
+            self.fresh = set()
         if not self.jobs:
+            self.fresh = set()
             return []
         deadline = time.perf_counter() + wait_s
         done, pending = [], []
@@ -891,6 +896,8 @@ class RestoreRunner:
             done.append((m.RestoreDone(lease, True, job.nbytes, time.perf_counter() - job.started,
                                        job.gpu_blocks, job.cpu_blocks), request))
         self.jobs = pending
+        if self.fresh:  # keep only restores still in flight
+            self.fresh &= {lease for lease, _, _, _ in pending}
         return done
 
     def debug(self, msg: m.Debug) -> None:

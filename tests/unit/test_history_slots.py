@@ -353,6 +353,9 @@ def test_restore_runner_waits_a_bounded_time_for_restores_still_copying():
     store.stage([(3, "a")])
     runner.debug(m.Debug("history_hold_restore_s", 0.2))  # the copy "takes" 200 ms
     assert runner.start(m.RestoreCopies("L1", "r1", (("a", "gpu", 10),))) is None
+    # A step polls from start_load_kv without waiting (right after starting its restores), then
+    # from get_finished with the wait: the restore is still fresh for the second.
+    assert runner.poll() == []
     started = time.perf_counter()
     done = runner.poll(wait_s=1.0)
     assert [(d.lease, d.ok, request) for d, request in done] == [("L1", True, "r1")]
@@ -370,10 +373,11 @@ def test_restore_runner_waits_a_bounded_time_for_restores_still_copying():
     assert 0.03 <= waited < 1.0, waited  # bounded by the wait, far below the 5 s copy
     # Left in flight, it is not waited for again: a slow copy must not stretch every step.
     started = time.perf_counter()
-    assert runner.poll(wait_s=1.0) == []
+    assert runner.poll() == [] and runner.poll(wait_s=1.0) == []
     assert time.perf_counter() - started < 0.5
     runner.jobs[0][-1].ready_at = 0.0  # the copy "ends"
     assert [d.lease for d, _ in runner.poll()] == ["L2"]
+    assert runner.fresh == set()  # nothing is remembered for restores that ended
 
 
 def test_batched_demotions_are_bit_exact_and_free_every_gpu_slot():

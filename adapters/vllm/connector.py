@@ -756,6 +756,9 @@ class WorkerSide:
         restore_wait_s: wait up to this long for asynchronous restores still copying."""
         if self.link is None:
             return
+        # Only restores started before this call are worth a wait: one started below (its copies
+        # arrived while the forward was being launched) is ordered after that forward.
+        waitable = set(self.restorer.fresh) if restore_wait_s > 0 and self.restorer is not None else None
         inbox = self.io.inbox
         while inbox:
             msg = inbox.popleft()
@@ -775,7 +778,7 @@ class WorkerSide:
             elif kind is m.Debug and msg.key.startswith("history_") and self.restorer is not None:
                 self.restorer.debug(msg)
         if self.restorer is not None and self.restorer.jobs:
-            for done, request in self.restorer.poll(restore_wait_s):
+            for done, request in self.restorer.poll(restore_wait_s, waitable):
                 self.link.send(done)
                 if done.ok and request:
                     # As for a load's last read: the bytes are in place, so vLLM may schedule

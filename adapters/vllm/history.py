@@ -859,12 +859,12 @@ class RestoreRunner:
         if job.event is not None:
             self.store.torch.cuda.current_stream(self.store.device).wait_event(job.event)
 
-    def poll(self, wait_s: float = 0.0) -> list[tuple[m.RestoreDone, str]]:
+    def poll(self, wait_s: float = 0.0, waitable: set[str] | None = None) -> list[tuple[m.RestoreDone, str]]:
         """The restores that ended, each with the request to report received to vLLM ("" for a
         synchronous one: vLLM expects no finished_recving for it). wait_s: wait up to this long
         in all for asynchronous restores started since the last poll that waited, and still
-        copying (sleeping, so the GIL is free)."""
-        fresh = self.fresh
+        copying (sleeping, so the GIL is free); `waitable` narrows those to the leases given."""
+        fresh = self.fresh if waitable is None else self.fresh & waitable
         if wait_s > 0:
             self.fresh = set()
         if not self.jobs:

@@ -64,8 +64,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # later step's get_finished, which vLLM calls right after launching the forward: a copy of a
     # few ms then costs a whole step before vLLM schedules the request. With this > 0, P's
     # get_finished waits up to this long (on the host, while the GPU runs the launched forward)
-    # for restores started in this step and still copying, so one that ends in time is reported
-    # a step earlier (an older one still copying is not waited for again). Under 7B
+    # for restores started before this step's forward and still copying, so one that ends in
+    # time is reported a step earlier (an older one still copying is not waited for again). Under 7B
     # throughput load P's steps were long (P90 75 ms, some 200 ms and more) and 21 of 45 restores
     # were reported 280-340 ms after they were posted (docs/BENCHMARKS.md, sixth session). At
     # most 0.1 s. Off until measured on a GPU.

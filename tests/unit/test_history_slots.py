@@ -378,6 +378,12 @@ def test_restore_runner_waits_a_bounded_time_for_restores_still_copying():
     runner.jobs[0][-1].ready_at = 0.0  # the copy "ends"
     assert [d.lease for d, _ in runner.poll()] == ["L2"]
     assert runner.fresh == set()  # nothing is remembered for restores that ended
+    # A restore started during the waiting poll's own pump (not among `waitable`) is not waited
+    # for: its copies are ordered after the forward just launched.
+    assert runner.start(m.RestoreCopies("L3", "r3", (("a", "gpu", 12),))) is None
+    started = time.perf_counter()
+    assert runner.poll(wait_s=1.0, waitable=set()) == []
+    assert time.perf_counter() - started < 0.5
 
 
 def test_batched_demotions_are_bit_exact_and_free_every_gpu_slot():

@@ -52,6 +52,11 @@ MAX_SPANS_PER_BLOCK = 64
 LAYOUT_VERSION = 1
 
 
+
+# The name a cross-layer KV cache (one tensor whose blocks hold every layer) is registered under,
+# by the vLLM connector (`cross_layer_blocks`): a handshake between it and per-layer caches says so.
+CROSS_LAYERS_NAME = "__cross_layers__"
+
 class LayoutMismatch(ValueError):
     """Two engines' KV layouts cannot exchange blocks (different model, dtype, block size...)."""
 
@@ -193,17 +198,16 @@ class KvLayout(msgspec.Struct, frozen=True):
             raise LayoutMismatch(f"layout version {peer.version} of the peer != ours {self.version}")
         if peer.block_size != self.block_size:
             raise LayoutMismatch(f"block_size differs: peer {peer.block_size}, ours {self.block_size}")
+        # One engine with vLLM's one-tensor cross-layer KV cache, the other with per-layer caches.
+        crossed = sum(any(layer.name == CROSS_LAYERS_NAME for layer in side.layers) for side in (peer, self)) == 1
+        hint = (" (one engine registered a cross-layer KV cache, the other per-layer caches: set the "
+                "connector's cross_layer_blocks the same on both engines)" if crossed else "")
         if len(peer.layers) != len(self.layers):
-            # One registered layer against several: most likely one engine got a cross-layer KV
-            # cache (vLLM's one-tensor layout) and the other per-layer caches.
-            hint = (" (a single registered layer is a cross-layer KV cache: set the connector's "
-                    "cross_layer_blocks the same on both engines)"
-                    if 1 in (len(peer.layers), len(self.layers)) else "")
             raise LayoutMismatch(f"number of layers differs: peer {len(peer.layers)}, "
                                  f"ours {len(self.layers)}{hint}")
         for index, (theirs, ours) in enumerate(zip(peer.layers, self.layers)):
             if theirs.name != ours.name:
-                raise LayoutMismatch(f"layer {index} is {theirs.name!r} on the peer, {ours.name!r} here")
+                raise LayoutMismatch(f"layer {index} is {theirs.name!r} on the peer, {ours.name!r} here{hint}")
             if theirs.dtype != ours.dtype:
                 raise LayoutMismatch(f"layer {ours.name!r}: dtype {theirs.dtype} on the peer, "
                                      f"{ours.dtype} here")
@@ -348,6 +352,24 @@ def coalesce_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[
     return runs
 
 
+def runs_at_most(src_blocks: Sequence[int], dst_blocks: Sequence[int], limit: int) -> bool:
+    """Whether the pairs fold into at most `limit` runs (as `coalesce_runs` folds them), counting
+    only until the limit is passed."""
+    if not src_blocks:
+        return limit >= 0
+    runs = 1
+    if runs > limit:
+        return False
+    previous_src, previous_dst = src_blocks[0], dst_blocks[0]
+    for src, dst in zip(src_blocks[1:], dst_blocks[1:]):
+        if src != previous_src + 1 or dst != previous_dst + 1:
+            runs += 1
+            if runs > limit:
+                return False
+        previous_src, previous_dst = src, dst
+    return True
+
+
 def check_block_ids(src_layout: KvLayout, dst_layout: KvLayout, src_blocks: Sequence[int],
                     dst_blocks: Sequence[int]) -> None:
     """Reject block lists a transport must not act on: out of range, unequal, or writing one
@@ -397,6 +419,7 @@ class _SpanTable(NamedTuple):
     fills_stride: np.ndarray  # the span is the whole block stride: a run of blocks is one stretch
     spans_per_layer: tuple[int, ...]
     rows: tuple[tuple[int, int, int, int, bool], ...]  # the same, one Python tuple per piece
+    all_whole: bool  # every piece is a whole block stride
 
 
 # Tables of the layouts used lately, by identity (a peer's and the engine's own layout are the
@@ -422,7 +445,7 @@ def _span_table(layout: KvLayout) -> _SpanTable:
     table = _SpanTable(np.asarray(columns[0], dtype=np.int64), np.asarray(columns[1], dtype=np.int64),
                        np.asarray(columns[2], dtype=np.int64), np.asarray(columns[3], dtype=np.int64),
                        np.asarray(columns[4], dtype=bool), tuple(len(layer.spans) for layer in layout.layers),
-                       tuple(rows))
+                       tuple(rows), all(row[4] for row in rows))
     with _TABLES_LOCK:
         while len(_TABLES) >= 16:
             _TABLES.pop(next(iter(_TABLES)))  # the least recently used
@@ -458,10 +481,8 @@ def descriptors_for_runs(src_layout: KvLayout, dst_layout: KvLayout,
     if not len(src.base):
         empty = np.zeros((0, 2), dtype=np.uint64)
         return DescriptorPlan(empty, empty.copy())
-    if len(runs) * len(src.rows) <= SMALL_PLAN_PIECES:
-        plan = _small_plan(src, dst, runs)
-        if plan is not None:
-            return plan
+    if src.all_whole and dst.all_whole and len(runs) * len(src.rows) <= SMALL_PLAN_PIECES:
+        return _small_plan(src, dst, runs)
     run_array = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
     run_src, run_dst, run_count = run_array[:, 0], run_array[:, 1], run_array[:, 2]
     whole = src.fills_stride & dst.fills_stride  # pieces where a run is one stretch on both sides
@@ -486,19 +507,17 @@ def descriptors_for_runs(src_layout: KvLayout, dst_layout: KvLayout,
 
 # At most this many (piece, run) pairs are described in plain Python: numpy's fixed cost per call
 # (some 30 calls) made a one-run read of a cross-layer cache, the default layout's usual read,
-# take ~0.1 ms on a 2-core development machine, against ~0.01 ms this way.
-SMALL_PLAN_PIECES = 64
+# take ~0.1 ms on a 2-core development machine, against ~0.01 ms this way. Break-even is near 56
+# pairs (two runs of a 28-layer per-layer cache).
+SMALL_PLAN_PIECES = 32
 
 
-def _small_plan(src: _SpanTable, dst: _SpanTable, runs: Sequence[tuple[int, int, int]]
-                ) -> DescriptorPlan | None:
+def _small_plan(src: _SpanTable, dst: _SpanTable, runs: Sequence[tuple[int, int, int]]) -> DescriptorPlan:
     """`descriptors_for_runs` for few runs over pieces that are whole blocks on both sides (a run
-    is one stretch), with the same merging as `_merge_adjacent`; None when a piece is not."""
+    is one stretch; the caller checks), with the same merging as `_merge_adjacent`."""
     items = []
-    for (src_base, src_stride, nbytes, src_region, src_whole), (dst_base, dst_stride, _, dst_region, dst_whole) \
+    for (src_base, src_stride, nbytes, src_region, _), (dst_base, dst_stride, _, dst_region, _) \
             in zip(src.rows, dst.rows):
-        if not (src_whole and dst_whole):
-            return None
         for run_src, run_dst, count in runs:
             items.append((src_base + int(run_src) * src_stride, dst_base + int(run_dst) * dst_stride,
                           int(count) * nbytes, src_region, dst_region))

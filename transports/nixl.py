@@ -76,7 +76,7 @@ from .base import (NOTIFY_DECODER, NOTIFY_ENCODER, FaultHook, NotifyEnvelope, Pe
                    ReadResult, TransportError, TransportUnavailable)
 from .landing import LandingArea, landing_order, run_counts
 from .layout import (DescriptorPlan, KvLayout, check_block_ids, coalesce_runs,
-                     descriptors_for_runs)
+                     descriptors_for_runs, runs_at_most)
 from .local import UnknownPeer
 
 logger = logging.getLogger(__name__)
@@ -640,10 +640,10 @@ class NixlTransport:
                                                    peer.dlist, remote_indices, job.notif_msg)
             moved, error = nbytes, None
         else:
-            runs = coalesce_runs(job.src_blocks, job.dst_blocks)
-            landing = self._reserve_landing(job, len(runs))
+            landing = self._reserve_landing(job)
             if landing is None:
-                plan = descriptors_for_runs(peer.layout, layout, runs)
+                plan = descriptors_for_runs(peer.layout, layout,
+                                            coalesce_runs(job.src_blocks, job.dst_blocks))
                 described = time.perf_counter()
                 handle = self._initialize(plan, peer, job.notif_msg)
             else:
@@ -678,16 +678,15 @@ class NixlTransport:
         if state != "PROC":  # DONE (CMA copies inside transfer) or ERR: settle it now
             self._settle(in_flight, state)
 
-    def _reserve_landing(self, job: _ReadJob, direct_runs: int):
+    def _reserve_landing(self, job: _ReadJob):
         """(start, count, src sorted, dst in the same order) when this read should land packed
-        and the area has room; None to read straight into the destination blocks.
-
-        direct_runs: the runs a direct read would post (in the order given). Landed it would
-        post at least one, so with fewer than `landing_min_runs_saved` + 1 landing cannot save
-        enough (the usual contiguous read: no sorting needed to know)."""
+        and the area has room; None to read straight into the destination blocks."""
         if self._landing is None or not job.dst_blocks:
             return None
-        if direct_runs - 1 < self._landing_min_runs_saved:
+        # A direct read posts its runs in the order given; landed it would post at least one. So
+        # with at most `landing_min_runs_saved` runs landing cannot save enough: the usual
+        # contiguous read needs no sorting to know (counted with an early stop).
+        if runs_at_most(job.src_blocks, job.dst_blocks, self._landing_min_runs_saved):
             return None
         src_sorted, dst_sorted = landing_order(job.src_blocks, job.dst_blocks)
         direct, landed = run_counts(src_sorted, dst_sorted)

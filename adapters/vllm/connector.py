@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...control import messages as m
 from ...control.client import Link, SidecarHandle, free_port, ipc_dir_for
 from ...control.config import SidecarConfig
+from ...transports.layout import CROSS_LAYERS_NAME
 from .history import HistoryPlan, history_plan
 from .settings import Settings, parse_settings
 from .worker_io import WorkerIo
@@ -53,7 +54,7 @@ logger = logging.getLogger("vllm.kvbaton.connector")
 PARAMS_VERSION = 1
 # The name the cross-layer KV tensor is registered under (one "layer" whose blocks hold every
 # layer): both engines of a handoff must have it, or their layouts differ by name and count.
-CROSS_LAYERS = "__cross_layers__"
+CROSS_LAYERS = CROSS_LAYERS_NAME
 
 
 @dataclass

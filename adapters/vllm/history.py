@@ -845,7 +845,8 @@ class RestoreRunner:
 
     def abandon_last(self) -> None:
         """Forget the last restore after its copies ended (its failure is reported elsewhere)."""
-        job = self.jobs.pop()[-1]
+        lease, _request, _sync, job = self.jobs.pop()
+        self.fresh.discard(lease)
         try:
             if job.event is not None:
                 job.event.synchronize()

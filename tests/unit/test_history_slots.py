@@ -342,9 +342,9 @@ def test_restore_runner_reports_ends_and_keeps_read_slots_from_reuse():
 
 
 def test_restore_runner_waits_a_bounded_time_for_restores_still_copying():
-    """history_restore_wait_s: a restore started since the last poll that ends within the wait is
-    reported by this poll (a step earlier); one that does not is left in flight after about the
-    wait, and later polls do not wait for it again."""
+    """history_restore_wait_s: a restore started since the last poll that waited, and ending
+    within the wait, is reported by this poll (a step earlier); one that does not is left in
+    flight after about the wait, and later polls do not wait for it again."""
     from kvbaton.adapters.vllm.history import RestoreRunner
 
     caches = make_caches()

@@ -289,6 +289,13 @@ def test_cross_layer_layout_is_one_descriptor_per_run_for_every_layer():
         layout.check_compatible(per_layer)
     with pytest.raises(T.LayoutMismatch, match="cross_layer_blocks the same"):
         per_layer.check_compatible(layout)
+    # A one-layer model differs by name, not count: the same hint. Two per-layer models do not get it.
+    one = KvLayout.from_kv_caches(blocks_first_caches(num_blocks, num_layers=1), num_blocks, BLOCK_SIZE)
+    with pytest.raises(T.LayoutMismatch, match="cross_layer_blocks the same"):
+        layout.check_compatible(one)
+    with pytest.raises(T.LayoutMismatch) as refused:
+        per_layer.check_compatible(one)
+    assert "cross_layer_blocks" not in str(refused.value)
 
 
 def test_descriptors_never_span_two_allocations():
@@ -739,10 +746,21 @@ def test_small_reads_are_described_as_the_vectorised_path_describes_them(layout_
             vectorised = descriptors_for_runs(src_layout, dst_layout, runs)
         assert small.src.dtype == vectorised.src.dtype == np.uint64
         assert np.array_equal(small.src, vectorised.src) and np.array_equal(small.dst, vectorised.dst)
-        if layout_name in ("blocks_first", "cross_layers") and len(runs) * len(src_layout.layers) <= 64:
-            # whole blocks on both sides: the plain-Python path is the one taken
-            assert layout_module._small_plan(layout_module._span_table(src_layout),
-                                             layout_module._span_table(dst_layout), runs) is not None
+        if layout_name in ("blocks_first", "cross_layers"):  # whole blocks: the plain-Python path applies
+            assert layout_module._span_table(src_layout).all_whole and layout_module._span_table(dst_layout).all_whole
+
+
+def test_runs_at_most_counts_runs_as_coalesce_runs_folds_them():
+    from kvbaton.transports.layout import runs_at_most
+
+    rng = random.Random(7)
+    for _ in range(300):
+        count = rng.randint(0, 12)
+        src = sorted(rng.sample(range(40), count)) if rng.random() < 0.5 else rng.sample(range(40), count)
+        dst = list(range(5, 5 + count)) if rng.random() < 0.5 else rng.sample(range(40), count)
+        runs = len(coalesce_runs(src, dst))
+        for limit in range(0, 5):
+            assert runs_at_most(src, dst, limit) == (runs <= limit), (src, dst, limit)
 
 
 def test_descriptors_for_runs_name_the_layer_whose_spans_differ():

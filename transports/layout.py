@@ -50,12 +50,10 @@ MAX_SPANS_PER_BLOCK = 64
 # Bumped when the meaning of a KvLayout field or of the fingerprint changes, so that engines
 # running different kvbaton versions refuse to pair instead of misreading each other's memory.
 LAYOUT_VERSION = 1
-
-
-
 # The name a cross-layer KV cache (one tensor whose blocks hold every layer) is registered under,
 # by the vLLM connector (`cross_layer_blocks`): a handshake between it and per-layer caches says so.
 CROSS_LAYERS_NAME = "__cross_layers__"
+
 
 class LayoutMismatch(ValueError):
     """Two engines' KV layouts cannot exchange blocks (different model, dtype, block size...)."""

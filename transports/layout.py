@@ -328,44 +328,32 @@ def region_index(layout: KvLayout, addr: int) -> int:
 # ------------------------------------------------------------------------------------- block runs
 
 
-def coalesce_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+def coalesce_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                  limit: int | None = None) -> list[tuple[int, int, int]] | None:
     """Fold block pairs into maximal runs `(src_start, dst_start, count)`.
 
     A run continues while both the source and the destination block ids go up by one. The pair
-    order is kept: runs come out in the order of the input.
+    order is kept: runs come out in the order of the input. With `limit`, None as soon as there
+    are more than `limit` runs (the rest of the pairs is not looked at).
     """
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
     runs: list[tuple[int, int, int]] = []
     if not src_blocks:
         return runs
+    if limit is not None and limit < 1:
+        return None
     src_start, dst_start, count = int(src_blocks[0]), int(dst_blocks[0]), 1
     for src, dst in zip(src_blocks[1:], dst_blocks[1:]):
         if src == src_start + count and dst == dst_start + count:
             count += 1
         else:
             runs.append((src_start, dst_start, count))
+            if limit is not None and len(runs) >= limit:
+                return None
             src_start, dst_start, count = int(src), int(dst), 1
     runs.append((src_start, dst_start, count))
     return runs
-
-
-def runs_at_most(src_blocks: Sequence[int], dst_blocks: Sequence[int], limit: int) -> bool:
-    """Whether the pairs fold into at most `limit` runs (as `coalesce_runs` folds them), counting
-    only until the limit is passed."""
-    if not src_blocks:
-        return limit >= 0
-    runs = 1
-    if runs > limit:
-        return False
-    previous_src, previous_dst = src_blocks[0], dst_blocks[0]
-    for src, dst in zip(src_blocks[1:], dst_blocks[1:]):
-        if src != previous_src + 1 or dst != previous_dst + 1:
-            runs += 1
-            if runs > limit:
-                return False
-        previous_src, previous_dst = src, dst
-    return True
 
 
 def check_block_ids(src_layout: KvLayout, dst_layout: KvLayout, src_blocks: Sequence[int],

@@ -76,7 +76,7 @@ from .base import (NOTIFY_DECODER, NOTIFY_ENCODER, FaultHook, NotifyEnvelope, Pe
                    ReadResult, TransportError, TransportUnavailable)
 from .landing import LandingArea, landing_order, run_counts
 from .layout import (DescriptorPlan, KvLayout, check_block_ids, coalesce_runs,
-                     descriptors_for_runs, runs_at_most)
+                     descriptors_for_runs)
 from .local import UnknownPeer
 
 logger = logging.getLogger(__name__)
@@ -640,10 +640,16 @@ class NixlTransport:
                                                    peer.dlist, remote_indices, job.notif_msg)
             moved, error = nbytes, None
         else:
-            landing = self._reserve_landing(job)
+            # A direct read posts its runs in the order given; landed it would post at least one.
+            # So with at most `landing_min_runs_saved` runs landing cannot save enough: the usual
+            # contiguous read is folded once, with no sorting (coalesce stops past the limit).
+            runs = coalesce_runs(job.src_blocks, job.dst_blocks,
+                                 None if self._landing is None else self._landing_min_runs_saved)
+            landing = None if runs is not None else self._reserve_landing(job)
             if landing is None:
-                plan = descriptors_for_runs(peer.layout, layout,
-                                            coalesce_runs(job.src_blocks, job.dst_blocks))
+                if runs is None:  # past the limit, and the area did not take it
+                    runs = coalesce_runs(job.src_blocks, job.dst_blocks)
+                plan = descriptors_for_runs(peer.layout, layout, runs)
                 described = time.perf_counter()
                 handle = self._initialize(plan, peer, job.notif_msg)
             else:
@@ -682,11 +688,6 @@ class NixlTransport:
         """(start, count, src sorted, dst in the same order) when this read should land packed
         and the area has room; None to read straight into the destination blocks."""
         if self._landing is None or not job.dst_blocks:
-            return None
-        # A direct read posts its runs in the order given; landed it would post at least one. So
-        # with at most `landing_min_runs_saved` runs landing cannot save enough: the usual
-        # contiguous read needs no sorting to know (counted with an early stop).
-        if runs_at_most(job.src_blocks, job.dst_blocks, self._landing_min_runs_saved):
             return None
         src_sorted, dst_sorted = landing_order(job.src_blocks, job.dst_blocks)
         direct, landed = run_counts(src_sorted, dst_sorted)

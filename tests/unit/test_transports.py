@@ -750,17 +750,16 @@ def test_small_reads_are_described_as_the_vectorised_path_describes_them(layout_
             assert layout_module._span_table(src_layout).all_whole and layout_module._span_table(dst_layout).all_whole
 
 
-def test_runs_at_most_counts_runs_as_coalesce_runs_folds_them():
-    from kvbaton.transports.layout import runs_at_most
-
+def test_coalesce_runs_with_a_limit_stops_past_it():
     rng = random.Random(7)
     for _ in range(300):
         count = rng.randint(0, 12)
         src = sorted(rng.sample(range(40), count)) if rng.random() < 0.5 else rng.sample(range(40), count)
         dst = list(range(5, 5 + count)) if rng.random() < 0.5 else rng.sample(range(40), count)
-        runs = len(coalesce_runs(src, dst))
+        runs = coalesce_runs(src, dst)
         for limit in range(0, 5):
-            assert runs_at_most(src, dst, limit) == (runs <= limit), (src, dst, limit)
+            limited = coalesce_runs(src, dst, limit)
+            assert limited == (runs if len(runs) <= limit else None), (src, dst, limit)
 
 
 def test_descriptors_for_runs_name_the_layer_whose_spans_differ():

@@ -190,8 +190,8 @@ class SlotStore:
 
     # -- ordering ----------------------------------------------------------------------------------
 
-    def _run(self, stream, fn, *args, after_engine: bool = True) -> None:
-        """Run copies on `stream` (CUDA), or synchronously (CPU).
+    def _run(self, stream, fn, *args, after_engine: bool = True) -> Any:
+        """Run copies on `stream` (CUDA), or synchronously (CPU); returns what `fn` returns.
 
         after_engine: first make `stream` wait for everything the calling thread's current stream
         queued. Restores need it (their engine blocks may have just been freed by a request whose
@@ -203,12 +203,11 @@ class SlotStore:
         was issued) and history slots only this stream writes."""
 
         if stream is None:
-            fn(*args)
-            return
+            return fn(*args)
         if after_engine:
             stream.wait_stream(self.torch.cuda.current_stream(self.device))
         with self.torch.cuda.stream(stream):
-            fn(*args)
+            return fn(*args)
 
     def _fence(self, stream) -> None:
         """Wait for this operation's copies only (an event on its stream), never the device."""
@@ -294,6 +293,10 @@ class SlotStore:
     def _rows_per_chunk(self, tensor) -> int:
         return max(1, self.CHUNK_BYTES // max(1, math.prod(tensor.shape[1:]) * tensor.element_size()))
 
+    def _slots_per_chunk(self) -> int:
+        """Slots per chunk when every piece's chunk is alive at once (gathered together)."""
+        return max(1, self.CHUNK_BYTES // max(1, self.slot_bytes))
+
     def _copy_runs(self, sources, destinations, runs) -> None:
         """Per piece, one plain copy per run ((first source row, first destination row, rows), as
         `pair_runs` gives them): on CUDA one DMA each, asynchronous when one side is pinned."""
@@ -365,12 +368,11 @@ class SlotStore:
         # reads the GPU slot (only this thread writes slots, after this move), instead of finding
         # the key in no tier and failing.
         try:
-            copied = []
-            self._run(self.stream, lambda: copied.append(self._demote_copy(moves)), after_engine=False)
+            runs = self._run(self.stream, self._demote_copy, moves, after_engine=False)
             fence_started = time.perf_counter()
             self._fence(self.stream)
             self.last_demote_fence_s = time.perf_counter() - fence_started
-            self.last_demote_runs = copied[0]
+            self.last_demote_runs = runs
         except Exception as exc:
             with self.lock:
                 for key, gslot, cslot in moves:
@@ -419,7 +421,7 @@ class SlotStore:
         if len(runs) <= self.MAX_RUN_COPIES:
             # Per chunk, every piece's gather first, then the DMAs: one wait for a time slice
             # per chunk instead of one per piece when another process shares the GPU.
-            step = max(1, self.CHUNK_BYTES // max(1, self.slot_bytes))  # every piece's chunk is alive at once
+            step = self._slots_per_chunk()
             for offset, group, size in split_runs(runs, step):
                 # Freed on this stream: their memory is reused only by later work on it.
                 gathered = [gpu.index_select(0, gidx[offset:offset + size]) for gpu in self.tiers["gpu"]]
@@ -428,7 +430,7 @@ class SlotStore:
                         cpu[cslot:cslot + count].copy_(picked[first:first + count], non_blocking=self.cuda)
             return len(direct), True
         cidx = self._index((c for _, _, c in moves), "cpu")
-        step = max(1, self.CHUNK_BYTES // max(1, self.slot_bytes))  # every piece's chunk is alive at once
+        step = self._slots_per_chunk()
         for start in range(0, len(moves), step):
             # Every piece's gather, then every DMA into one pinned buffer for the chunk, then one
             # wait: kernels and DMAs alternating per piece would each wait for a time slice when
@@ -540,7 +542,7 @@ class SlotStore:
             # From the CPU tier, per chunk of rows: every piece's upload first, then every
             # piece's scatter, so the kernels wait for one time slice per chunk (not one per
             # piece) when another process shares the GPU.
-            step = max(1, self.CHUNK_BYTES // max(1, self.slot_bytes))  # every piece's chunk is alive at once
+            step = self._slots_per_chunk()
             if runs is not None:
                 # Straight from the pinned tier, one asynchronous DMA per run: the engine
                 # thread copies nothing on the host (the gather below copies the whole

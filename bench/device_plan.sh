@@ -14,8 +14,9 @@
 #   bash bench/device_plan.sh E   # the history tests alone, cross-layer and per-layer
 #   bash bench/device_plan.sh F   # 7B throughput C32: native, kvbaton, kvbaton-nohist,
 #                                 # kvbaton-syncrestore, kvbaton-restorewait (history under load)
-#   bash bench/device_plan.sh G   # NIXL reads alone with cross-layer caches (the bandwidth target
-#                                 # without D's step), cold arrivals and the churn control
+#   bash bench/device_plan.sh G   # NIXL reads alone with cross-layer caches, 0.5B and 7B shapes (the
+#                                 # bandwidth target without D's step), cold arrivals and churn
+#   bash bench/device_plan.sh I   # tests/gpu (handoff and history halves) at the current commit
 #   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, NIXL reads alone
 #                                 # over NVLink (cross-layer), then 0.5B throughput
 #
@@ -116,7 +117,14 @@ case "${1:-}" in
     ;;
   G)
     raw_read xlayer1 90 --topology 1gpu --layout cross-layer
+    raw_read xlayer7 100 --topology 1gpu --layout cross-layer --shape 7b
     compare coldx 300 --device 1gpu --shape 0.5b --systems native,kvbaton --scenarios cold,churn
+    ;;
+  I)
+    KVBATON_GPU_CUDA_GRAPHS=1 BUDGET_S=${GPU_TESTS_S:-300} bash "$REPO/tests/gpu/run_on_device.sh" > /dev/null 2>&1
+    echo "tests/gpu: rc=$?"
+    grep -h -E "^(FAILED|ERROR)|^=+ .*(passed|failed|error)|rc=" "$OUT"/pytest*.log "$OUT/env.txt" 2>/dev/null \
+      | tail -n 30
     ;;
   H)
     KVBATON_GPU_TOPOLOGIES=2gpu KVBATON_GPU_CUDA_GRAPHS=1 BUDGET_S=${GPU_TESTS_S:-240} \
@@ -128,7 +136,7 @@ case "${1:-}" in
     compare thru05two 240 --device 2gpu --shape 0.5b --systems native,kvbaton --scenarios throughput
     ;;
   *)
-    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H" >&2
+    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H|I" >&2
     exit 2
     ;;
 esac

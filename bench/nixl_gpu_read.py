@@ -1,18 +1,21 @@
 """Where a GPU handoff read's time goes: NixlTransport between two processes, vLLM-shaped caches.
 
 P and D each hold a Qwen2.5-0.5B-shaped KV cache (24 layers of (blocks, 2, 16, 2, 64) bf16, one
-allocation per layer, as vLLM 0.24 lays it out on GPU). D reads a 277-block prompt (54.5 MB) from
-P, the way the connector does, under several conditions, and splits each read's time into
+allocation per layer, as vLLM 0.24 lays it out on GPU), or with `--shape 7b` a 7B-shaped one (28
+layers of (blocks, 2, 16, 4, 128)). D reads a 277-block prompt (54.5 MB; 7B: 245 blocks, 224.8
+MB, the benchmarks' 7B prompt) from P, the way the connector does, under several conditions, and splits each read's time into
 posting (`start_read` with inline posting: descriptors, initialize_xfer, transfer) and waiting
 for completion. Baselines in the same process: a torch copy of the same bytes between the same
 devices, and a per-layer gather of the same blocks.
 
     python -m kvbaton.bench.nixl_gpu_read [--topology 1gpu|2gpu] [--layout per-layer|cross-layer]
-        [--repeats 10] [--out FILE]
+        [--shape 0.5b|7b] [--repeats 10] [--out FILE]
 
 Conditions: contiguous blocks (one descriptor per layer), scattered blocks (one per block and
 layer), D's landing area for scattered destinations, prepped descriptor lists, and a Python thread keeping the GIL busy (an engine thread) with
-Python's default 5 ms switch interval and with 0.5 ms. `--layout cross-layer`: one tensor whose
+Python's default 5 ms switch interval and with 0.5 ms. `*_spin` rows see a read's end by polling
+in a tight loop rather than through `wait`, whose pause between checks grows to 1 ms: the closest
+this process gets to the copy's own time. `--layout cross-layer`: one tensor whose
 blocks hold every layer, (blocks, 24, 2, 16, 2, 64), registered as one blocks-first layer, as the
 connector does with `cross_layer_blocks` (the default): a run of blocks is one descriptor. Needs
 CUDA and NIXL (the GPU machines); `--device cpu` runs the same on DRAM for a dry run.
@@ -30,8 +33,16 @@ import sys
 import threading
 import time
 
-LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD = 24, 10922, 16, 2, 64
-PROMPT_BLOCKS = 277
+BLOCK = 16
+# shape -> (layers, KV heads, head size, cache blocks, prompt blocks)
+SHAPES = {"0.5b": (24, 2, 64, 10922, 277), "7b": (28, 4, 128, 4096, 245)}
+LAYERS, KV_HEADS, HEAD, NUM_BLOCKS, PROMPT_BLOCKS = SHAPES["0.5b"]
+
+
+def use_shape(name: str) -> None:
+    """Set the module's shape (spawned children get it through their arguments)."""
+    global LAYERS, KV_HEADS, HEAD, NUM_BLOCKS, PROMPT_BLOCKS
+    LAYERS, KV_HEADS, HEAD, NUM_BLOCKS, PROMPT_BLOCKS = SHAPES[name]
 
 
 def make_caches(torch, device: str, num_blocks: int, layout: str = "per-layer") -> dict:
@@ -50,7 +61,8 @@ def describe(caches: dict, num_blocks: int, layout: str):
     return KvLayout.from_kv_caches(caches, num_blocks, BLOCK, block_dim=0 if layout == "cross-layer" else None)
 
 
-def _prefill(conn, visible: str | None, device: str, num_blocks: int, layout: str) -> None:
+def _prefill(conn, visible: str | None, device: str, num_blocks: int, layout: str, shape: str) -> None:
+    use_shape(shape)
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
     import torch
@@ -97,14 +109,25 @@ class GilHog:
         self.thread.join()
 
 
-def timed_reads(transport, peer: str, src: list[int], dst: list[int], repeats: int, tag: str) -> dict:
+def spin_until_done(transport, read_id: str, timeout_s: float = 30.0):
+    """Poll without pausing until the read ends (no backoff between progress checks)."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        for result in transport.poll():
+            if result.read_id == read_id:
+                return result
+    raise TimeoutError(f"read {read_id!r} not finished after {timeout_s} s")
+
+
+def timed_reads(transport, peer: str, src: list[int], dst: list[int], repeats: int, tag: str,
+                spin: bool = False) -> dict:
     post, wait, total = [], [], []
     for i in range(repeats + 1):
         read_id = f"{tag}-{i}"
         t0 = time.perf_counter()
         transport.start_read(read_id, peer, src, dst, None)
         t1 = time.perf_counter()
-        result = transport.wait(read_id, 30.0)
+        result = spin_until_done(transport, read_id) if spin else transport.wait(read_id, 30.0)
         t2 = time.perf_counter()
         if not result.ok:
             return {"error": result.error}
@@ -123,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topology", choices=("1gpu", "2gpu"), default="2gpu")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--layout", choices=("per-layer", "cross-layer"), default="per-layer")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="0.5b")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
+    use_shape(args.shape)
     cpu = args.device == "cpu"
     num_blocks = 1024 if cpu else NUM_BLOCKS
     if cpu:
@@ -137,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     process = context.Process(target=_prefill, args=(child, p_visible, "cpu" if cpu else "cuda:0", num_blocks,
-                                                      args.layout), daemon=True)
+                                                      args.layout, args.shape), daemon=True)
     process.start()
     import torch
 
@@ -148,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = describe(caches, num_blocks, args.layout)
     metadata = parent.recv()
     results: dict = {"topology": args.topology, "device": args.device, "layout": args.layout,
-                     "prompt_blocks": PROMPT_BLOCKS}
+                     "shape": args.shape, "prompt_blocks": PROMPT_BLOCKS}
     contiguous = list(range(1, PROMPT_BLOCKS + 1))
     rng = random.Random(0)
     scattered_src = sorted(rng.sample(range(1, num_blocks), PROMPT_BLOCKS))
@@ -159,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         per_read.add_peer("P", metadata)
         default_interval = sys.getswitchinterval()
         results["per_read_contiguous"] = timed_reads(per_read, "P", contiguous, contiguous, args.repeats, "a")
+        results["per_read_contiguous_spin"] = timed_reads(per_read, "P", contiguous, contiguous, args.repeats,
+                                                          "a2", spin=True)
         results["per_read_scattered"] = timed_reads(per_read, "P", scattered_src, scattered_dst, args.repeats, "b")
         with GilHog():
             results["per_read_contiguous_gil_busy_5ms"] = timed_reads(per_read, "P", contiguous, contiguous,
@@ -204,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         prepped.register(describe(caches3, num_blocks, args.layout), caches3)
         prepped.add_peer("P", metadata)
         results["prepped_contiguous"] = timed_reads(prepped, "P", contiguous, contiguous, args.repeats, "g")
+        results["prepped_contiguous_spin"] = timed_reads(prepped, "P", contiguous, contiguous, args.repeats,
+                                                         "g2", spin=True)
         results["prepped_scattered"] = timed_reads(prepped, "P", scattered_src, scattered_dst, args.repeats, "h")
         prepped.close()
         del caches3
@@ -229,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                     times.append(time.perf_counter() - t0)
                 return statistics.median(times)
 
-            flat_src = torch.empty(PROMPT_BLOCKS * 24 * 8192, dtype=torch.uint8, device=src_dev)
+            flat_src = torch.empty(PROMPT_BLOCKS * layout.block_nbytes, dtype=torch.uint8, device=src_dev)
             flat_dst = torch.empty_like(flat_src, device=device)
             copy_s = run(lambda: flat_dst.copy_(flat_src, non_blocking=True))
             layer_s = run(lambda: [d[1:PROMPT_BLOCKS + 1].copy_(s[1:], non_blocking=True)

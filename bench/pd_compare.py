@@ -721,6 +721,15 @@ def read_phases_line(transfer: dict) -> str:
         line += (f"; {transfer.get('bytes', 0) / good / 1e6:.1f} MB and "
                  f"{transfer.get('descriptors', 0) / good:.0f} descriptors per good read, "
                  f"{transfer.get('landed', 0)} of {posted} landed")
+        # The copy ran from inside the post call until between settle_busy and settle after it.
+        nbytes = transfer.get("bytes", 0) / good
+        call = transfer.get("transfer_call_seconds", 0.0) / reads
+        seen_done = call + transfer.get("settle_seconds", 0.0) / reads
+        seen_busy = call + transfer.get("settle_busy_seconds", 0.0) / reads
+        if seen_done > 0 and nbytes:
+            line += f"; from the post call to seen done {nbytes / seen_done / 1e9:.0f} GB/s"
+            if transfer.get("settle_busy_seconds"):
+                line += f", to last seen busy {nbytes / seen_busy / 1e9:.0f} GB/s (the copy's rate lies between)"
     return line
 
 

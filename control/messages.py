@@ -106,7 +106,7 @@ class WorkerReady(Msg, tag="wready"):
 
 
 # A read's time, split as the transport reports it (transports/base.py ReadResult.phases).
-READ_PHASES = ("queued", "describe", "initialize", "transfer_call", "settle", "collect")
+READ_PHASES = ("queued", "describe", "initialize", "transfer_call", "settle", "collect", "settle_busy")
 
 
 class ReadDone(Msg, tag="rdone"):

@@ -49,9 +49,13 @@ class ReadResult(msgspec.Struct, frozen=True):
         (queued: start_read until posting began, describe: building the descriptors (or index
         lists), initialize: the transport library preparing the transfer from them,
         transfer_call: the post call itself, settle: from the post's return until the transport
-        saw the end, collect: from then until poll/wait handed the result over). The first five
-        add up to `seconds`; collect comes after it. (Before 2026-12-01's fifth session
-        describe and initialize were one phase, "prepare".)
+        saw the end, collect: from then until poll/wait handed the result over, settle_busy:
+        from the post's return until the last progress check that still saw the read in flight,
+        0 when none did). The first five add up to `seconds`; collect comes after it. The copy
+        ended between settle_busy and settle after the post returned: settle is bounded by how
+        often the caller polls (once or twice per engine step on D), settle_busy brackets it from
+        below. (Before 2026-12-01's fifth session describe and initialize were one phase,
+        "prepare"; settle_busy came in its seventh.)
     """
 
     read_id: str

@@ -213,6 +213,10 @@ class _InFlight:
     # perf_counter marks for ReadResult.phases: posting began, the descriptors were built (ours),
     # the transfer was initialised (NIXL), the post call (transfer()) returned.
     marks: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    # perf_counter of the last progress check that still saw the read in flight (0: none did).
+    # The copy ended between it and the check that saw it done: the settle phase is an upper
+    # bound on the copy's tail, this the lower one.
+    seen_busy: float = 0.0
 
 
 class NixlTransport:
@@ -716,6 +720,8 @@ class NixlTransport:
                 state = f"ERR ({type(error).__name__}: {error})"
             if state != "PROC":
                 self._settle(in_flight, state)
+            else:
+                in_flight.seen_busy = time.perf_counter()
 
     def _settle(self, in_flight: _InFlight, state: str) -> None:
         del self._in_flight[in_flight.read_id]
@@ -743,7 +749,7 @@ class NixlTransport:
         if state == "DONE" and in_flight.injected_error is None:
             self._finish(in_flight.read_id, ok=True, error=None, nbytes=in_flight.nbytes,
                          started=in_flight.started, descriptors=in_flight.descriptors,
-                         landed=landed, marks=in_flight.marks)
+                         landed=landed, marks=in_flight.marks, seen_busy=in_flight.seen_busy)
         elif state == "DONE":
             self._finish(in_flight.read_id, ok=False, error=in_flight.injected_error,
                          nbytes=in_flight.nbytes, started=in_flight.started)
@@ -754,13 +760,16 @@ class NixlTransport:
 
     def _finish(self, read_id: str, *, ok: bool, error: str | None, nbytes: int,
                 started: float, descriptors: int = 0, landed: bool = False,
-                marks: tuple[float, float, float, float] | None = None) -> None:
+                marks: tuple[float, float, float, float] | None = None,
+                seen_busy: float = 0.0) -> None:
         ended = time.perf_counter()
         phases: tuple[float, ...] = ()
         if marks is not None and marks[0]:
             posting, described, prepared, transferred = marks
+            # settle_busy goes last: _collected puts collect before it (ReadResult.phases' order).
             phases = (posting - started, described - posting, prepared - described,
-                      transferred - prepared, ended - transferred)
+                      transferred - prepared, ended - transferred,
+                      max(0.0, seen_busy - transferred) if seen_busy else 0.0)
         result = ReadResult(read_id, ok, error, nbytes, ended - started, descriptors, landed, phases)
         with self._read_finished:
             self._finished[read_id] = (result, ended)
@@ -782,10 +791,12 @@ class NixlTransport:
 
 
 def _collected(result: ReadResult, ended: float, now: float) -> ReadResult:
-    """`result` with its collect phase (from its end until poll/wait handed it over) appended."""
+    """`result` with its collect phase (from its end until poll/wait handed it over) in place,
+    before settle_busy (ReadResult.phases' order)."""
     if not result.phases:
         return result
-    return msgspec.structs.replace(result, phases=result.phases + (max(0.0, now - ended),))
+    phases = result.phases
+    return msgspec.structs.replace(result, phases=phases[:5] + (max(0.0, now - ended),) + phases[5:])
 
 
 def _as_str(name: Any) -> str:

@@ -140,4 +140,8 @@ def test_read_phases_line_reports_per_read_phases_size_and_descriptors():
              **{f"{phase}_seconds": 0.004 for phase in READ_PHASES}}
     line = read_phases_line(books)
     assert line.startswith("4 reads, per read: queued 1.00 ms, describe 1.00 ms, initialize 1.00 ms")
-    assert line.endswith("; 2.0 MB and 84 descriptors per good read, 1 of 4 landed")
+    assert "; 2.0 MB and 84 descriptors per good read, 1 of 4 landed" in line
+    # 2 MB from the post call (1 ms) to seen done (+1 ms settle) and to last seen busy (+1 ms)
+    assert line.endswith("to seen done 1 GB/s, to last seen busy 1 GB/s (the copy's rate lies between)")
+    books["settle_busy_seconds"] = 0.0  # never seen busy: no upper bound to give
+    assert read_phases_line(books).endswith("; from the post call to seen done 1 GB/s")

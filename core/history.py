@@ -198,7 +198,14 @@ class HistoryStore:
         if not self.enabled or not keys:
             return []
         if self.writer:
-            self.counters.add("history.dropped.busy_writer", len(keys))
+            # Another retention is copying (one writer at a time). The leading keys already
+            # resident were just used again: refresh them, as an admitted retention would, or a
+            # prefix that stays hot in the engine's own cache under load ages out of history.
+            # Only the keys that would have needed a copy are dropped.
+            resident = self._resident_prefix(keys)
+            self.touch(keys[:resident])
+            if resident < len(keys):
+                self.counters.add("history.dropped.busy_writer", len(keys) - resident)
             return []
         cfg = self.config
         protect = set(keys)
@@ -241,6 +248,16 @@ class HistoryStore:
             self.writer = ticket
             self.counters.add("history.staged", len(copies))
         return copies
+
+    def _resident_prefix(self, keys) -> int:
+        """How many leading keys are resident as this chain (each under the key before it)."""
+
+        blocks = self.blocks
+        for index, key in enumerate(keys):
+            blk = blocks.get(key)
+            if blk is None or blk.parent != (keys[index - 1] if index else ""):
+                return index
+        return len(keys)
 
     def finish_staging(self, ticket: str, keys, ok: bool, reason: str, out: list[Effect]) -> None:
         """The retention's copies ended: publish them, or drop them (tail first)."""

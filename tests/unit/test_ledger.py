@@ -140,6 +140,27 @@ def test_leased_blocks_are_never_demoted_and_hits_count_once():
     assert kinds(p.apply(ev.LeaseReleased(10**15, "L", "q", 0))) == ["Rejected"]  # idempotent
 
 
+def test_a_busy_writer_refreshes_resident_keys_and_drops_only_the_new_ones():
+    p = history_ledger(gpu_blocks=5, cpu_blocks=4)
+    retain(p, "a", ("a0", "a1"), 1)
+    retain(p, "b", ("b0", "b1"), 2)  # a0, a1 are now the least recently used
+    # A retention in flight (not yet published) holds the writer.
+    p.apply(ev.TicketIssued(3, "w", "rw", (30,), ("w0",)))
+    p.apply(ev.ClaimRequested(3, "w", "D", 1))
+    assert kinds(p.apply(ev.ReleaseRequested(3, "w", "D", 1))) == ["StageHistory"]
+    # A prompt that extends the a-chain is released meanwhile: a0, a1 were used again, a2 is new.
+    out = retain(p, "c", ("a0", "a1", "a2"), 4)
+    assert kinds(out) == ["FreeEngineBlocks"]  # nothing copied: one writer at a time
+    assert p.counters["history.dropped.busy_writer"] == 1  # only a2 needed a copy
+    assert list(p.history.gpu_lru)[-2:] == ["a1", "a0"]  # refreshed, heads newest
+    assert "a2" not in p.history.blocks
+    # A chain that is not resident as given (a1 under another parent) refreshes nothing.
+    retain(p, "d", ("a1",), 5)
+    assert p.counters["history.dropped.busy_writer"] == 2
+    assert list(p.history.gpu_lru)[-2:] == ["a1", "a0"]
+    assert p.check_invariants() == []
+
+
 def test_zero_gpu_budget_disables_history_but_not_handoff():
     p = history_ledger(gpu_blocks=0, cpu_blocks=10)
     out = retain(p, "a", ("a0", "a1"), 1)

@@ -12,7 +12,7 @@
 #                                 # the slot store's GPU unit test, the copy probe's paths by limits
 #   bash bench/device_plan.sh D   # 0.5B throughput: native, kvbaton (cross-layer), kvbaton-perlayer
 #   bash bench/device_plan.sh E   # the history tests alone, cross-layer and per-layer
-#   bash bench/device_plan.sh F   # 7B throughput C32: native, kvbaton, kvbaton-nohist,
+#   bash bench/device_plan.sh F   # 7B throughput C16 then C32: native, kvbaton, kvbaton-nohist,
 #                                 # kvbaton-syncrestore, kvbaton-restorewait (history under load)
 #   bash bench/device_plan.sh G   # NIXL reads alone with cross-layer caches, 0.5B and 7B shapes (the
 #                                 # bandwidth target without D's step), cold arrivals and churn
@@ -111,9 +111,11 @@ case "${1:-}" in
   F)
     # Most telling first: a fresh machine's first engines start slowly, and the budget may cut
     # the last system.
+    # C16 first, on the same engines: C32 then sends the same prompts again, so P restores from
+    # history under load (C32 alone had no restores to measure: seventh session, `5/`).
     compare thru7sync 570 --device 1gpu --shape 7b \
       --systems native,kvbaton,kvbaton-syncrestore,kvbaton-restorewait,kvbaton-nohist --scenarios throughput \
-      --concurrency 32
+      --concurrency 16,32
     ;;
   G)
     raw_read xlayer1 90 --topology 1gpu --layout cross-layer

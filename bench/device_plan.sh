@@ -17,6 +17,8 @@
 #   bash bench/device_plan.sh G   # NIXL reads alone with cross-layer caches, 0.5B and 7B shapes (the
 #                                 # bandwidth target without D's step), cold arrivals and churn
 #   bash bench/device_plan.sh I   # tests/gpu (handoff and history halves) at the current commit
+#   bash bench/device_plan.sh J   # the copy probe beside a prefill-shaped forward in the same
+#                                 # process (--busy-here): do P's demotions wait for P's forward?
 #   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, NIXL reads alone
 #                                 # over NVLink (cross-layer), then 0.5B throughput
 #
@@ -34,7 +36,7 @@ probe() {  # TAG, seconds, then the probe's arguments
   shift 2
   BENCH=history_copy_probe TAG=$tag BUDGET_S=$budget bash "$REPO/bench/run_on_device.sh" "$@" > /dev/null 2>&1
   echo "probe $tag: rc=$?"
-  grep -E "^(idle|busy) |Error|Traceback" "$OUT/history_copy_probe-$tag.log" | tail -n 40
+  grep -E "^(idle|busy|here) |^prefill-like|Error|Traceback" "$OUT/history_copy_probe-$tag.log" | tail -n 40
 }
 
 compare() {  # TAG, seconds, then pd_compare's arguments
@@ -128,6 +130,9 @@ case "${1:-}" in
     grep -h -E "^(FAILED|ERROR)|^=+ .*(passed|failed|error)|rc=" "$OUT"/pytest*.log "$OUT/env.txt" 2>/dev/null \
       | tail -n 30
     ;;
+  J)
+    probe here 200 --shape 7b --layout cross-layer --busy --busy-here --runs 1,6 --repeats 4
+    ;;
   H)
     KVBATON_GPU_TOPOLOGIES=2gpu KVBATON_GPU_CUDA_GRAPHS=1 BUDGET_S=${GPU_TESTS_S:-240} \
       bash "$REPO/tests/gpu/run_on_device.sh" > /dev/null 2>&1
@@ -138,7 +143,7 @@ case "${1:-}" in
     compare thru05two 240 --device 2gpu --shape 0.5b --systems native,kvbaton --scenarios throughput
     ;;
   *)
-    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H|I" >&2
+    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H|I|J" >&2
     exit 2
     ;;
 esac

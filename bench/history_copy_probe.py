@@ -3,8 +3,9 @@ stages a prompt's engine blocks into the GPU tier, demotes them to the pinned CP
 restores them from each tier, next to torch's single-copy ceilings for the same bytes, with the
 GPU idle and then shared with a second process that keeps it busy (as D's decode does on one GPU).
 
-    python -m kvbaton.bench.history_copy_probe --shape 7b --blocks 250 [--busy] [--out FILE]
-        [--layout block-first|kv-first|cross-layer] [--runs 1,9,40] [--limits DIRECT:HOST,...]
+    python -m kvbaton.bench.history_copy_probe --shape 7b --blocks 250 [--busy] [--busy-here]
+        [--out FILE] [--layout block-first|kv-first|cross-layer] [--runs 1,9,40]
+        [--limits DIRECT:HOST,...]
 
 --layout: vLLM 0.24's GPU caches are block-first per layer, (blocks, 2, block size, KV heads,
 head dim) (tests/gpu test_kv_cache_layout); kv-first, (2, blocks, ...), is what the first runs of
@@ -14,7 +15,15 @@ this many runs of consecutive blocks and slots (1: the best case; a busy P's ret
 free slots are fragmented), one measurement per value; each row says whether the store copied
 run by run or gathered. --limits: the store's MAX_DIRECT_COPIES:MAX_HOST_COPIES, one measurement
 per pair (default: the store's own), to compare the copy paths on the same blocks. Restore rows
-also say how long issuing the copies took on the calling thread (the engine's, in a real P).
+also say how long issuing the copies took on the calling thread (the engine's, in a real P), and
+demotion rows how long the copier spent before its fence (issuing).
+
+--busy-here: also measure beside a thread of this process that runs a prefill-shaped forward on
+the default stream over and over (Python launching each layer's kernels, then a blocking read of
+one value, as P's engine thread does beside the copier). Under 7B throughput load P's demotions
+took 39 ms a batch, 32 ms of it before the fence, and ended when P's forward did (seventh
+session); a second process keeping the GPU busy (--busy) never showed that. In this mode every
+copy is timed by its own fence, never a device-wide synchronize (which would wait for the forward).
 
 Why: in a 7B revisit with CUDA graphs a 250-block demotion (229 MB) took 53.7 ms P50 against 16.2
 ms eager (docs/BENCHMARKS.md, fourth session). This separates the store's own copy time from
@@ -25,9 +34,11 @@ streams).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import statistics
+import threading
 import time
 
 SHAPES = {  # layers, KV heads, head dim: the pd_compare model shapes
@@ -47,6 +58,50 @@ def busy_loop(device: str, ready, stop) -> None:
         for _ in range(50):
             x = torch.tanh(x @ x * 1e-3)
         torch.cuda.synchronize(device)
+
+
+class PrefillLikeLoad:
+    """A thread of this process running a prefill-shaped forward on the default stream, again and
+    again: per layer a few large matmuls and elementwise kernels launched from Python, then a
+    blocking read of one value (vLLM reads the sampled tokens). 7B-sized: 8192 tokens, hidden
+    3584, intermediate 18944, 28 layers (~100-200 ms a forward on an H200)."""
+
+    def __init__(self, device: str, tokens: int = 8192, hidden: int = 3584, inner: int = 18944,
+                 layers: int = 28) -> None:
+        self.device, self.shape = device, (tokens, hidden, inner, layers)
+        self.stop = threading.Event()
+        self.ready = threading.Event()
+        self.forwards = 0
+        self.thread = threading.Thread(target=self._run, name="prefill-like-load", daemon=True)
+
+    def _run(self) -> None:
+        import torch
+
+        tokens, hidden, inner, layers = self.shape
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.set_device(self.device)
+        x = torch.randn(tokens, hidden, device=self.device, dtype=torch.bfloat16)
+        up = torch.randn(hidden, inner, device=self.device, dtype=torch.bfloat16) * 1e-2
+        down = torch.randn(inner, hidden, device=self.device, dtype=torch.bfloat16) * 1e-2
+        self.ready.set()
+        while not self.stop.is_set():
+            h = x
+            for _ in range(layers):
+                gate = torch.nn.functional.silu(h @ up)
+                h = h + (gate * (h @ up)) @ down
+                h = torch.nn.functional.layer_norm(h, (hidden,))
+            float(h[0, 0])  # a blocking device-to-host read on the default stream
+            self.forwards += 1
+
+    def __enter__(self):
+        self.thread.start()
+        if not self.ready.wait(120):
+            raise RuntimeError("the prefill-like load did not start")
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(60)
 
 
 def timed(fn, sync) -> float:
@@ -80,14 +135,22 @@ def gather_kind(store, cpu_runs: int, restore: bool) -> str:
 
 
 def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 16,
-          layout: str = "block-first", runs: int = 1, limits: tuple[int, int] | None = None) -> dict:
+          layout: str = "block-first", runs: int = 1, limits: tuple[int, int] | None = None,
+          own_fences: bool = False) -> dict:
+    """own_fences: time each copy by its own completion (the store's fences; the ceilings on a
+    side stream), never a device-wide synchronize, which would also wait for this process's
+    other threads' work (--busy-here)."""
     import torch
 
     from kvbaton.adapters.vllm.history import SlotStore, pair_runs
 
     layers, heads, dim = SHAPES[shape]
     cuda = device.startswith("cuda")
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    side = torch.cuda.Stream(device=device) if cuda and own_fences else None
+    if side is not None:
+        sync = side.synchronize  # store calls fence themselves; the ceilings run on `side`
+    else:
+        sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     engine_blocks = max(1024, 8 * blocks)
     if layout == "cross-layer":
         caches = {"all": torch.randn((engine_blocks, layers, 2, block_size, heads, dim), device=device,
@@ -111,7 +174,9 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
     flat2 = torch.empty_like(flat)
     host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=cuda)
 
-    issue: dict[str, list[float]] = {"restore_gpu": [], "restore_cpu": []}  # the engine thread's share
+    # Restores: issued on the calling thread (the engine's); demotions: the copier's time before
+    # its fence.
+    issue: dict[str, list[float]] = {"restore_gpu": [], "restore_cpu": [], "demote": []}
 
     def restore(tier_keys):
         started = time.perf_counter()
@@ -130,6 +195,7 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
         rows["restore_gpu"].append(timed(lambda: restore([(k, "gpu") for k in keys]), sync))
         errors = []
         rows["demote"].append(timed(lambda: errors.extend(store.demote_many(keys)), sync))
+        issue["demote"].append(max(0.0, rows["demote"][-1] - store.last_demote_fence_s))
         paths["demote"] = gather_kind(store, runs, restore=False) if store.last_demote_runs[1] else "run by run"
         failed = [e for e in errors if e is not None]
         if failed:
@@ -138,9 +204,10 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
         for key in keys:
             store.drop(key)
         store.free = {tier: list(range(store.slots[tier])) for tier in store.TIERS}  # min-heaps
-        rows["ceiling_d2d"].append(timed(lambda: flat2.copy_(flat), sync))
-        rows["ceiling_d2h"].append(timed(lambda: host.copy_(flat, non_blocking=cuda), sync))
-        rows["ceiling_h2d"].append(timed(lambda: flat.copy_(host, non_blocking=cuda), sync))
+        with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+            rows["ceiling_d2d"].append(timed(lambda: flat2.copy_(flat), sync))
+            rows["ceiling_d2h"].append(timed(lambda: host.copy_(flat, non_blocking=cuda), sync))
+            rows["ceiling_h2d"].append(timed(lambda: flat.copy_(host, non_blocking=cuda), sync))
     for name, pairs in (("stage", zip(stage_from, in_runs(blocks, runs, 0))),
                         ("restore", zip(in_runs(blocks, runs, 0), restore_into))):
         direct = pair_runs(pairs)
@@ -154,7 +221,7 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
     for name, samples in rows.items():
         median = statistics.median(samples[1:] if len(samples) > 2 else samples)  # the first warms up
         out[name] = {"median_ms": median * 1e3, "GBps": nbytes / median / 1e9}
-    for name, samples in issue.items():  # a restore's copies issued (begin_restore) on the calling thread
+    for name, samples in issue.items():  # issued on the calling thread (restores) / before the fence
         out[name]["issue_ms"] = statistics.median(samples[1:] if len(samples) > 2 else samples) * 1e3
     return out
 
@@ -180,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--device", default="", help="default: cuda:0 when there is one, else cpu")
     parser.add_argument("--busy", action="store_true", help="also measure with a second process keeping the GPU busy")
+    parser.add_argument("--busy-here", action="store_true",
+                        help="also measure beside a prefill-shaped forward run by a thread of this process")
     parser.add_argument("--layout", choices=("block-first", "kv-first", "cross-layer"), default="block-first")
     parser.add_argument("--runs", default="1", help="comma-separated: runs of consecutive blocks and slots per copy")
     parser.add_argument("--limits", default="",
@@ -201,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(load: str) -> list[dict]:
         return [{"load": load, **probe(args.shape, args.blocks, args.repeats, device, layout=args.layout,
-                                       runs=runs, limits=limits)}
+                                       runs=runs, limits=limits, own_fences=load == "here")}
                 for limits in limit_sets for runs in run_counts]
 
     results = measure("idle")
@@ -218,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop.set()
             worker.join(30)
+    if args.busy_here:
+        # (On CPU a small forward: a dry run of this mode's plumbing.)
+        small = {} if device.startswith("cuda") else {"tokens": 64, "hidden": 128, "inner": 256, "layers": 2}
+        with PrefillLikeLoad(device, **small) as load:
+            time.sleep(1.0)
+            results += measure("here")
+        print(f"prefill-like forwards beside the copies: {load.forwards}", flush=True)
     for result in results:
         print(json.dumps(result), flush=True)
     print_table(results)

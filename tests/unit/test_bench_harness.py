@@ -66,6 +66,22 @@ def test_one_process_is_the_plain_closed_loop(routed):
     assert round(result["output_tok_s"] * result["wall_s"]) == 12
 
 
+def test_history_copy_probe_measures_beside_a_forward_of_its_own_process(tmp_path, capsys):
+    import json
+
+    from kvbaton.bench.history_copy_probe import main
+
+    out = tmp_path / "probe.json"
+    assert main(["--shape", "0.5b", "--blocks", "8", "--repeats", "2", "--device", "cpu",
+                 "--layout", "cross-layer", "--busy-here", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [r["load"] for r in results] == ["idle", "here"]
+    for result in results:  # demotions say how long they issued before their fence
+        assert 0 < result["demote"]["issue_ms"] <= result["demote"]["median_ms"] + 1e-6
+    forwards = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prefill-like forwards")]
+    assert forwards and int(forwards[0].rsplit(" ", 1)[1]) > 0  # the load ran beside the copies
+
+
 def test_history_copy_probe_times_every_copy_of_the_same_bytes():
     from kvbaton.bench.history_copy_probe import probe
 

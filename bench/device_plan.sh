@@ -19,6 +19,8 @@
 #   bash bench/device_plan.sh I   # tests/gpu (handoff and history halves) at the current commit
 #   bash bench/device_plan.sh J   # the copy probe beside a prefill-shaped forward in the same
 #                                 # process (--busy-here): do P's demotions wait for P's forward?
+#   bash bench/device_plan.sh K   # D's read wait (handoff_read_wait_s): cold arrivals at 0.5B and
+#                                 # 7B, then 0.5B throughput (does the wait cost decode steps?)
 #   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, NIXL reads alone
 #                                 # over NVLink (cross-layer), then 0.5B throughput
 #
@@ -133,6 +135,11 @@ case "${1:-}" in
   J)
     probe here 200 --shape 7b --layout cross-layer --busy --busy-here --runs 1,6 --repeats 4
     ;;
+  K)
+    compare readwait05 200 --device 1gpu --shape 0.5b --systems native,kvbaton,kvbaton-readwait --scenarios cold
+    compare readwait7 220 --device 1gpu --shape 7b --systems kvbaton,kvbaton-readwait --scenarios cold
+    compare readwaitthru 170 --device 1gpu --shape 0.5b --systems kvbaton,kvbaton-readwait --scenarios throughput
+    ;;
   H)
     KVBATON_GPU_TOPOLOGIES=2gpu KVBATON_GPU_CUDA_GRAPHS=1 BUDGET_S=${GPU_TESTS_S:-240} \
       bash "$REPO/tests/gpu/run_on_device.sh" > /dev/null 2>&1
@@ -143,7 +150,7 @@ case "${1:-}" in
     compare thru05two 240 --device 2gpu --shape 0.5b --systems native,kvbaton --scenarios throughput
     ;;
   *)
-    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H|I|J" >&2
+    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H|I|J|K" >&2
     exit 2
     ;;
 esac

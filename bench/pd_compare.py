@@ -887,6 +887,10 @@ def main(argv: list[str] | None = None) -> int:
         # P's get_finished waits up to 10 ms for restores still copying (history_restore_wait_s).
         "kvbaton-restorewait": System("kvbaton-restorewait", "kvbaton", settings={"history_restore_wait_s": 0.01},
                                       timed=timed),
+        # D's get_finished waits up to 3 ms for the reads of loads allocated in that step
+        # (handoff_read_wait_s): a handoff is reported to vLLM a step sooner.
+        "kvbaton-readwait": System("kvbaton-readwait", "kvbaton", settings={"handoff_read_wait_s": 0.003},
+                                   timed=timed),
         # One KV tensor whose blocks hold every layer (cross_layer_blocks, the default since the
         # sixth session): a run is one descriptor. kvbaton-perlayer is the A/B: per-layer caches,
         # one descriptor per layer and run (what native's NixlConnector registers).

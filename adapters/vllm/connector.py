@@ -63,9 +63,12 @@ class KvbatonMetadata(KVConnectorMetadata):
     worker must run those in the very step vLLM scheduled them, so they travel with the step.
 
     `restores`: (lease, request, ((key, tier, engine block), ...)) per restore; tier "" lets the
-    worker find the key in whichever tier holds it."""
+    worker find the key in whichever tier holds it.
+    `loads`: requests whose handoff blocks were allocated this step, for `handoff_read_wait_s`
+    (empty when that is off): the worker's get_finished may wait for their reads."""
 
     restores: list = field(default_factory=list)
+    loads: list = field(default_factory=list)
 
 
 @dataclass
@@ -181,7 +184,8 @@ class KvbatonConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         self._scheduler.guard(self._scheduler.build_connector_meta, None, scheduler_output)
         restores, self._scheduler.sync_restores = self._scheduler.sync_restores, []
-        return KvbatonMetadata(restores)
+        loads, self._scheduler.step_loads = self._scheduler.step_loads, []
+        return KvbatonMetadata(restores, loads)
 
     def request_finished(self, request, block_ids):
         return self._scheduler.guard(self._scheduler.request_finished, (False, None), request, block_ids)
@@ -226,6 +230,7 @@ class KvbatonConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.guard(self._worker.pump)
             meta = getattr(self, "_connector_metadata", None)
+            self._worker.step_loads = set(getattr(meta, "loads", None) or ())
             for lease, request, copies in getattr(meta, "restores", None) or ():
                 self._worker.guard(self._worker.restore_now, None, lease, request, copies)
 
@@ -318,6 +323,7 @@ class SchedulerSide:
         self.offered_max = max(4096, 4 * (plan.gpu_slots + plan.cpu_slots))
         self.restore_sync = s.history_restore_sync
         self.sync_restores: list = []  # for this step's metadata (see KvbatonMetadata)
+        self.step_loads: list = []  # likewise, when handoff_read_wait_s is on
 
     def guard(self, fn, fallback, *args):
         """Run a callback; an exception becomes a warning and a safe answer, never an engine crash."""
@@ -442,6 +448,8 @@ class SchedulerSide:
         dst = tuple(block_ids[first:last])
         src = tuple(h.remote_blocks[first:last])
         self.sidecar.send(m.AllocatedFact(request.request_id, src, dst))
+        if self.conn.settings.handoff_read_wait_s > 0:
+            self.step_loads.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output) -> None:
         self.drain()
@@ -680,6 +688,10 @@ class WorkerSide:
         self.reported_received: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.history = None  # P's history copier (a thread), when history is on
         self.restorer = None  # P's history restores (on this thread, from pump)
+        # handoff_read_wait_s: the loads allocated in the current step (from its metadata), and
+        # those of them whose last read has ended, well or not (seen by pump).
+        self.step_loads: set[str] = set()
+        self.loads_ended: set[str] = set()
 
     def guard(self, fn, fallback=None, *args):
         try:
@@ -792,6 +804,8 @@ class WorkerSide:
                 request, last = self.io.reads.pop(result.read_id, ("", False))
                 if not request:
                     continue
+                if (last or not result.ok) and request in self.step_loads:
+                    self.loads_ended.add(request)  # (only while get_finished may wait for it)
                 logger.debug("kvbaton worker: read done %s", result)
                 self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
                                           result.nbytes, result.seconds, result.descriptors,
@@ -850,9 +864,30 @@ class WorkerSide:
         # wait for restores still copying overlaps that forward (history_restore_wait_s;
         # start_load_kv never waits).
         self.pump(restore_wait_s=self.conn.settings.history_restore_wait_s)
+        if self.step_loads:
+            self._wait_for_step_loads(self.conn.settings.handoff_read_wait_s)
         sending, self.sending = self.sending, set()
         recving, self.recving = self.recving, set()
         return (sending or None), (recving or None)
+
+    def _wait_for_step_loads(self, wait_s: float) -> None:
+        """handoff_read_wait_s: wait up to `wait_s` for the reads of the loads allocated in this
+        step, so the ones that end in time are reported to vLLM now, not a step later. Sleeping
+        between checks hands the GIL to the io thread, which receives the grants and posts."""
+
+        deadline = time.perf_counter() + wait_s
+        pause_s = 50e-6
+        try:
+            while wait_s > 0 and self.io is not None:
+                waiting = self.step_loads - self.recving - self.loads_ended
+                remaining_s = deadline - time.perf_counter()
+                if not waiting or remaining_s <= 0:
+                    return
+                time.sleep(min(pause_s, remaining_s))
+                pause_s = min(pause_s * 2, 200e-6)
+                self.pump()
+        finally:
+            self.step_loads, self.loads_ended = set(), set()
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

@@ -70,6 +70,16 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # were reported 280-340 ms after they were posted (docs/BENCHMARKS.md, sixth session). At
     # most 0.1 s. Off until measured on a GPU.
     history_restore_wait_s: float = 0.0
+    # D: a handoff's read is granted while the step that allocated its blocks runs, and vLLM
+    # learns it ended only from a later step's get_finished, called right after that step's
+    # forward is launched. The read takes well under a millisecond on a GPU (a 7B prompt: post
+    # 0.6 ms, copy ~0.1 ms), yet was reported a whole D step later (13 ms at 7B under load,
+    # docs/BENCHMARKS.md, seventh session), and the request scheduled the step after that. With
+    # this > 0, D's get_finished waits up to this long (on the host, while the GPU runs the
+    # forward just launched) for the loads allocated in this same step, so a read that ends in
+    # time lets vLLM schedule the request one step sooner. At most 0.1 s. Off until measured
+    # on a GPU (on a CPU engine the wait adds to the step: the forward has already run).
+    handoff_read_wait_s: float = 0.0
     # Control plane.
     control_host: str = "127.0.0.1"
     control_port: int = 0  # 0: pick a free port
@@ -132,7 +142,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 _POSITIVE = ("unclaimed_ttl_s", "claim_lease_s", "claim_wait_s", "read_grant_wait_s",
              "heartbeat_interval_s", "peer_call_timeout_s", "history_lease_s", "history_retention_deadline_s",
              "debug_reads_per_load")
-_NON_NEGATIVE = ("gpu_history_bytes", "landing_min_runs_saved", "gil_switch_interval_s", "history_restore_wait_s", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
+_NON_NEGATIVE = ("gpu_history_bytes", "landing_min_runs_saved", "gil_switch_interval_s", "history_restore_wait_s", "handoff_read_wait_s", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
                  "debug_hold_first_read_s", "debug_fail_every_nth_read")
 
 
@@ -163,6 +173,9 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
     if not 0.0 <= settings.history_restore_wait_s <= 0.1:  # (also refuses NaN)
         raise SettingsError("kvbaton: kv_connector_extra_config 'history_restore_wait_s' must be between 0 "
                             f"and 0.1 (seconds P's engine thread may wait per step; got {settings.history_restore_wait_s!r})")
+    if not 0.0 <= settings.handoff_read_wait_s <= 0.1:  # (also refuses NaN)
+        raise SettingsError("kvbaton: kv_connector_extra_config 'handoff_read_wait_s' must be between 0 "
+                            f"and 0.1 (seconds D's engine thread may wait per step; got {settings.handoff_read_wait_s!r})")
     if settings.cpu_history_bytes < -1:
         raise SettingsError("kvbaton: kv_connector_extra_config 'cpu_history_bytes' must be >= 0 "
                             "(or -1 for the engine's KV cache size)")

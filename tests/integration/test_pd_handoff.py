@@ -285,6 +285,32 @@ def test_idle_prefill_engine_does_not_delay_the_handoff(pd):
     assert_nothing_held(pd)
 
 
+def test_read_wait_reports_a_load_in_the_step_that_allocated_it(pd):
+    # Every read is granted 50 ms after D allocates its blocks (a slow sidecar), far longer than
+    # an idle engine's step: without the wait vLLM hears of the read several steps later, with
+    # it in the very step that allocated the blocks, so the first token comes the step after.
+    pd.d.call_connector("debug_set", "debug_hold_post_s", 0.05)
+    steps = {}
+    try:
+        for wait_s, seed in ((0.0, 24), (0.1, 25)):
+            prompt = tiny_prompt(300, seed=seed)
+            params = prefill(pd, prompt)
+            pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", wait_s)
+            request = f"read-wait-{seed}-{uuid.uuid4().hex[:6]}"
+            steps[wait_s] = pd.d.run_in_engine(engine_hooks.steps_from_allocation_to_first_token,
+                                               request, prompt, params)
+            out = pd.d.results(60, [request])[request]
+            assert out["token_ids"] == reference(pd, prompt, max_tokens=2)
+    finally:
+        pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", 0.0)
+        pd.d.call_connector("debug_set", "debug_hold_post_s", 0)
+    allocated, first_token = steps[0.1]
+    assert first_token == allocated + 1, steps
+    allocated, first_token = steps[0.0]
+    assert first_token is not None and first_token >= allocated + 2, steps
+    assert_nothing_held(pd)
+
+
 def test_engine_logs_replay_without_violations(pd):
     replay_engine_logs(pd.events, engines=2)
 

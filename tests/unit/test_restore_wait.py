@@ -39,6 +39,7 @@ def worker(wait_s: float, hold_s: float) -> WorkerSide:
     side.restorer.debug(m.Debug("history_hold_restore_s", hold_s))  # each copy "takes" hold_s
     side.sending, side.recving, side.load_errors = set(), set(), set()
     side.reported_received = collections.OrderedDict()
+    side.step_loads, side.loads_ended = set(), set()
     return side
 
 

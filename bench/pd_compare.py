@@ -743,7 +743,11 @@ def history_io_line(io: dict) -> str:
         return f"{count} x {seconds / count * 1e3:.2f} ms{rate}"
 
     batches = io.get("demote_batches", 0)
-    fence = (f" (fence {io.get('demote_fence_seconds', 0.0) / batches * 1e3:.2f} ms, "
+    # Issuing is the copier thread's time before its fence (CUDA calls, run bookkeeping); the
+    # fence is the wait for the GPU. Under 7B load the issuing was most of a batch (seventh session).
+    issue_s = io.get("demote_seconds", 0.0) - io.get("demote_fence_seconds", 0.0)
+    fence = (f" (issue {max(0.0, issue_s) / batches * 1e3:.2f} ms, "
+             f"fence {io.get('demote_fence_seconds', 0.0) / batches * 1e3:.2f} ms, "
              f"{io.get('demote_paired_runs', 0) / max(1, io.get('demote_copied_batches', 0)):.1f} "
              f"slot runs per batch that copied, "
              f"{io.get('demote_gathered_batches', 0)} gathered)") if batches else ""

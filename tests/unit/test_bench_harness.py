@@ -144,7 +144,8 @@ def test_history_io_line_reports_per_operation_times_and_how_demotions_copied():
                             "demote_paired_runs": 10, "demote_copied_batches": 4,
                             "demote_gathered_batches": 1})
     assert line.startswith("stages 2 x 5.00 ms, 10.0 GB/s; ")
-    assert "demotion batches 4 x 10.00 ms (fence 2.50 ms, 2.5 slot runs per batch that copied, 1 gathered), 900 blocks" in line
+    assert ("demotion batches 4 x 10.00 ms (issue 7.50 ms, fence 2.50 ms, 2.5 slot runs per batch that copied, "
+            "1 gathered), 900 blocks") in line
     assert line.endswith("restores none")
 
 

@@ -62,13 +62,18 @@ def busy_loop(device: str, ready, stop) -> None:
 
 class PrefillLikeLoad:
     """A thread of this process running a prefill-shaped forward on the default stream, again and
-    again: per layer a few large matmuls and elementwise kernels launched from Python, then a
-    blocking read of one value (vLLM reads the sampled tokens). 7B-sized: 8192 tokens, hidden
-    3584, intermediate 18944, 28 layers (~100-200 ms a forward on an H200)."""
+    again: per layer three large matmuls and `small_ops` short elementwise kernels launched from
+    Python, then a blocking read of one value (vLLM reads the sampled tokens). 7B-sized: 8192
+    tokens, hidden 3584, intermediate 18944, 28 layers (~100-200 ms a forward on an H200). The
+    short kernels make the launcher run far ahead of the GPU, ~2,500 launches a forward, so the
+    launch queue fills (about a thousand entries) and the launching thread blocks in the driver
+    for much of each forward: one of the suspects for P's slow demotions."""
 
     def __init__(self, device: str, tokens: int = 8192, hidden: int = 3584, inner: int = 18944,
-                 layers: int = 28) -> None:
+                 layers: int = 28, small_ops: int = 80) -> None:
         self.device, self.shape = device, (tokens, hidden, inner, layers)
+        self.small_ops = small_ops
+        self.launches_per_forward = layers * (8 + small_ops) + 1
         self.stop = threading.Event()
         self.ready = threading.Event()
         self.forwards = 0
@@ -90,6 +95,8 @@ class PrefillLikeLoad:
                 gate = torch.nn.functional.silu(h @ up)
                 h = h + (gate * (h @ up)) @ down
                 h = torch.nn.functional.layer_norm(h, (hidden,))
+                for _ in range(self.small_ops):
+                    h.mul_(1.0)
             float(h[0, 0])  # a blocking device-to-host read on the default stream
             self.forwards += 1
 
@@ -179,6 +186,13 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
     issue: dict[str, list[float]] = {"restore_gpu": [], "restore_cpu": [], "demote": []}
 
     def restore(tier_keys):
+        # A restore first waits for the calling thread's current stream (the engine's work, in
+        # P). Beside --busy-here that would time the other thread's forward on the default
+        # stream: the restore is issued from `side` instead, which only this probe uses.
+        with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+            _restore(tier_keys)
+
+    def _restore(tier_keys):
         started = time.perf_counter()
         job = store.begin_restore([(key, tier, block) for (key, tier), block in zip(tier_keys, restore_into)])
         issue[f"restore_{tier_keys[0][1]}"].append(time.perf_counter() - started)
@@ -293,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         with PrefillLikeLoad(device, **small) as load:
             time.sleep(1.0)
             results += measure("here")
-        print(f"prefill-like forwards beside the copies: {load.forwards}", flush=True)
+        print(f"prefill-like forwards beside the copies: {load.forwards} "
+              f"({load.launches_per_forward} launches each)", flush=True)
     for result in results:
         print(json.dumps(result), flush=True)
     print_table(results)

@@ -3,22 +3,24 @@
 P and D each hold a Qwen2.5-0.5B-shaped KV cache (24 layers of (blocks, 2, 16, 2, 64) bf16, one
 allocation per layer, as vLLM 0.24 lays it out on GPU), or with `--shape 7b` a 7B-shaped one (28
 layers of (blocks, 2, 16, 4, 128)). D reads a 277-block prompt (54.5 MB; 7B: 245 blocks, 224.8
-MB, the benchmarks' 7B prompt) from P, the way the connector does, under several conditions, and splits each read's time into
-posting (`start_read` with inline posting: descriptors, initialize_xfer, transfer) and waiting
-for completion. Baselines in the same process: a torch copy of the same bytes between the same
-devices, and a per-layer gather of the same blocks.
+MB, the benchmarks' 7B prompt) from P, the way the connector does, under several conditions,
+and splits each read's time into posting (`start_read` with inline posting: descriptors,
+initialize_xfer, transfer) and waiting for completion. Baselines in the same process: a torch
+copy of the same bytes between the same devices, and a per-layer gather of the same blocks.
 
     python -m kvbaton.bench.nixl_gpu_read [--topology 1gpu|2gpu] [--layout per-layer|cross-layer]
         [--shape 0.5b|7b] [--repeats 10] [--out FILE]
 
 Conditions: contiguous blocks (one descriptor per layer), scattered blocks (one per block and
-layer), D's landing area for scattered destinations, prepped descriptor lists, and a Python thread keeping the GIL busy (an engine thread) with
-Python's default 5 ms switch interval and with 0.5 ms. `*_spin` rows see a read's end by polling
-in a tight loop rather than through `wait`, whose pause between checks grows to 1 ms: the closest
-this process gets to the copy's own time. `--layout cross-layer`: one tensor whose
-blocks hold every layer, (blocks, 24, 2, 16, 2, 64), registered as one blocks-first layer, as the
-connector does with `cross_layer_blocks` (the default): a run of blocks is one descriptor. Needs
-CUDA and NIXL (the GPU machines); `--device cpu` runs the same on DRAM for a dry run.
+layer), D's landing area for scattered destinations, prepped descriptor lists, and a Python
+thread keeping the GIL busy (an engine thread) with Python's default 5 ms switch interval and
+with 0.5 ms. `*_spin` rows see a read's end by polling in a tight loop rather than through
+`wait`, whose pause between checks grows to 1 ms: the closest this process gets to when the copy
+ended (its start is not seen: it may begin inside the post). `--layout cross-layer`: one tensor
+whose blocks hold every layer, (blocks, layers, 2, 16, heads, head size), registered as one
+blocks-first layer, as the connector does with `cross_layer_blocks` (the default): a run of
+blocks is one descriptor. Needs CUDA and NIXL (the GPU machines); `--device cpu` runs the same
+on DRAM for a dry run.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def describe(caches: dict, num_blocks: int, layout: str):
     return KvLayout.from_kv_caches(caches, num_blocks, BLOCK, block_dim=0 if layout == "cross-layer" else None)
 
 
-def _prefill(conn, visible: str | None, device: str, num_blocks: int, layout: str, shape: str) -> None:
+def _prefill(conn, visible: str | None, device: str, num_blocks: int, layout: str,
+             shape: str) -> None:
     use_shape(shape)
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -184,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         per_read.add_peer("P", metadata)
         default_interval = sys.getswitchinterval()
         results["per_read_contiguous"] = timed_reads(per_read, "P", contiguous, contiguous, args.repeats, "a")
-        results["per_read_contiguous_spin"] = timed_reads(per_read, "P", contiguous, contiguous, args.repeats,
-                                                          "a2", spin=True)
+        results["per_read_contiguous_spin"] = timed_reads(
+            per_read, "P", contiguous, contiguous, args.repeats, "a2", spin=True)
         results["per_read_scattered"] = timed_reads(per_read, "P", scattered_src, scattered_dst, args.repeats, "b")
         with GilHog():
             results["per_read_contiguous_gil_busy_5ms"] = timed_reads(per_read, "P", contiguous, contiguous,
@@ -231,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         prepped.register(describe(caches3, num_blocks, args.layout), caches3)
         prepped.add_peer("P", metadata)
         results["prepped_contiguous"] = timed_reads(prepped, "P", contiguous, contiguous, args.repeats, "g")
-        results["prepped_contiguous_spin"] = timed_reads(prepped, "P", contiguous, contiguous, args.repeats,
-                                                         "g2", spin=True)
+        results["prepped_contiguous_spin"] = timed_reads(
+            prepped, "P", contiguous, contiguous, args.repeats, "g2", spin=True)
         results["prepped_scattered"] = timed_reads(prepped, "P", scattered_src, scattered_dst, args.repeats, "h")
         prepped.close()
         del caches3
@@ -241,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
             src_dev = "cuda:1" if args.topology == "2gpu" and torch.cuda.device_count() > 1 else "cuda:0"
             src = make_caches(torch, src_dev, PROMPT_BLOCKS + 1, args.layout)
             dst = make_caches(torch, device, num_blocks, args.layout)
-            index = torch.tensor(contiguous, device=device)
 
             def sync():
                 for i in range(torch.cuda.device_count()):
@@ -258,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                     times.append(time.perf_counter() - t0)
                 return statistics.median(times)
 
-            flat_src = torch.empty(PROMPT_BLOCKS * layout.block_nbytes, dtype=torch.uint8, device=src_dev)
+            nbytes = PROMPT_BLOCKS * layout.block_nbytes
+            flat_src = torch.empty(nbytes, dtype=torch.uint8, device=src_dev)
             flat_dst = torch.empty_like(flat_src, device=device)
             copy_s = run(lambda: flat_dst.copy_(flat_src, non_blocking=True))
             layer_s = run(lambda: [d[1:PROMPT_BLOCKS + 1].copy_(s[1:], non_blocking=True)

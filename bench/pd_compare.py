@@ -721,15 +721,17 @@ def read_phases_line(transfer: dict) -> str:
         line += (f"; {transfer.get('bytes', 0) / good / 1e6:.1f} MB and "
                  f"{transfer.get('descriptors', 0) / good:.0f} descriptors per good read, "
                  f"{transfer.get('landed', 0)} of {posted} landed")
-        # The copy ran from inside the post call until between settle_busy and settle after it.
-        nbytes = transfer.get("bytes", 0) / good
+        # The copy began no earlier than the post call and ended after the last check that saw
+        # it in flight, by the first that saw it done: its end is bracketed, and the whole span
+        # from the call to "seen done" bounds its rate from below (nothing bounds it from above:
+        # it may have started late). Zero-byte reads have no phases, so bytes / phased reads.
+        nbytes = transfer.get("bytes", 0) / reads
         call = transfer.get("transfer_call_seconds", 0.0) / reads
         seen_done = call + transfer.get("settle_seconds", 0.0) / reads
         seen_busy = call + transfer.get("settle_busy_seconds", 0.0) / reads
         if seen_done > 0 and nbytes:
-            line += f"; from the post call to seen done {nbytes / seen_done / 1e9:.0f} GB/s"
-            if transfer.get("settle_busy_seconds"):
-                line += f", to last seen busy {nbytes / seen_busy / 1e9:.0f} GB/s (the copy's rate lies between)"
+            line += (f"; the copy ended {seen_busy * 1e3:.2f}-{seen_done * 1e3:.2f} ms after the post call "
+                     f"began (at least {nbytes / seen_done / 1e9:.1f} GB/s)")
     return line
 
 

@@ -714,6 +714,7 @@ class NixlTransport:
     def _progress(self) -> None:
         """Settle every in-flight read NIXL reports as ended (agent lock held)."""
         for in_flight in list(self._in_flight.values()):
+            checked = time.perf_counter()  # before the check: a conservative "still in flight"
             try:
                 state = self._agent.check_xfer_state(in_flight.handle)
             except Exception as error:
@@ -721,7 +722,7 @@ class NixlTransport:
             if state != "PROC":
                 self._settle(in_flight, state)
             else:
-                in_flight.seen_busy = time.perf_counter()
+                in_flight.seen_busy = checked
 
     def _settle(self, in_flight: _InFlight, state: str) -> None:
         del self._in_flight[in_flight.read_id]

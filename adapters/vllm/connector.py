@@ -228,9 +228,10 @@ class KvbatonConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self._worker is not None:
-            self._worker.guard(self._worker.pump)
             meta = getattr(self, "_connector_metadata", None)
+            # Before pump: a read of this step's loads that ends (or fails) in it counts.
             self._worker.step_loads = set(getattr(meta, "loads", None) or ())
+            self._worker.guard(self._worker.pump)
             for lease, request, copies in getattr(meta, "restores", None) or ():
                 self._worker.guard(self._worker.restore_now, None, lease, request, copies)
 
@@ -772,6 +773,11 @@ class WorkerSide:
         # Only restores started before this call are worth a wait: one started below (its copies
         # arrived while the forward was being launched) is ordered after that forward.
         waitable = set(self.restorer.fresh) if restore_wait_s > 0 and self.restorer is not None else None
+        unposted = self.io.unposted
+        while unposted:  # reads that failed to start: the io thread told the sidecar itself
+            request = unposted.popleft()
+            if request in self.step_loads:
+                self.loads_ended.add(request)
         inbox = self.io.inbox
         while inbox:
             msg = inbox.popleft()
@@ -879,7 +885,9 @@ class WorkerSide:
         pause_s = 50e-6
         try:
             while wait_s > 0 and self.io is not None:
-                waiting = self.step_loads - self.recving - self.loads_ended
+                # (Reported already: with a multiprocess executor a load of the next step can be
+                # granted, read and reported before this step's metadata reaches the worker.)
+                waiting = self.step_loads - self.recving - self.loads_ended - self.reported_received.keys()
                 remaining_s = deadline - time.perf_counter()
                 if not waiting or remaining_s <= 0:
                     return

@@ -78,7 +78,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # this > 0, D's get_finished waits up to this long (on the host, while the GPU runs the
     # forward just launched) for the loads allocated in this same step, so a read that ends in
     # time lets vLLM schedule the request one step sooner. At most 0.1 s. Off until measured
-    # on a GPU (on a CPU engine the wait adds to the step: the forward has already run).
+    # on a GPU (on a CPU engine the wait adds to the step: the forward has already run). An
+    # engine in both roles may wait for this and history_restore_wait_s in one get_finished.
     handoff_read_wait_s: float = 0.0
     # Control plane.
     control_host: str = "127.0.0.1"

@@ -35,6 +35,9 @@ class WorkerIo:
         self.inbox: collections.deque[m.Msg] = collections.deque()  # for the engine thread
         # read id -> (request, last read of its load): the engine thread polls these (pump)
         self.reads: dict[str, tuple[str, bool]] = {}
+        # Requests whose read failed to start (reported to the sidecar from here): the engine
+        # thread's pump takes them (handoff_read_wait_s stops waiting for them).
+        self.unposted: collections.deque[str] = collections.deque(maxlen=4096)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvbaton-worker-io", daemon=True)
 
@@ -99,3 +102,4 @@ class WorkerIo:
                 problem = str(exc)
         logger.warning("kvbaton worker: read %s for %s failed to start: %s", msg.read, msg.request, problem)
         self.link.send(m.ReadDone(msg.request, msg.read, False, problem))
+        self.unposted.append(msg.request)

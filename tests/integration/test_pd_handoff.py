@@ -286,10 +286,10 @@ def test_idle_prefill_engine_does_not_delay_the_handoff(pd):
 
 
 def test_read_wait_reports_a_load_in_the_step_that_allocated_it(pd):
-    # Every read is granted 50 ms after D allocates its blocks (a slow sidecar), far longer than
-    # an idle engine's step: without the wait vLLM hears of the read several steps later, with
-    # it in the very step that allocated the blocks, so the first token comes the step after.
-    pd.d.call_connector("debug_set", "debug_hold_post_s", 0.05)
+    # Every read is granted 30 ms after D allocates its blocks (a slow sidecar), far longer than
+    # an idle engine's step: without the wait vLLM hears of the read many steps later, with it
+    # in the very step that allocated the blocks, so the first token comes the step after.
+    pd.d.call_connector("debug_set", "debug_hold_post_s", 0.03)
     steps = {}
     try:
         for wait_s, seed in ((0.0, 24), (0.1, 25)):

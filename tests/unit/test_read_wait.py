@@ -51,7 +51,7 @@ def worker(wait_s: float) -> WorkerSide:
     side = object.__new__(WorkerSide)  # only what pump and get_finished touch
     side.conn = SimpleNamespace(settings=SimpleNamespace(history_restore_wait_s=0.0, handoff_read_wait_s=wait_s))
     side.link = SentLink()
-    side.io = SimpleNamespace(inbox=collections.deque(), reads={})
+    side.io = SimpleNamespace(inbox=collections.deque(), reads={}, unposted=collections.deque())
     side.transport = SlowTransport()
     side.restorer = None
     side.sending, side.recving, side.load_errors = set(), set(), set()
@@ -62,8 +62,8 @@ def worker(wait_s: float) -> WorkerSide:
 
 def step_start(side: WorkerSide, loads) -> None:
     """What start_load_kv does with this step's metadata."""
-    side.pump()
     side.step_loads = set(loads)
+    side.pump()
 
 
 def test_a_read_granted_in_this_step_is_reported_in_this_step():
@@ -118,6 +118,30 @@ def test_only_this_steps_loads_are_waited_for_and_a_load_waits_for_its_last_read
     started = time.perf_counter()
     assert side.get_finished(set()) == (None, {"r1"})
     assert time.perf_counter() - started > 0.07  # not done at the first of its reads
+
+
+def test_a_load_that_ended_before_the_wait_or_never_posted_is_not_waited_for():
+    # Its read failed inside start_load_kv's own pump.
+    side = worker(wait_s=1.0)
+    side.transport.post(side.io, "read-1", "r1", after_s=0.0, ok=False)
+    step_start(side, ["r1"])
+    started = time.perf_counter()
+    assert side.get_finished(set()) == (None, None)
+    assert time.perf_counter() - started < 0.5
+    # Its read failed to start: the io thread told the sidecar and left the request here.
+    side = worker(wait_s=1.0)
+    step_start(side, ["r2"])
+    side.io.unposted.append("r2")
+    started = time.perf_counter()
+    assert side.get_finished(set()) == (None, None)
+    assert time.perf_counter() - started < 0.5
+    # Reported to vLLM already (a multiprocess executor: read and reported a step early).
+    side = worker(wait_s=1.0)
+    side.reported_received["r3"] = None
+    step_start(side, ["r3"])
+    started = time.perf_counter()
+    assert side.get_finished(set()) == (None, None)
+    assert time.perf_counter() - started < 0.5
 
 
 def test_the_setting_is_off_by_default_and_bounded():

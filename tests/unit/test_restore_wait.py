@@ -34,7 +34,7 @@ def worker(wait_s: float, hold_s: float) -> WorkerSide:
     side = object.__new__(WorkerSide)  # only what pump and get_finished touch
     side.conn = SimpleNamespace(settings=SimpleNamespace(history_restore_wait_s=wait_s))
     side.link = SentLink()
-    side.io = SimpleNamespace(inbox=collections.deque(), reads={})
+    side.io = SimpleNamespace(inbox=collections.deque(), reads={}, unposted=collections.deque())
     side.restorer = RestoreRunner(store)
     side.restorer.debug(m.Debug("history_hold_restore_s", hold_s))  # each copy "takes" hold_s
     side.sending, side.recving, side.load_errors = set(), set(), set()

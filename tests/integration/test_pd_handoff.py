@@ -311,6 +311,32 @@ def test_read_wait_reports_a_load_in_the_step_that_allocated_it(pd):
     assert_nothing_held(pd)
 
 
+def test_read_wait_with_concurrent_loads_a_failed_read_and_an_abort(pd):
+    # Several handoffs allocated in the same steps, one read failing mid-way, one request aborted
+    # while its read is held: every waited-for load ends (reported, failed or gone) and nothing
+    # is held afterwards.
+    prompts = [tiny_prompt(150 + 40 * i, seed=40 + i) for i in range(6)]
+    params = [prefill(pd, prompt) for prompt in prompts]
+    before = counters(pd.d)
+    pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", 0.05)
+    pd.d.call_connector("debug_set", "fail_next_reads", 1)
+    try:
+        ids = [f"rw-many-{i}-{uuid.uuid4().hex[:6]}" for i in range(len(prompts))]
+        for request, prompt, p in zip(ids, prompts, params):
+            pd.d.submit(request, prompt, max_tokens=4, kv_transfer_params=p)
+        pd.d.abort(ids[-1])
+        results = pd.d.results(60, ids[:-1])
+    finally:
+        pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", 0.0)
+        pd.d.call_connector("debug_set", "fail_next_reads", 0)
+    for request, prompt in zip(ids[:-1], prompts[:-1]):
+        assert results[request]["token_ids"] == reference(pd, prompt, max_tokens=4), request
+    after = counters(pd.d)
+    assert delta(before, after, "loads.failed") == 1
+    assert delta(before, after, "loads.done") >= len(prompts) - 2
+    assert_nothing_held(pd)
+
+
 def test_engine_logs_replay_without_violations(pd):
     replay_engine_logs(pd.events, engines=2)
 

@@ -21,9 +21,11 @@ demotion rows how long the copier spent before its fence (issuing).
 --busy-here: also measure beside a thread of this process that runs a prefill-shaped forward on
 the default stream over and over (Python launching each layer's kernels, then a blocking read of
 one value, as P's engine thread does beside the copier). Under 7B throughput load P's demotions
-took 39 ms a batch, 32 ms of it before the fence, and ended when P's forward did (seventh
-session); a second process keeping the GPU busy (--busy) never showed that. In this mode every
-copy is timed by its own fence, never a device-wide synchronize (which would wait for the forward).
+took 39 ms a batch, 32 ms of it before the fence, and the slow ones ended near the end of P's
+forward (seventh session; a correlation, not a proof); a second process keeping the GPU busy
+(--busy) never showed that. In this mode every copy is timed by its own fence, never a
+device-wide synchronize (which would wait for the forward), and restores are issued from a side
+stream (from the default stream they would first wait for the other thread's forward).
 
 Why: in a 7B revisit with CUDA graphs a 250-block demotion (229 MB) took 53.7 ms P50 against 16.2
 ms eager (docs/BENCHMARKS.md, fourth session). This separates the store's own copy time from
@@ -62,18 +64,19 @@ def busy_loop(device: str, ready, stop) -> None:
 
 class PrefillLikeLoad:
     """A thread of this process running a prefill-shaped forward on the default stream, again and
-    again: per layer three large matmuls and `small_ops` short elementwise kernels launched from
-    Python, then a blocking read of one value (vLLM reads the sampled tokens). 7B-sized: 8192
-    tokens, hidden 3584, intermediate 18944, 28 layers (~100-200 ms a forward on an H200). The
-    short kernels make the launcher run far ahead of the GPU, ~2,500 launches a forward, so the
-    launch queue fills (about a thousand entries) and the launching thread blocks in the driver
-    for much of each forward: one of the suspects for P's slow demotions."""
+    again: per layer seven kernels (three large matmuls among them) and `small_ops` in-place
+    elementwise kernels over the activations (~30 us each), launched from Python, then a blocking
+    read of one value (vLLM reads the sampled tokens). 7B-sized: 8192 tokens, hidden 3584,
+    intermediate 18944, 28 layers: a few hundred ms a forward on an H200 (not measured). With
+    ~2,400 launches a forward the launcher runs far ahead of the GPU, meant to fill the launch
+    queue (its depth is not measured here) so the launching thread blocks in the driver for much
+    of each forward: one of the suspects for P's slow demotions."""
 
     def __init__(self, device: str, tokens: int = 8192, hidden: int = 3584, inner: int = 18944,
                  layers: int = 28, small_ops: int = 80) -> None:
         self.device, self.shape = device, (tokens, hidden, inner, layers)
         self.small_ops = small_ops
-        self.launches_per_forward = layers * (8 + small_ops) + 1
+        self.launches_per_forward = layers * (7 + small_ops) + 1  # + the device-to-host read
         self.stop = threading.Event()
         self.ready = threading.Event()
         self.forwards = 0

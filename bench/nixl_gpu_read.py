@@ -266,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
             copy_s = run(lambda: flat_dst.copy_(flat_src, non_blocking=True))
             layer_s = run(lambda: [d[1:PROMPT_BLOCKS + 1].copy_(s[1:], non_blocking=True)
                                    for d, s in zip(dst.values(), src.values())])
-            nbytes = flat_src.numel()
             results["torch_copy_one_buffer"] = {"bytes": nbytes, "ms": copy_s * 1e3, "gbps": nbytes / copy_s / 1e9}
             results["torch_copy_per_layer"] = {"bytes": nbytes, "ms": layer_s * 1e3, "gbps": nbytes / layer_s / 1e9}
         per_read.close()

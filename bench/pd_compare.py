@@ -721,17 +721,16 @@ def read_phases_line(transfer: dict) -> str:
         line += (f"; {transfer.get('bytes', 0) / good / 1e6:.1f} MB and "
                  f"{transfer.get('descriptors', 0) / good:.0f} descriptors per good read, "
                  f"{transfer.get('landed', 0)} of {posted} landed")
-        # The copy began no earlier than the post call and ended after the last check that saw
-        # it in flight, by the first that saw it done: its end is bracketed, and the whole span
-        # from the call to "seen done" bounds its rate from below (nothing bounds it from above:
-        # it may have started late). Zero-byte reads have no phases, so bytes / phased reads.
+        # The copy began no earlier than transfer() was called and was seen done `seen_done`
+        # after that, which bounds its rate from below (nothing bounds it from above: it may
+        # have started late). settle_busy, the last check that still saw a read in flight, is
+        # averaged over every read, 0 for those never seen in flight, so it is no bound: shown
+        # as it is. Zero-byte reads have no phases, so bytes / phased reads.
         nbytes = transfer.get("bytes", 0) / reads
-        call = transfer.get("transfer_call_seconds", 0.0) / reads
-        seen_done = call + transfer.get("settle_seconds", 0.0) / reads
-        seen_busy = call + transfer.get("settle_busy_seconds", 0.0) / reads
+        seen_done = (transfer.get("transfer_call_seconds", 0.0) + transfer.get("settle_seconds", 0.0)) / reads
         if seen_done > 0 and nbytes:
-            line += (f"; the copy ended {seen_busy * 1e3:.2f}-{seen_done * 1e3:.2f} ms after the post call "
-                     f"began (at least {nbytes / seen_done / 1e9:.1f} GB/s)")
+            line += (f"; seen done {seen_done * 1e3:.2f} ms after transfer() was called "
+                     f"(at least {nbytes / seen_done / 1e9:.1f} GB/s)")
     return line
 
 

@@ -28,10 +28,12 @@ from .ticket import KIND_TICKET, TicketBook
 from .ticket import SPEC as ticket_spec
 
 SECOND_NS = 1_000_000_000
-# Bump when the snapshot that `state_hash` digests changes shape: replay then still re-checks old
-# logs' invariants but no longer compares their recorded hashes.
+# Bump when the snapshot that `state_hash` digests changes shape, or when the ledger answers the
+# same events with another state: replay then still re-checks old logs' invariants but no longer
+# compares their recorded hashes.
 STATE_HASH_VERSION = 3  # 2: closed records are pruned after closed_retention_ns; 3: a retention
 # that finds the writer busy refreshes its resident keys (LRU order) and counts only the rest
+# (tests/golden/v1h3-busy-P0: the refreshed prefix outlives a later demotion)
 
 
 class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):

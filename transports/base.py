@@ -51,11 +51,11 @@ class ReadResult(msgspec.Struct, frozen=True):
         transfer_call: the post call itself, settle: from the post's return until the transport
         saw the end, collect: from then until poll/wait handed the result over, settle_busy:
         from the post's return until the last progress check that still saw the read in flight,
-        0 when none did). The first five add up to `seconds`; collect comes after it. The copy
-        ended between settle_busy and settle after the post returned: settle is bounded by how
-        often the caller polls (once or twice per engine step on D), settle_busy brackets it from
-        below. (Before 2026-12-01's fifth session describe and initialize were one phase,
-        "prepare"; settle_busy came in its seventh.)
+        0 when none did). The first five add up to `seconds`; collect comes after it. NIXL saw
+        the read end after settle_busy (when that is not 0) and by settle: settle depends on how
+        often the caller polls (once or twice per engine step on D). (Before 2026-12-01's fifth
+        session describe and initialize were one phase, "prepare"; settle_busy came in its
+        seventh.)
     """
 
     read_id: str

@@ -214,8 +214,7 @@ class _InFlight:
     # the transfer was initialised (NIXL), the post call (transfer()) returned.
     marks: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     # perf_counter of the last progress check that still saw the read in flight (0: none did).
-    # The copy ended between it and the check that saw it done: the settle phase is an upper
-    # bound on the copy's tail, this the lower one.
+    # NIXL saw the read end between it and the check that saw it done.
     seen_busy: float = 0.0
 
 

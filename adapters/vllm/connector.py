@@ -690,9 +690,12 @@ class WorkerSide:
         self.history = None  # P's history copier (a thread), when history is on
         self.restorer = None  # P's history restores (on this thread, from pump)
         # handoff_read_wait_s: the loads allocated in the current step (from its metadata), and
-        # those of them whose last read has ended, well or not (seen by pump).
+        # loads known to be over (last read ended well or not, read never started, or the
+        # sidecar's FinishedRecving), oldest first and bounded. Kept across steps: with a
+        # multiprocess executor a load can end before the step listing it reaches this worker.
         self.step_loads: set[str] = set()
-        self.loads_ended: set[str] = set()
+        self.loads_over: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.read_wait = {"waits": 0, "deadline": 0, "seconds": 0.0}  # for tests and diagnosis
 
     def guard(self, fn, fallback=None, *args):
         try:
@@ -775,9 +778,7 @@ class WorkerSide:
         waitable = set(self.restorer.fresh) if restore_wait_s > 0 and self.restorer is not None else None
         unposted = self.io.unposted
         while unposted:  # reads that failed to start: the io thread told the sidecar itself
-            request = unposted.popleft()
-            if request in self.step_loads:
-                self.loads_ended.add(request)
+            self._mark_over(unposted.popleft())
         inbox = self.io.inbox
         while inbox:
             msg = inbox.popleft()
@@ -786,6 +787,7 @@ class WorkerSide:
             if kind is m.FinishedSending:
                 self.sending.add(msg.request)
             elif kind is m.FinishedRecving:
+                self._mark_over(msg.request)
                 if msg.request in self.reported_received:
                     del self.reported_received[msg.request]  # reported when its read ended
                 else:
@@ -810,8 +812,8 @@ class WorkerSide:
                 request, last = self.io.reads.pop(result.read_id, ("", False))
                 if not request:
                     continue
-                if (last or not result.ok) and request in self.step_loads:
-                    self.loads_ended.add(request)  # (only while get_finished may wait for it)
+                if last or not result.ok:
+                    self._mark_over(request)
                 logger.debug("kvbaton worker: read done %s", result)
                 self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
                                           result.nbytes, result.seconds, result.descriptors,
@@ -823,6 +825,12 @@ class WorkerSide:
                     self._mark_reported(request)
 
     REPORTED_MAX = 4096  # far more loads and restores than can be in flight at once
+
+    def _mark_over(self, request: str) -> None:
+        over = self.loads_over
+        over[request] = None
+        if len(over) > self.REPORTED_MAX:
+            over.popitem(last=False)
 
     def _mark_reported(self, request: str) -> None:
         self.reported_received[request] = None
@@ -877,25 +885,33 @@ class WorkerSide:
         return (sending or None), (recving or None)
 
     def _wait_for_step_loads(self, wait_s: float) -> None:
-        """handoff_read_wait_s: wait up to `wait_s` for the reads of the loads allocated in this
-        step, so the ones that end in time are reported to vLLM now, not a step later. Sleeping
-        between checks hands the GIL to the io thread, which receives the grants and posts."""
+        """handoff_read_wait_s: wait up to `wait_s` (plus one last pump) for the reads of the
+        loads allocated in this step, so the ones that end in time are reported to vLLM now, not
+        a step later. Sleeping between checks hands the GIL to the io thread, which receives the
+        grants and posts."""
 
-        deadline = time.perf_counter() + wait_s
+        started = time.perf_counter()
+        deadline = started + wait_s
         pause_s = 50e-6
+        waited = False
         try:
             while wait_s > 0 and self.io is not None:
-                # (Reported already: with a multiprocess executor a load of the next step can be
-                # granted, read and reported before this step's metadata reaches the worker.)
-                waiting = self.step_loads - self.recving - self.loads_ended - self.reported_received.keys()
+                waiting = self.step_loads - self.recving - self.loads_over.keys()
                 remaining_s = deadline - time.perf_counter()
-                if not waiting or remaining_s <= 0:
+                if not waiting:
                     return
+                if remaining_s <= 0:
+                    self.read_wait["deadline"] += 1
+                    return
+                waited = True
                 time.sleep(min(pause_s, remaining_s))
                 pause_s = min(pause_s * 2, 200e-6)
                 self.pump()
         finally:
-            self.step_loads, self.loads_ended = set(), set()
+            self.step_loads = set()
+            if waited:
+                self.read_wait["waits"] += 1
+                self.read_wait["seconds"] += time.perf_counter() - started
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

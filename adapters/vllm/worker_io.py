@@ -101,5 +101,5 @@ class WorkerIo:
                 self.reads.pop(msg.read, None)
                 problem = str(exc)
         logger.warning("kvbaton worker: read %s for %s failed to start: %s", msg.read, msg.request, problem)
+        self.unposted.append(msg.request)  # first: the engine thread must learn of it even if send fails
         self.link.send(m.ReadDone(msg.request, msg.read, False, problem))
-        self.unposted.append(msg.request)

@@ -35,6 +35,13 @@ def set_setting_both_sides(ctx, key, value):
     return old
 
 
+def read_wait_stats(ctx):
+    """D's worker: how often get_finished waited for this step's loads, and how often it ran
+    into its bound (handoff_read_wait_s)."""
+
+    return dict(_worker_side().read_wait)
+
+
 def steps_from_allocation_to_first_token(ctx, request_id, prompt, kv_transfer_params, timeout_s=30.0):
     """Submit a handed-off request and step the engine one step at a time: returns (the step in
     which its blocks were allocated, the step whose output held its first token), counted from

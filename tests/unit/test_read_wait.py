@@ -56,7 +56,8 @@ def worker(wait_s: float) -> WorkerSide:
     side.restorer = None
     side.sending, side.recving, side.load_errors = set(), set(), set()
     side.reported_received = collections.OrderedDict()
-    side.step_loads, side.loads_ended = set(), set()
+    side.step_loads, side.loads_over = set(), collections.OrderedDict()
+    side.read_wait = {"waits": 0, "deadline": 0, "seconds": 0.0}
     return side
 
 
@@ -76,7 +77,8 @@ def test_a_read_granted_in_this_step_is_reported_in_this_step():
     assert recving == {"r1"}  # reported now, not a step later
     assert 0.04 < waited < 0.4  # until the read ended, not until the deadline
     assert [type(msg) for msg in side.link.sent] == [m.ReadDone]
-    assert side.step_loads == set() and side.loads_ended == set()  # nothing carried over
+    assert side.step_loads == set()  # nothing carried into the next step
+    assert side.read_wait["waits"] == 1 and side.read_wait["deadline"] == 0
 
 
 def test_without_the_wait_the_read_is_reported_a_step_later():
@@ -135,13 +137,27 @@ def test_a_load_that_ended_before_the_wait_or_never_posted_is_not_waited_for():
     started = time.perf_counter()
     assert side.get_finished(set()) == (None, None)
     assert time.perf_counter() - started < 0.5
-    # Reported to vLLM already (a multiprocess executor: read and reported a step early).
+    # Read and reported a step early (a multiprocess executor: the load's step reached this
+    # worker after its read ended), and the sidecar's FinishedRecving for it has come in since.
     side = worker(wait_s=1.0)
-    side.reported_received["r3"] = None
+    step_start(side, [])
+    side.transport.post(side.io, "read-3", "r3", after_s=0.0)
+    assert side.get_finished(set()) == (None, {"r3"})
+    side.io.inbox.append(m.FinishedRecving("r3"))
     step_start(side, ["r3"])
     started = time.perf_counter()
-    assert side.get_finished(set()) == (None, None)
+    assert side.get_finished(set()) == (None, None)  # reported once, not again
     assert time.perf_counter() - started < 0.5
+    # A load the sidecar ended itself (a refused claim: no read at all), reported a step ago.
+    side = worker(wait_s=1.0)
+    side.io.inbox.append(m.FinishedRecving("r4"))
+    step_start(side, [])
+    assert side.get_finished(set()) == (None, {"r4"})
+    step_start(side, ["r4"])
+    started = time.perf_counter()
+    side.get_finished(set())
+    assert time.perf_counter() - started < 0.5
+    assert side.read_wait["deadline"] == 0
 
 
 def test_the_setting_is_off_by_default_and_bounded():

@@ -39,7 +39,8 @@ def worker(wait_s: float, hold_s: float) -> WorkerSide:
     side.restorer.debug(m.Debug("history_hold_restore_s", hold_s))  # each copy "takes" hold_s
     side.sending, side.recving, side.load_errors = set(), set(), set()
     side.reported_received = collections.OrderedDict()
-    side.step_loads, side.loads_ended = set(), set()
+    side.step_loads, side.loads_over = set(), collections.OrderedDict()
+    side.read_wait = {"waits": 0, "deadline": 0, "seconds": 0.0}
     return side
 
 

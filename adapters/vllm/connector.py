@@ -918,6 +918,10 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
+        if self.read_wait["waits"] or self.read_wait["deadline"]:
+            logger.info("kvbaton worker: handoff_read_wait_s waited in %d steps, %.3f s in all; %d "
+                        "waits ran into the bound", self.read_wait["waits"], self.read_wait["seconds"],
+                        self.read_wait["deadline"])
         if self.history is not None:
             self.history.stop()
         if self.io is not None:

@@ -205,7 +205,9 @@ class HistoryStore:
             resident = self._resident_prefix(keys)
             self.touch(keys[:resident])
             if resident < len(keys):
-                self.counters.add("history.dropped.busy_writer", len(keys) - resident)
+                # As the normal path: a key held under another parent is no chain of this prompt.
+                reason = "rejected" if keys[resident] in self.blocks else "busy_writer"
+                self.counters.add("history.dropped." + reason, len(keys) - resident)
             return []
         cfg = self.config
         protect = set(keys)

@@ -154,9 +154,11 @@ def test_a_busy_writer_refreshes_resident_keys_and_drops_only_the_new_ones():
     assert p.counters["history.dropped.busy_writer"] == 1  # only a2 needed a copy
     assert list(p.history.gpu_lru)[-2:] == ["a1", "a0"]  # refreshed, heads newest
     assert "a2" not in p.history.blocks
-    # A chain that is not resident as given (a1 under another parent) refreshes nothing.
+    # A chain that is not resident as given (a1 under another parent) refreshes nothing and is
+    # rejected, as the normal path would.
     retain(p, "d", ("a1",), 5)
-    assert p.counters["history.dropped.busy_writer"] == 2
+    assert p.counters["history.dropped.busy_writer"] == 1
+    assert p.counters["history.dropped.rejected"] == 1
     assert list(p.history.gpu_lru)[-2:] == ["a1", "a0"]
     assert p.check_invariants() == []
 

@@ -52,9 +52,6 @@ from .worker_io import WorkerIo
 # Under vLLM's logger tree, so connector lines appear in the engine's log with vLLM's format.
 logger = logging.getLogger("vllm.kvbaton.connector")
 PARAMS_VERSION = 1
-# The name the cross-layer KV tensor is registered under (one "layer" whose blocks hold every
-# layer): both engines of a handoff must have it, or their layouts differ by name and count.
-CROSS_LAYERS = CROSS_LAYERS_NAME
 
 
 @dataclass
@@ -224,7 +221,7 @@ class KvbatonConnector(KVConnectorBase_V1):
         # 2, tokens, dim)): registered as one layer, each block is one contiguous span.
         logger.info("kvbaton: vLLM gave a cross-layer KV cache %s: one descriptor per run of blocks",
                     tuple(kv_cache.shape))
-        self._worker.register_kv_caches({CROSS_LAYERS: kv_cache}, block_dim=0)
+        self._worker.register_kv_caches({CROSS_LAYERS_NAME: kv_cache}, block_dim=0)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self._worker is not None:
@@ -827,15 +824,10 @@ class WorkerSide:
     REPORTED_MAX = 4096  # far more loads and restores than can be in flight at once
 
     def _mark_over(self, request: str) -> None:
-        over = self.loads_over
-        over[request] = None
-        if len(over) > self.REPORTED_MAX:
-            over.popitem(last=False)
+        _remember(self.loads_over, request, self.REPORTED_MAX)
 
     def _mark_reported(self, request: str) -> None:
-        self.reported_received[request] = None
-        while len(self.reported_received) > self.REPORTED_MAX:
-            self.reported_received.popitem(last=False)
+        _remember(self.reported_received, request, self.REPORTED_MAX)
 
     def restore_now(self, lease: str, request: str, copies) -> None:
         """A synchronous restore, in start_load_kv of the step that computes the request's
@@ -930,3 +922,10 @@ class WorkerSide:
             self.transport.close()
         if self.link is not None:
             self.link.close()
+
+
+def _remember(book: collections.OrderedDict, key: str, limit: int) -> None:
+    """Add `key` to a bounded record, dropping the oldest entries past `limit`."""
+    book[key] = None
+    while len(book) > limit:
+        book.popitem(last=False)

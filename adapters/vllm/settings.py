@@ -72,9 +72,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     history_restore_wait_s: float = 0.0
     # D: a handoff's read is granted while the step that allocated its blocks runs, and vLLM
     # learns it ended only from a later step's get_finished, called right after that step's
-    # forward is launched. The read takes well under a millisecond on a GPU (a 7B prompt: post
-    # 0.6 ms, copy ~0.1 ms), yet was reported a whole D step later (13 ms at 7B under load,
-    # docs/BENCHMARKS.md, seventh session), and the request scheduled the step after that. With
+    # forward is launched. A 7B prompt's read took 0.23 ms on its own on one H200 and 0.6 ms to
+    # post inside D, yet was seen done only at D's next poll, a step later (8.9 ms; 13 ms steps
+    # at 7B under load, docs/BENCHMARKS.md, seventh session), and the request was scheduled the
+    # step after that. With
     # this > 0, D's get_finished waits up to this long (on the host, while the GPU runs the
     # forward just launched) for the loads allocated in this same step, so a read that ends in
     # time lets vLLM schedule the request one step sooner. At most 0.1 s. Off until measured

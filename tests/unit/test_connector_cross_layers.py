@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from kvbaton.adapters.vllm.connector import CROSS_LAYERS, KvbatonConnector  # noqa: E402
+from kvbaton.adapters.vllm.connector import KvbatonConnector  # noqa: E402
+from kvbaton.transports.layout import CROSS_LAYERS_NAME as CROSS_LAYERS  # noqa: E402
 from kvbaton.adapters.vllm.settings import parse_settings  # noqa: E402
 
 

@@ -201,7 +201,7 @@ def _read_patterns(num_blocks: int) -> dict[str, tuple[list[int], list[int]]]:
 def _time_read(transport, read_id: str, src: list[int], dst: list[int]) -> tuple[float, float]:
     """(seconds from start_read until wait() returned, seconds spent inside start_read)."""
     started = time.perf_counter()
-    transport.start_read(read_id, "P", src, dst, notify=None)
+    transport.start_read(read_id, "bench-P", src, dst, notify=None)
     posted = time.perf_counter()
     result = transport.wait(read_id, READ_TIMEOUT_S)
     if not result.ok:
@@ -238,7 +238,7 @@ def transport_read_table(nbytes: int, reps: int) -> tuple[list[dict], list[float
                                               descriptor_mode=mode, post_in_thread=post_in_thread)
             try:
                 decode.register(layout, caches)
-                decode.add_peer("P", metadata)
+                decode.add_peer("bench-P", metadata)
                 timings: dict[str, list[tuple[float, float]]] = {name: [] for name in patterns}
                 for rep in range(reps + 1):
                     if rep > 0:

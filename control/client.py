@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,8 @@ import msgspec
 import zmq
 
 from . import messages as m
-from .config import SidecarConfig, ipc_paths
+from . import peer as pc
+from .config import SidecarConfig, SidecarLaunch, ipc_paths
 
 logger = logging.getLogger("kvbaton.control")
 
@@ -31,10 +33,40 @@ class SidecarError(RuntimeError):
     pass
 
 
+def private_dir(path: str) -> str:
+    """`path` as a directory only this user can enter (created 0700); SidecarError when it exists
+    but belongs to another user or others may enter it (it could be a trap: whoever owns it could
+    swap the sockets inside)."""
+
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise SidecarError(f"kvbaton: {path} exists and is not a directory")
+    if info.st_uid != os.getuid():
+        raise SidecarError(f"kvbaton: {path} belongs to uid {info.st_uid}, not to this user "
+                           f"({os.getuid()}); remove it or set TMPDIR")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path, 0o700)  # ours: close it (a umask of 0 or a copy kept it open)
+    return path
+
+
+def ipc_root() -> str:
+    """This user's directory for control sockets: the runtime dir when there is one, else a
+    per-user directory in the temp dir; 0700 and owned by this user, or refused."""
+
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    base = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
+    return private_dir(os.path.join(base, f"kvbaton-{os.getuid()}"))
+
+
 def ipc_dir_for(engine_id: str) -> str:
-    # Short: AF_UNIX paths are limited to ~107 bytes.
+    # Short: AF_UNIX paths are limited to ~107 bytes. Scheduler and workers of one engine find it
+    # by the engine id; it lives in this user's private root (see ipc_root).
     safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:40]
-    return os.path.join(tempfile.gettempdir(), f"kvb-{safe}")
+    return os.path.join(ipc_root(), f"kvb-{safe}")
 
 
 def _ephemeral_low() -> int:
@@ -87,11 +119,16 @@ class Link:
             self.inp.setsockopt(zmq.LINGER, 0)
             self.inp.connect(paths[listen])
 
-    def send(self, msg: m.Msg) -> None:
+    def send(self, msg: m.Msg) -> bool:
+        """Queue a message; False when it could not be (the caller then gives the handoff up
+        rather than leave a request waiting for an answer that will never come)."""
+
         try:
             self.out.send(m.ENCODER.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # never raise into vLLM's engine loop
+            return True
+        except Exception as exc:  # never raise into vLLM's engine loop (zmq errors, unencodable)
             logger.warning("kvbaton: could not queue %s for the sidecar: %s", type(msg).__name__, exc)
+            return False
 
     def drain(self) -> list[m.Msg]:
         # The scheduler drains once per engine step, and most steps find nothing. pyzmq lets go
@@ -147,22 +184,33 @@ class SidecarHandle:
     ALIVE_RECHECK_S = 0.05
 
     @classmethod
-    def start(cls, config: SidecarConfig, log_dir: str) -> "SidecarHandle":
+    def start(cls, config: SidecarConfig, log_dir: str, secret: str) -> "SidecarHandle":
         """Start the sidecar without waiting for it: facts queue in the socket until it binds,
-        and the address is known up front (we chose the port), so engine start is not delayed."""
+        and the address is known up front (we chose the port), so engine start is not delayed.
+        Its configuration and the deployment secret go to it on stdin."""
 
-        if os.path.exists(config.ipc_dir):
+        if os.path.lexists(config.ipc_dir):
+            info = os.lstat(config.ipc_dir)
+            if info.st_uid != os.getuid():
+                raise SidecarError(f"kvbaton: {config.ipc_dir} belongs to uid {info.st_uid}")
             shutil.rmtree(config.ipc_dir, ignore_errors=True)
-        os.makedirs(config.ipc_dir, exist_ok=True)
+        os.mkdir(config.ipc_dir, 0o700)
         link = Link(config.ipc_dir, "scheduler")
-        os.makedirs(log_dir, exist_ok=True)
+        private_log_dir(log_dir)
         log_file = os.path.join(log_dir, f"sidecar-{config.engine_id}.log")
-        with open(log_file, "ab") as out:
+        launch = msgspec.json.encode(SidecarLaunch(config=config, secret=secret))
+        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "ab") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "kvbaton.control.sidecar_main", msgspec.json.encode(config).decode()],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [sys.executable, "-m", "kvbaton.control.sidecar_main"],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                 preexec_fn=_unpin, env=_sidecar_env(),
             )
+        try:
+            process.stdin.write(launch)
+            process.stdin.close()
+        except OSError:  # it died at once: wait_ready / alive report it with its log
+            pass
         handle = cls(config, process, link, config.address, log_file)
         atexit.register(handle.stop)
         return handle
@@ -194,8 +242,8 @@ class SidecarHandle:
                 kept.append(msg)
         self.backlog = kept
 
-    def send(self, msg: m.Msg) -> None:
-        self.link.send(msg)
+    def send(self, msg: m.Msg) -> bool:
+        return self.link.send(msg)
 
     def drain(self) -> list[m.Msg]:
         msgs = self.backlog + self.link.drain() if self.backlog else self.link.drain()
@@ -310,17 +358,44 @@ async def bounded(awaitable, timeout_s: float, what: str):
     return task.result()
 
 
-async def call_authority(address: str, method: str, *args, timeout_s: float = 10.0):
-    """Call an engine's sidecar (P's `abandon`, `debug_state`, ...) from any asyncio program.
-    Raises CallTimeout when it does not answer within `timeout_s`."""
+def private_log_dir(path: str) -> None:
+    """Event and sidecar logs hold ticket ids: their directory is created 0700."""
+
+    if not os.path.isdir(path):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
+
+
+async def call_peer(address: str, call: pc.PeerCall, timeout_s: float = 10.0):
+    """Call an engine's sidecar (the router's `Abandon`, `State`) from any asyncio program; the
+    answer is decoded as `call`'s typed answer. The process must have installed the frame key
+    (guard.install_frame_key). Raises CallTimeout when it does not answer within `timeout_s`."""
 
     import xoscar as xo
 
-    async def call():
-        ref = await xo.actor_ref(address, AUTHORITY_UID)
-        return await getattr(ref, method)(*args)
+    from .guard import ensure_frame_key
 
-    return await bounded(call(), timeout_s, f"sidecar {address} ({method})")
+    ensure_frame_key()
+
+    async def call_once():
+        ref = await xo.actor_ref(address, AUTHORITY_UID)
+        raw = await ref.call(pc.ENCODER.encode(call))
+        if type(raw) is not bytes:
+            raise TypeError(f"sidecar {address} answered a {type(raw).__name__}, not bytes")
+        return pc.answer_decoder(call).decode(raw)
+
+    return await bounded(call_once(), timeout_s, f"sidecar {address} ({call.__struct_config__.tag})")
+
+
+async def call_authority(address: str, method: str, *args, timeout_s: float = 10.0):
+    """The state of a sidecar (`method` "debug_state") or an abandon (`"abandon", ticket,
+    capability`), as plain values: the typed calls behind a name, for scripts and tests."""
+
+    if method == "debug_state":
+        return (await call_peer(address, pc.State(), timeout_s)).state
+    if method == "abandon":
+        return (await call_peer(address, pc.Abandon(*args), timeout_s)).ok
+    raise ValueError(f"no peer call named {method!r}")
 
 
 def call_authority_sync(address: str, method: str, *args, timeout_s: float = 10.0):

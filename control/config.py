@@ -27,6 +27,18 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     debug_hold_first_read_s: float = 0.0
     debug_delay_claim_s: float = 0.0
     debug_hold_post_s: float = 0.0
+    # What a claim grant must name to be read here (D), and what P's grants name: the engine's
+    # layout fingerprint and block size.
+    layout: str = ""
+    block_size: int = 0
+
+
+class SidecarLaunch(msgspec.Struct, kw_only=True):
+    """What the connector hands a new sidecar on its stdin (never argv: `ps` shows argv to every
+    local user): its configuration and the deployment secret."""
+
+    config: SidecarConfig
+    secret: str
 
 
 def ipc_paths(ipc_dir: str) -> dict[str, str]:

@@ -31,24 +31,36 @@ class TicketFact(Msg, tag="ticket"):
     blocks: tuple[int, ...]
     keys: tuple[str, ...] = ()
     local: bool = False
+    # What a claim grant tells D (token count and token digest) and the digests of the
+    # capabilities handed out with the ticket (router: abandon; D: keepalive).
+    num_tokens: int = 0
+    digest: str = ""
+    abandon_digest: str = ""
+    keepalive_digest: str = ""
 
 
 class LoadFact(Msg, tag="load"):
-    """D: a request arrived with a handoff: claim it at once."""
+    """D: a request arrived with a handoff: claim it at once.
+
+    `num_tokens` and `digest` are what this engine's own request holds (its prompt's first
+    `num_tokens` tokens): P's grant must name the same, or nothing is read. `keepalive` is the
+    capability that keeps the ticket alive while it is unclaimed."""
 
     request: str
     ticket: str
-    source_engine: str
     source_address: str
     epoch: int
-    src_blocks: tuple[int, ...]
+    num_tokens: int
+    digest: str
+    keepalive: str = ""
 
 
 class AllocatedFact(Msg, tag="alloc"):
-    """D: destination blocks were allocated for an async load (src[i] is read into dst[i])."""
+    """D: destination blocks were allocated for an async load: the granted blocks from index
+    `first` on (the local prefix-cache hit is not read) go into `dst_blocks`, in order."""
 
     request: str
-    src_blocks: tuple[int, ...]
+    first: int
     dst_blocks: tuple[int, ...]
 
 
@@ -186,6 +198,7 @@ class Resolved(Msg, tag="resolved"):
     request: str
     hit: bool
     reason: str = ""
+    num_tokens: int = 0  # on a hit: the prompt tokens P granted (its blocks hold them)
 
 
 class RestoreReply(Msg, tag="rreply"):

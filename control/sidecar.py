@@ -5,8 +5,9 @@ engine's connector, so it answers peers at once and expires tickets on time even
 is busy in a forward pass or idle and not stepping. It hosts an xoscar actor pool with one actor,
 `Authority`, which owns the engine's `Ledger` and `LogWriter`:
 
-* peers (other engines' sidecars) call it over xoscar: claim, read_start, read_end, release,
-  heartbeat, abandon, transport_metadata;
+* peers (other engines' sidecars, the router) call it over xoscar with authenticated frames, and
+  only through `call`, whose argument is one typed request of `peer.py` (claim, read start and
+  end, release, heartbeat, abandon, metadata, state), validated before it reaches the ledger;
 * its own engine's connector talks to it over local ZeroMQ sockets (see `messages.py`): facts in,
   decisions out, never blocking the engine;
 * on P, the history copier (a thread of the engine's worker) gets the history writes (stage,
@@ -17,8 +18,8 @@ Every fact becomes a core event, stamped with this process's monotonic clock, ap
 ledger and appended to the log; every effect becomes an RPC, a message to the connector, or an
 answer to the peer that asked.
 
-Run as `python -m kvbaton.control.sidecar_main CONFIG_JSON` (which keeps torch and pandas out of
-the process first).
+Run as `python -m kvbaton.control.sidecar_main` with its launch (config and secret) as JSON on
+stdin, never on the command line (which keeps torch and pandas out of the process first).
 """
 
 from __future__ import annotations
@@ -42,10 +43,13 @@ from xoscar.errors import ActorNotExist
 from ..core import effects as fx
 from ..core import events as ev
 from ..core.ledger import Ledger, LedgerConfig
-from ..core.log import LogHeader, LogWriter
+from ..core.log import LogHeader, LogRecordError, LogWriter
 from . import messages as m
+from . import peer as pc
 from .client import bounded, free_port
-from .config import SidecarConfig, ipc_paths
+from .config import SidecarConfig, SidecarLaunch, ipc_paths
+from .guard import (RateLimitedLog, capability_digest, guard_pool, install_frame_key, peer_address,
+                    watch_refused_frames)
 
 logger = logging.getLogger("kvbaton.sidecar")
 AUTHORITY_UID = "kvbaton-authority"
@@ -54,9 +58,14 @@ AUTHORITY_UID = "kvbaton-authority"
 class Authority(xo.Actor):
     """One engine's ledger, driven by its connector's facts and its peers' calls."""
 
-    def __init__(self, config_json: bytes) -> None:
+    def __init__(self, config_json: bytes, address: str = "") -> None:
         super().__init__()
         self.cfg = msgspec.json.decode(config_json, type=SidecarConfig)
+        self.bound_address = address  # what the pool listens at (announced once the actor is up)
+        # Peer requests refused before they reached the ledger, by reason (and frames xoscar
+        # dropped for want of our key): `peers.refused.<reason>` in debug_state's counters.
+        self.refused: collections.Counter = collections.Counter()
+        self.refusal_log = RateLimitedLog(logger)
         self.ledger = Ledger(self.cfg.ledger)
         self.log: LogWriter | None = None
         self.metadata: bytes | None = None
@@ -64,7 +73,9 @@ class Authority(xo.Actor):
         # D side: what the shell must remember about each load to carry its effects out.
         self.loads: dict[str, dict] = {}
         self.peer_refs: dict[str, object] = {}
-        self.peers_announced: set[str] = set()
+        # NIXL peers announced to the worker, by (control address, engine id) as P's grants and
+        # metadata answers named them (never as a client's request named them).
+        self.peers_announced: set[tuple[str, str]] = set()
         # P side: when each claimer was last heard from (reads in flight end if it falls silent).
         self.last_heard: dict[str, int] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -92,8 +103,14 @@ class Authority(xo.Actor):
     async def __post_create__(self) -> None:
         cfg = self.cfg
         if cfg.log_path:
-            os.makedirs(os.path.dirname(cfg.log_path) or ".", exist_ok=True)
-            self.log = LogWriter.open(cfg.log_path, LogHeader(
+            # Readable by its owner only (0600 in a 0700 directory, whatever the umask): a log
+            # holds ticket ids, which are bearer capabilities while their tickets are open.
+            folder = os.path.dirname(cfg.log_path) or "."
+            if not os.path.isdir(folder):
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+            fd = os.open(cfg.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            self.log = LogWriter(os.fdopen(fd, "wb"), LogHeader(
                 engine=cfg.engine_id, role=cfg.role, config=cfg.ledger, hash_every=cfg.hash_every,
                 writer="kvbaton sidecar"))
         self.zctx = zmq.asyncio.Context()
@@ -116,6 +133,8 @@ class Authority(xo.Actor):
         self._spawn(self._timer_loop())
         if cfg.role in ("consumer", "both"):
             self._spawn(self._heartbeat_loop())
+        if self.bound_address:
+            self._send(self.to_scheduler, m.Ready(self.bound_address, os.getpid(), cfg.log_path))
 
     async def __pre_destroy__(self) -> None:
         await self.shutdown()
@@ -146,6 +165,12 @@ class Authority(xo.Actor):
     # -- the one place events enter ----------------------------------------------------------------
 
     def _apply(self, event: ev.Event) -> list[fx.Effect]:
+        if self.log is not None:
+            try:  # an event the log cannot hold is never applied: the log must keep replaying
+                self.log.encode_checked(event)
+            except LogRecordError as exc:
+                self._refuse("unloggable", str(exc))
+                return []
         effects = self.ledger.apply(event)
         if self.log is not None:
             self.log.append(event, self.ledger)
@@ -190,9 +215,6 @@ class Authority(xo.Actor):
             payload = await queue.get()
             await sock.send(payload)
 
-    async def announce_ready(self, address: str) -> None:
-        self._send(self.to_scheduler, m.Ready(address, os.getpid(), self.cfg.log_path))
-
     def _carry(self, effect: fx.Effect) -> None:
         kind = type(effect)
         if kind is fx.FreeEngineBlocks:
@@ -221,7 +243,8 @@ class Authority(xo.Actor):
                     # Invalid for every reason but an abort (vLLM ignores an aborted request's
                     # blocks): the parked request must never run on blocks nobody loaded.
                     ctx["invalid_on_finish"] = effect.reason != "aborted"
-            self._send(self.to_scheduler, m.Resolved(effect.request, effect.hit, effect.reason))
+            granted = ctx.get("num_tokens", 0) if (ctx is not None and effect.hit) else 0
+            self._send(self.to_scheduler, m.Resolved(effect.request, effect.hit, effect.reason, granted))
         elif kind is fx.SendClaim:
             self._spawn(self._claim(effect))
         elif kind is fx.SendReadStart:
@@ -229,10 +252,10 @@ class Authority(xo.Actor):
         elif kind is fx.PostRead:
             self._spawn(self._post_read(effect))
         elif kind is fx.SendReadEnd:
-            self._spawn(self._call(effect.source, "read_end", effect.ticket, effect.read, effect.ok,
-                                   effect.release, self.cfg.engine_id, effect.epoch))
+            self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id, effect.epoch,
+                                                             effect.read, effect.ok, effect.release)))
         elif kind is fx.SendRelease:
-            self._spawn(self._call(effect.source, "release", effect.ticket, self.cfg.engine_id, effect.epoch))
+            self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id, effect.epoch)))
         elif kind is fx.ReportInvalidBlocks:
             if not any(ctx.get("sync") and ctx.get("request") == effect.request
                        for ctx in self.lease_ctx.values()):
@@ -273,7 +296,7 @@ class Authority(xo.Actor):
                 self._send(self.to_worker, m.FinishedRecving(effect.request))
             self._send(self.to_scheduler, m.LeaseEnded(effect.lease, effect.request, effect.ok, effect.reason))
         elif kind is fx.Rejected:
-            logger.debug("rejected %s %s: %s", effect.event, effect.subject, effect.reason)
+            logger.debug("rejected %s %s: %s", effect.event, pc.short(effect.subject), effect.reason)
 
     # -- facts from the connector ------------------------------------------------------------------
 
@@ -290,7 +313,8 @@ class Authority(xo.Actor):
         now = self._now()
         kind = type(msg)
         if kind is m.TicketFact:
-            self._apply(ev.TicketIssued(now, msg.ticket, msg.request, msg.blocks, msg.keys))
+            self._apply(ev.TicketIssued(now, msg.ticket, msg.request, msg.blocks, msg.keys, msg.num_tokens,
+                                        msg.digest, msg.abandon_digest, msg.keepalive_digest))
             if msg.local:
                 # A plain request retained for history: no decode engine will claim it, so this
                 # engine claims and releases it itself; the release admits its prefix.
@@ -376,14 +400,18 @@ class Authority(xo.Actor):
         elif kind is m.SlotStats:
             self.slot_stats = msgspec.structs.asdict(msg)
         elif kind is m.LoadFact:
-            self.loads[msg.request] = {"source": msg.source_address, "engine": msg.source_engine,
-                                       "ticket": msg.ticket, "src": msg.src_blocks, "dst": ()}
+            # The blocks to read and the engine that holds them come from P's grant (see _claim),
+            # never from the request: until then the load knows only what it asks for.
+            self.loads[msg.request] = {"source": msg.source_address, "engine": "", "ticket": msg.ticket,
+                                       "num_tokens": msg.num_tokens, "digest": msg.digest,
+                                       "keepalive": msg.keepalive, "granted": (), "first": 0, "dst": ()}
+            blocks = -(-msg.num_tokens // self.cfg.block_size) if self.cfg.block_size else 0
             self._apply(ev.LoadRequested(now, msg.request, msg.ticket, msg.source_address, msg.epoch,
-                                         len(msg.src_blocks)))
+                                         blocks))
         elif kind is m.AllocatedFact:
             ctx = self.loads.get(msg.request)
             if ctx is not None:
-                ctx["src"], ctx["dst"] = msg.src_blocks, msg.dst_blocks
+                ctx["first"], ctx["dst"] = msg.first, msg.dst_blocks
                 load = self.ledger.loads.loads.get(msg.request)
                 if load is not None and load.state == "AWAITING_CLAIM":
                     # Allocated before P answered the claim: held here until the answer (see
@@ -425,7 +453,7 @@ class Authority(xo.Actor):
                 stats["failed"] += 1
             self._apply(ev.LoadReadFinished(now, msg.request, msg.read, msg.ok))
         elif kind is m.Stop:
-            self._spawn(self.shutdown())
+            self._spawn(self._stop_and_exit())
         elif kind is m.Debug:
             if msg.key == "fail_next_reads":
                 self._send(self.to_worker, msg)
@@ -461,10 +489,16 @@ class Authority(xo.Actor):
                 self._apply(ev.Tick(now))
             # A reader that fell silent for a whole lease will not end its reads: P's transport
             # would never tell us, so the reads end here as failed and the ticket can close.
+            readers = set()
             for ticket in list(self.ledger.tickets.tickets.values()):
+                if ticket.state != "CLOSED" and ticket.claimer:
+                    readers.add(ticket.claimer)
                 if ticket.reads and now - self.last_heard.get(ticket.claimer, now) > lease:
                     for read in list(ticket.reads):
-                        self._apply(ev.ReadFinished(now, ticket.ticket, read, False))
+                        self._apply(ev.ReadFinished(now, ticket.ticket, read, False, ticket.claimer,
+                                                    ticket.epoch))
+            if len(self.last_heard) > len(readers):  # only claimers of open tickets are tracked
+                self.last_heard = {c: t for c, t in self.last_heard.items() if c in readers}
             if self.log is not None:
                 self.log.flush()
             # The engine started us: once it is gone we are re-parented (a dead but unreaped
@@ -474,15 +508,27 @@ class Authority(xo.Actor):
                 await self.shutdown()
                 os._exit(0)
 
+    async def _stop_and_exit(self) -> None:
+        """Only the engine stops its authority (over its 0700 IPC directory, never a peer), and a
+        stopped authority does not linger as a process that answers peers but returns nothing:
+        the pool is told to stop, which ends the process."""
+
+        await self.shutdown()
+        os.kill(os.getpid(), signal.SIGTERM)
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
-            by_source: dict[str, list[str]] = {}
+            by_source: dict[str, list[pc.HeartbeatTicket]] = {}
             for load in self.ledger.loads.loads.values():
                 if load.state not in ("DONE", "MISSED", "FAILED", "CANCELLED"):
-                    by_source.setdefault(load.source, []).append(load.ticket)
+                    ctx = self.loads.get(load.request) or {}
+                    by_source.setdefault(load.source, []).append(
+                        pc.HeartbeatTicket(load.ticket, ctx.get("keepalive", "")))
             for source, tickets in by_source.items():
-                self._spawn(self._call(source, "heartbeat", tickets, self.cfg.engine_id))
+                for lo in range(0, len(tickets), pc.MAX_HEARTBEAT_TICKETS):
+                    self._spawn(self._call(source, pc.Heartbeat(
+                        self.cfg.engine_id, tickets[lo:lo + pc.MAX_HEARTBEAT_TICKETS])))
 
     # -- calls to peers (D side) -------------------------------------------------------------------
 
@@ -493,34 +539,56 @@ class Authority(xo.Actor):
             self.peer_refs[address] = ref
         return ref
 
-    async def _try_call(self, address: str, method: str, *args) -> tuple[str, object]:
+    async def _try_call(self, address: str, call: pc.PeerCall) -> tuple[str, object]:
         """Call a peer's authority: `("ok", answer)`, `("refused", exc)` when the call provably
         never reached it (nobody listens at the address yet, or its pool is up but its authority
-        is not created yet), or `("failed", exc)` for any other failure (it may have got it)."""
+        is not created yet), or `("failed", exc)` for any other failure (it may have got it).
+        The answer is decoded as the typed answer of `call`; anything else is a failure."""
 
+        what = call.__struct_config__.tag
         try:
             # Bounded: a peer that is stopped or wedged (or whose port another program took)
             # never answers, and xoscar would wait for it forever. A timeout may have reached it.
             ref = await bounded(self._ref(address), self.cfg.call_timeout_s, f"connect to {address}")
-            return "ok", await bounded(getattr(ref, method)(*args), self.cfg.call_timeout_s,
-                                       f"{method} at {address}")
+            raw = await bounded(ref.call(pc.ENCODER.encode(call)), self.cfg.call_timeout_s,
+                                f"{what} at {address}")
+            if type(raw) is not bytes:
+                raise TypeError(f"{what} at {address}: the answer is a {type(raw).__name__}, not bytes")
+            return "ok", pc.answer_decoder(call).decode(raw)
         except Exception as exc:
             self.peer_refs.pop(address, None)
             return ("refused" if _never_arrived(exc) else "failed"), exc
 
-    async def _call(self, address: str, method: str, *args):
+    async def _call(self, address: str, call: pc.PeerCall):
         """A peer's answer, or None when the call failed (logged)."""
 
-        status, value = await self._try_call(address, method, *args)
+        status, value = await self._try_call(address, call)
         if status == "ok":
             return value
-        logger.warning("call %s to %s failed: %r", method, address, value)
+        logger.warning("call %s to %s failed: %r", call.__struct_config__.tag, address, value)
         return None
 
     def _awaiting_claim(self, effect: fx.SendClaim) -> bool:
         load = self.ledger.loads.loads.get(effect.request)
         return (load is not None and load.state == "AWAITING_CLAIM" and load.ticket == effect.ticket
                 and load.epoch == effect.epoch)
+
+    def _grant_problem(self, ctx: dict, answer: pc.ClaimAnswer) -> str:
+        """Why a grant must not be read (P is the authority on what D reads, and D reads only
+        when P's grant names exactly what its own request holds), or "" when it may."""
+
+        bs = self.cfg.block_size or 1
+        if answer.layout != self.cfg.layout:
+            return f"grant mismatch: layout {answer.layout!r}, this engine's is {self.cfg.layout!r}"
+        if answer.num_tokens != ctx["num_tokens"] or answer.digest != ctx["digest"]:
+            return "grant mismatch: the ticket holds other tokens than this request's prompt"
+        if len(answer.blocks) != -(-answer.num_tokens // bs):
+            return f"grant mismatch: {len(answer.blocks)} blocks for {answer.num_tokens} tokens"
+        if any(not 0 <= b < 2**31 for b in answer.blocks) or len(set(answer.blocks)) != len(answer.blocks):
+            return "grant mismatch: block ids out of range or repeated"
+        if not answer.engine or len(answer.engine) > pc.MAX_ID:
+            return "grant mismatch: no engine named"
+        return ""
 
     async def _claim(self, effect: fx.SendClaim) -> None:
         if self.cfg.debug_delay_claim_s:
@@ -538,11 +606,11 @@ class Authority(xo.Actor):
         pause = 0.02
         retried = 0
         unknown_since = None
+        call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch)
         while True:
-            status, value = await self._try_call(effect.source, "claim", effect.ticket,
-                                                 self.cfg.engine_id, effect.epoch)
+            status, value = await self._try_call(effect.source, call)
             reply = value if status == "ok" else None
-            unknown = reply is not None and not reply[0] and reply[1] == "unknown ticket"
+            unknown = reply is not None and not reply.granted and reply.reason == "unknown ticket"
             if unknown and unknown_since is None:
                 unknown_since = time.monotonic()
             # "Unknown ticket" is a race with P's own fact (milliseconds; seconds on a starved
@@ -551,36 +619,66 @@ class Authority(xo.Actor):
             retry = status == "refused" or (unknown and time.monotonic() - unknown_since < UNKNOWN_TICKET_RETRY_S)
             if not retry:
                 if status == "failed":
-                    logger.warning("claim of ticket %s at %s failed: %r", effect.ticket, effect.source, value)
+                    logger.warning("claim of ticket %s at %s failed: %r", pc.short(effect.ticket),
+                                   effect.source, value)
                 break
             if self.stopping or not self._awaiting_claim(effect):
                 return  # the load already ended (it resolved itself); P never took this claim
             left = deadline - time.monotonic()
             if left <= 0:  # the ledger has normally expired the load already ("claim unanswered")
                 logger.warning("claim of ticket %s at %s: still %s after %d retries; giving up",
-                               effect.ticket, effect.source,
+                               pc.short(effect.ticket), effect.source,
                                "refused" if status == "refused" else "unknown", retried)
                 break
             if retried == 0:
-                logger.info("claim of ticket %s at %s: %s; retrying for up to %.1f s", effect.ticket,
+                logger.info("claim of ticket %s at %s: %s; retrying for up to %.1f s", pc.short(effect.ticket),
                             effect.source, repr(value) if status == "refused" else "unknown ticket", left)
             await asyncio.sleep(min(pause, left))
             pause = min(pause * 2, 0.5)
             retried += 1
         now = self._now()
-        if reply is not None and reply[0]:
+        ctx = self.loads.get(effect.request)
+        problem = ""
+        if reply is not None and reply.granted:
+            problem = self._grant_problem(ctx, reply) if ctx is not None else ""
+            if problem:
+                self.refused["grant_mismatch"] += 1
+                self.refusal_log.warning("grant_mismatch", "request %s: %s (P at %s); recomputing",
+                                         effect.request, problem, effect.source)
+        if reply is not None and reply.granted and not problem:
+            if ctx is not None:
+                ctx["granted"], ctx["engine"] = reply.blocks, reply.engine
             effects = self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
             if _forgotten(effects):  # the load was pruned meanwhile: give the ticket back
-                self._spawn(self._call(effect.source, "release", effect.ticket, self.cfg.engine_id,
-                                       effect.epoch))
+                self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
+                                                                 effect.epoch)))
         else:
-            reason = reply[1] if reply is not None else "source unreachable"
+            reason = problem or (reply.reason if reply is not None else "source unreachable")
             self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
-            if status == "failed":
-                # The call may have reached P and been granted there: give the ticket back
-                # rather than leave P's blocks claimed for a whole idle lease.
-                self._spawn(self._call(effect.source, "release", effect.ticket, self.cfg.engine_id,
-                                       effect.epoch))
+            if status == "failed" or problem:
+                # The call may have reached P and been granted there (or was granted for blocks
+                # this request must not read): give the ticket back rather than leave P's blocks
+                # claimed for a whole idle lease.
+                self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
+                                                                 effect.epoch)))
+
+    async def _announce_peer(self, source: str, engine: str) -> bool:
+        """Give the worker P's transport metadata once per (address, engine); the metadata must
+        come from the engine the grant named."""
+
+        if (source, engine) in self.peers_announced:
+            return True
+        answer = await self._call(source, pc.Metadata())
+        if answer is None or answer.metadata is None:
+            return False
+        if answer.engine != engine:
+            self.refused["metadata_mismatch"] += 1
+            self.refusal_log.warning("metadata_mismatch", "peer at %s granted as engine %r answers as "
+                                     "%r: not reading from it", source, engine, answer.engine)
+            return False
+        self._send(self.to_worker, m.AddPeer(engine, answer.metadata))
+        self.peers_announced.add((source, engine))
+        return True
 
     async def _read_start(self, effect: fx.SendReadStart) -> None:
         ctx = self.loads.get(effect.request, {})
@@ -589,22 +687,20 @@ class Authority(xo.Actor):
         elif not effect.read.endswith("/0") and self.cfg.debug_pause_between_reads_s:
             await asyncio.sleep(self.cfg.debug_pause_between_reads_s)
         engine = ctx.get("engine", "")
-        if engine and engine not in self.peers_announced:
-            metadata = await self._call(effect.source, "transport_metadata")
-            if metadata is not None:
-                self._send(self.to_worker, m.AddPeer(engine, metadata))
-                self.peers_announced.add(engine)
-        reply = await self._call(effect.source, "read_start", effect.ticket, self.cfg.engine_id,
-                                 effect.epoch, effect.read)
+        if engine and not await self._announce_peer(effect.source, engine):
+            self._apply(ev.ReadRefused(self._now(), effect.request, effect.read, "no transport metadata"))
+            return
+        reply = await self._call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
+                                                             effect.epoch, effect.read))
         now = self._now()
-        if reply is not None and reply[0]:
+        if reply is not None and reply.ok:
             effects = self._apply(ev.ReadGranted(now, effect.request, effect.read))
             if _forgotten(effects):
                 # The load was pruned meanwhile: nobody will end the read P pinned for; end it.
-                self._spawn(self._call(effect.source, "read_end", effect.ticket, effect.read, False, True,
-                                       self.cfg.engine_id, effect.epoch))
+                self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id,
+                                                                 effect.epoch, effect.read, False, True)))
         else:
-            reason = reply[1] if reply is not None else "source unreachable"
+            reason = reply.reason if reply is not None else "source unreachable"
             self._apply(ev.ReadRefused(now, effect.request, effect.read, reason))
 
     async def _post_read(self, effect: fx.PostRead) -> None:
@@ -613,60 +709,134 @@ class Authority(xo.Actor):
         ctx = self.loads.get(effect.request)
         if ctx is None:
             return
-        src, dst = ctx["src"], ctx["dst"]
+        first, dst = ctx["first"], ctx["dst"]
+        src = tuple(ctx["granted"][first:first + len(dst)])
         reads = ctx.get("reads", 1)  # as the ledger was told at allocation
         index = int(effect.read.rsplit("/", 1)[1])
+        if len(src) != len(dst) or first < 0:
+            # More destination blocks than P granted past the local hit: read nothing, fail the
+            # load so vLLM recomputes them.
+            self._apply(ev.LoadReadFinished(self._now(), effect.request, effect.read, False))
+            return
         # Sequential reads split the blocks into near-equal slices (one slice per read).
         bounds = [len(dst) * i // reads for i in range(reads + 1)]
         lo, hi = bounds[index], bounds[index + 1]
         self._send(self.to_worker, m.PostRead(effect.request, effect.read, ctx["engine"],
-                                              tuple(src[lo:hi]), tuple(dst[lo:hi]), index == reads - 1))
+                                              src[lo:hi], tuple(dst[lo:hi]), index == reads - 1))
 
     # -- calls from peers (P side) -----------------------------------------------------------------
 
-    def _reply(self, effects: list[fx.Effect], kind) -> tuple[bool, str]:
+    async def __on_receive__(self, message):
+        """The only door peers have: the `call` method, one bytes argument, no keywords. Every
+        other method (private ones, `__post_create__`, the shell's own) is refused."""
+
+        try:
+            method, call_method, args, kwargs = message
+        except (TypeError, ValueError):
+            self._refuse("method", "malformed actor message")
+            raise PermissionError("not a kvbaton peer call") from None
+        if method != pc.PEER_METHOD or call_method != xo_call_default() or len(args) != 1 or kwargs:
+            self._refuse("method", f"method {str(method)[:64]!r}")
+            raise PermissionError("kvbaton sidecars answer only their protocol's calls")
+        return await super().__on_receive__(message)
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        self.refused[reason] += 1
+        self.refusal_log.warning(reason, "refused a peer call from %s (%s): %s", peer_address.get(),
+                                 reason, detail)
+
+    async def call(self, payload) -> bytes:
+        try:
+            request = pc.decode_call(payload)
+        except pc.PeerRefusal as refusal:
+            self._refuse(refusal.reason, refusal.detail)
+            return pc.ENCODER.encode(pc.Answer(False, "refused: " + refusal.reason))
+        try:
+            answer = self._answer(request)
+        except Exception as exc:  # a bug must not take the authority down, nor leak its text
+            logger.exception("answering a peer's %s failed", request.__struct_config__.tag)
+            self.refused["internal_error"] += 1
+            answer = pc.ClaimAnswer(False, "internal error") if type(request) is pc.Claim else \
+                pc.Answer(False, "internal error")
+            del exc
+        return pc.ENCODER.encode(answer)
+
+    def _reply(self, effects: list[fx.Effect], kind):
         for effect in effects:
             if type(effect) is kind:
-                return effect.granted, effect.reason
-        return False, "no reply"
+                return effect
+        return None
 
-    async def claim(self, ticket: str, claimer: str, epoch: int) -> tuple[bool, str]:
+    def _heard(self, claimer: str, now: int) -> None:
+        """A reader spoke (only claimers of open tickets are tracked: see the timer's sweep)."""
+
+        if claimer in self.last_heard or len(self.last_heard) < 4 * len(self.ledger.tickets.tickets) + 64:
+            self.last_heard[claimer] = now
+
+    def _answer(self, request: pc.PeerCall):
         now = self._now()
-        self.last_heard[claimer] = now
-        return self._reply(self._apply(ev.ClaimRequested(now, ticket, claimer, epoch)), fx.ReplyClaim)
+        kind = type(request)
+        if kind is pc.Claim:
+            reply = self._reply(self._apply(ev.ClaimRequested(now, request.ticket, request.claimer,
+                                                              request.epoch)), fx.ReplyClaim)
+            if reply is None:
+                return pc.ClaimAnswer(False, "no reply")
+            if not reply.granted:
+                if reply.reason == "unknown ticket":
+                    self.refusal_log.warning("unknown_ticket", "claim of unknown ticket %s by %r from %s",
+                                             pc.short(request.ticket), request.claimer, peer_address.get())
+                return pc.ClaimAnswer(False, reply.reason)
+            self._heard(request.claimer, now)
+            return pc.ClaimAnswer(True, reply.reason, self.cfg.engine_id, self.cfg.layout, reply.blocks,
+                                  reply.num_tokens, reply.digest)
+        if kind is pc.ReadStart:
+            reply = self._reply(self._apply(ev.ReadStarted(now, request.ticket, request.claimer, request.epoch,
+                                                           request.read)), fx.ReplyRead)
+            if reply is not None and reply.granted:
+                self._heard(request.claimer, now)
+            return pc.Answer(bool(reply and reply.granted), reply.reason if reply else "no reply")
+        if kind is pc.ReadEnd:
+            effects = self._apply(ev.ReadFinished(now, request.ticket, request.read, request.ok,
+                                                  request.claimer, request.epoch))
+            refused = self._reply(effects, fx.Rejected)
+            if refused is not None and refused.reason == "not the claimer":
+                self._refuse("not_claimer", f"read end of ticket {pc.short(request.ticket)} by "
+                                            f"{request.claimer!r}")
+                return pc.Answer(False, refused.reason)
+            self._heard(request.claimer, now)
+            if request.release:
+                self._apply(ev.ReleaseRequested(now, request.ticket, request.claimer, request.epoch))
+            return pc.Answer(refused is None, refused.reason if refused is not None else "")
+        if kind is pc.Release:
+            refused = self._reply(self._apply(ev.ReleaseRequested(now, request.ticket, request.claimer,
+                                                                  request.epoch)), fx.Rejected)
+            return pc.Answer(refused is None, refused.reason if refused is not None else "")
+        if kind is pc.Heartbeat:
+            refused = 0
+            for entry in request.tickets:
+                proof = capability_digest(entry.keepalive) if entry.keepalive else ""
+                effects = self._apply(ev.HeartbeatReceived(now, entry.ticket, request.claimer, proof))
+                refused += any(type(e) is fx.Rejected for e in effects)
+            return pc.Answer(refused == 0, f"{refused} refused" if refused else "")
+        if kind is pc.Abandon:
+            effects = self._apply(ev.AbandonRequested(now, request.ticket,
+                                                      capability_digest(request.capability)))
+            refused = self._reply(effects, fx.Rejected)
+            if refused is not None and refused.reason == "no capability":
+                self._refuse("no_capability", f"abandon of ticket {pc.short(request.ticket)}")
+            return pc.Answer(any(type(e) is fx.FreeEngineBlocks for e in effects),
+                             refused.reason if refused is not None else "")
+        if kind is pc.Metadata:
+            return pc.MetadataAnswer(self.cfg.engine_id, self.metadata)
+        if kind is pc.State:
+            return pc.StateAnswer(self.debug_state())
+        raise TypeError(f"no handler for {kind.__name__}")
 
-    async def read_start(self, ticket: str, claimer: str, epoch: int, read: str) -> tuple[bool, str]:
-        now = self._now()
-        self.last_heard[claimer] = now
-        return self._reply(self._apply(ev.ReadStarted(now, ticket, claimer, epoch, read)), fx.ReplyRead)
-
-    async def read_end(self, ticket: str, read: str, ok: bool, release: bool, claimer: str, epoch: int) -> None:
-        now = self._now()
-        self.last_heard[claimer] = now
-        self._apply(ev.ReadFinished(now, ticket, read, ok))
-        if release:
-            self._apply(ev.ReleaseRequested(now, ticket, claimer, epoch))
-
-    async def release(self, ticket: str, claimer: str, epoch: int) -> None:
-        now = self._now()
-        self.last_heard[claimer] = now
-        self._apply(ev.ReleaseRequested(now, ticket, claimer, epoch))
-
-    async def heartbeat(self, tickets: list[str], claimer: str) -> None:
-        now = self._now()
-        self.last_heard[claimer] = now
-        for ticket in tickets:
-            self._apply(ev.HeartbeatReceived(now, ticket, claimer))
-
-    async def abandon(self, ticket: str) -> bool:
-        effects = self._apply(ev.AbandonRequested(self._now(), ticket))
-        return any(type(e) is fx.FreeEngineBlocks for e in effects)
-
-    async def transport_metadata(self) -> bytes | None:
-        return self.metadata
-
-    async def debug_state(self) -> dict:
-        return {"open": self.ledger.open_counts(), "counters": dict(self.ledger.counters),
+    def debug_state(self) -> dict:
+        counters = dict(self.ledger.counters)
+        refused = self.refused + FRAME_REFUSALS
+        counters.update({f"peers.refused.{reason}": n for reason, n in refused.items()})
+        return {"open": self.ledger.open_counts(), "counters": counters,
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
                 "transfer": dict(self.transfer), "history": self._history_state()}
@@ -699,8 +869,6 @@ class Authority(xo.Actor):
             "lease_contexts": len(self.lease_ctx),
         }
 
-    async def stop(self) -> None:
-        await self.shutdown()
 
 
 def _forgotten(effects: list) -> bool:
@@ -751,26 +919,46 @@ async def _create_pool(cfg: SidecarConfig):
             logger.warning("control address %s is taken: listening at %s instead", taken, address)
 
 
-async def _main(config_json: bytes) -> None:
-    cfg = msgspec.json.decode(config_json, type=SidecarConfig)
+# Connections and messages the pool refused before the authority saw them (frames without our
+# key, pool messages other than the authority's calls), by reason; shown with its own refusals.
+FRAME_REFUSALS: collections.Counter = collections.Counter()
+
+
+def xo_call_default() -> int:
+    from xoscar.core import CALL_METHOD_DEFAULT
+
+    return CALL_METHOD_DEFAULT
+
+
+async def _main(launch: SidecarLaunch) -> None:
+    cfg = launch.config
+    # Frames are authenticated before the pool exists: nothing is ever decoded without the key.
+    install_frame_key(launch.secret)
+    frame_log = RateLimitedLog(logger)
+
+    def frame_refused(reason: str, text: str) -> None:
+        FRAME_REFUSALS[reason] += 1
+        frame_log.warning(reason, "dropped a connection: %s", text)
+
+    watch_refused_frames(frame_refused)
     pool = await _create_pool(cfg)
-    ref = await xo.create_actor(Authority, config_json, address=pool.external_address, uid=AUTHORITY_UID)
+    guard_pool(pool, AUTHORITY_UID, lambda reason, peer: frame_refused(reason, f"{reason} from {peer}"))
+    config_json = msgspec.json.encode(cfg)
+    await xo.create_actor(Authority, config_json, pool.external_address, address=pool.external_address,
+                          uid=AUTHORITY_UID)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await ref.announce_ready(pool.external_address)
     await stop.wait()
-    try:
-        await ref.stop()
-    finally:
-        await pool.stop()
+    await pool.stop()  # destroys the authority: its shutdown closes the log with a checkpoint
 
 
 def main() -> None:
     logging.basicConfig(level=os.environ.get("KVBATON_SIDECAR_LOG", "WARNING"),
                         format="%(asctime)s kvbaton-sidecar %(levelname)s %(message)s")
-    asyncio.run(_main(sys.argv[1].encode()))
+    launch = msgspec.json.decode(sys.stdin.buffer.read(), type=SidecarLaunch)
+    asyncio.run(_main(launch))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ class ReplyClaim(Effect, tag="rcl"):
     epoch: int
     granted: bool
     reason: str = ""
+    # On a grant, what the claimer may read: the ticket's blocks, its token count and digest.
+    blocks: tuple[int, ...] = ()
+    num_tokens: int = 0
+    digest: str = ""
 
 
 class ReplyRead(Effect, tag="rrd"):

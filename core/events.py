@@ -38,6 +38,16 @@ class TicketIssued(Event, tag="ti"):
     request: str
     blocks: tuple[int, ...]
     keys: tuple[str, ...] = ()
+    # What a claim grant tells the decode engine (P is the authority on what D reads): how many
+    # prompt tokens the blocks hold and a digest of those tokens, which D compares with its own
+    # request before it reads anything.
+    num_tokens: int = 0
+    digest: str = ""
+    # Digests of the two capabilities P minted for this ticket: the router's (abandon, and
+    # heartbeats while unclaimed) and the decode engine's keepalive (heartbeats while unclaimed).
+    # "" in logs written before capabilities existed: such tickets accept any abandon.
+    abandon_digest: str = ""
+    keepalive_digest: str = ""
 
 
 class ClaimRequested(Event, tag="cr"):
@@ -49,10 +59,14 @@ class ClaimRequested(Event, tag="cr"):
 
 
 class HeartbeatReceived(Event, tag="hb"):
-    """A decode engine still holds a request that carries `ticket` (queued, claimed or reading)."""
+    """A decode engine still holds a request that carries `ticket` (queued, claimed or reading).
+
+    `proof`: the digest of the capability the heartbeat presented (keepalive or the router's);
+    an unclaimed ticket is kept alive only by a heartbeat that proves one of them."""
 
     ticket: str
     claimer: str
+    proof: str = ""
 
 
 class ReadStarted(Event, tag="rs"):
@@ -65,11 +79,16 @@ class ReadStarted(Event, tag="rs"):
 
 
 class ReadFinished(Event, tag="rf"):
-    """A read of the ticket's blocks ended, successfully or not."""
+    """A read of the ticket's blocks ended, successfully or not, as reported by `claimer` with
+    `epoch` (only the claimer may end its reads). `claimer` "" with epoch -1 appears only in logs
+    written before reads carried their owner; the sidecar never builds such an event (its peer
+    messages require a claimer, and its own sweep names the ticket's claimer)."""
 
     ticket: str
     read: str
     ok: bool
+    claimer: str = ""
+    epoch: int = -1
 
 
 class ReleaseRequested(Event, tag="rr"):
@@ -81,9 +100,13 @@ class ReleaseRequested(Event, tag="rr"):
 
 
 class AbandonRequested(Event, tag="ab"):
-    """The router gave up on the request after P answered (client gone, D failed, timeout)."""
+    """The router gave up on the request after P answered (client gone, D failed, timeout).
+
+    `proof`: the digest of the capability the caller presented (the sidecar hashes it; the log
+    never holds the capability itself)."""
 
     ticket: str
+    proof: str = ""
 
 
 # --- D side: loads -----------------------------------------------------------------------------

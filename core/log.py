@@ -32,6 +32,10 @@ _U32 = struct.Struct("<I")
 MAX_RECORD_BYTES = 16 << 20
 
 
+class LogRecordError(ValueError):
+    """An event the writer refuses to record (unencodable or over the record bound)."""
+
+
 class LogError(Exception):
     """A log that cannot be read; the message names where and why."""
 
@@ -85,13 +89,36 @@ class LogWriter:
     def open(cls, path: str, header: LogHeader) -> "LogWriter":
         return cls(open(path, "wb"), header)
 
-    def append(self, event, ledger=None) -> None:
-        """Record one event; `ledger` (already updated) supplies the periodic state hash."""
+    def encode_checked(self, event) -> bytes:
+        """The record this event would become, or LogRecordError when it cannot be written
+        (unencodable, or larger than any reader accepts). Nothing is advanced."""
 
-        self.seq += 1
+        try:
+            payload = self._encoder.encode(Record(self.seq + 1, event, None))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise LogRecordError(f"event {type(event).__name__} cannot be encoded: {exc}") from None
+        if len(payload) > MAX_RECORD_BYTES:
+            raise LogRecordError(f"event {type(event).__name__} needs {len(payload)} bytes, over the "
+                                 f"{MAX_RECORD_BYTES}-byte record bound")
+        return payload
+
+    def append(self, event, ledger=None) -> None:
+        """Record one event; `ledger` (already updated) supplies the periodic state hash.
+
+        The record is encoded before the sequence advances, so a record that cannot be written
+        (LogRecordError) leaves no gap: the log still replays."""
+
+        seq = self.seq + 1
         every = self.header.hash_every
-        digest = ledger.state_hash() if (every and ledger is not None and self.seq % every == 0) else None
-        payload = self._encoder.encode(Record(self.seq, event, digest))
+        digest = ledger.state_hash() if (every and ledger is not None and seq % every == 0) else None
+        try:
+            payload = self._encoder.encode(Record(seq, event, digest))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise LogRecordError(f"event {type(event).__name__} cannot be encoded: {exc}") from None
+        if len(payload) > MAX_RECORD_BYTES:
+            raise LogRecordError(f"event {type(event).__name__} needs {len(payload)} bytes, over the "
+                                 f"{MAX_RECORD_BYTES}-byte record bound")
+        self.seq = seq
         buf = self._buffer
         buf += _U32.pack(len(payload))
         buf += payload

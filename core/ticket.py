@@ -17,6 +17,11 @@ connector reports as `finished_sending`), exactly once, when it closes.
 * A read in flight pins the blocks: READING and DRAINING have no deadline. Between reads the
   ticket is CLAIMED again and its idle lease runs, so a decode engine that dies is noticed.
 * The router may abandon only an unclaimed ticket: once claimed it belongs to the decode engine.
+  Abandoning takes the router's capability (P minted it with the ticket; the event carries the
+  digest of what the caller presented), and so does keeping an unclaimed ticket alive, which the
+  decode engine does with its own keepalive capability. A read ends only by its claimer's word.
+* A grant names what the claimer may read: the ticket's blocks, token count and token digest.
+  Unknown-ticket claims are counted apart (`claims.refused.unknown_ticket`): guessing shows there.
 """
 
 from __future__ import annotations
@@ -86,6 +91,10 @@ class Ticket(msgspec.Struct):
     done_reads: list[str] = msgspec.field(default_factory=list)  # a late duplicate may not restart one
     close_reason: str = ""
     returned: bool = False
+    num_tokens: int = 0
+    digest: str = ""
+    abandon_digest: str = ""
+    keepalive_digest: str = ""
 
 
 KIND_TICKET = 0
@@ -149,26 +158,35 @@ class TicketBook:
             return [reject(self.counters, "ti", e.ticket, "invalid: block ids repeat or are negative")]
         if len(e.keys) > len(e.blocks):
             return [reject(self.counters, "ti", e.ticket, "invalid: more keys than blocks")]
-        t = Ticket(e.ticket, e.request, tuple(e.blocks), tuple(e.keys), ISSUED, NEVER)
+        t = Ticket(e.ticket, e.request, tuple(e.blocks), tuple(e.keys), ISSUED, NEVER,
+                   num_tokens=e.num_tokens, digest=e.digest, abandon_digest=e.abandon_digest,
+                   keepalive_digest=e.keepalive_digest)
         self.tickets[e.ticket] = t
         self._set_deadline(t, now + self.config.unclaimed_ttl_ns)
         self.counters.add("tickets.issued")
         return []
 
+    def _grant(self, t: Ticket, e: ClaimRequested, reason: str = "") -> ReplyClaim:
+        return ReplyClaim(e.ticket, e.claimer, e.epoch, True, reason, t.blocks, t.num_tokens, t.digest)
+
     def claim(self, e: ClaimRequested, now: int) -> list[Effect]:
+        """ISSUED → CLAIMED (grant); CLAIMED/READING by the same (claimer, epoch) → same (grant,
+        "retry"); else ReplyClaim refused (unknown ticket, claimed by another, released, closed)."""
+
         t = self.tickets.get(e.ticket)
         if t is None:
+            self.counters.add("claims.refused.unknown_ticket")
             return [ReplyClaim(e.ticket, e.claimer, e.epoch, False, "unknown ticket")]
         if t.state == ISSUED:
             self._move(t, "claim", CLAIMED)
             t.claimer, t.epoch = e.claimer, e.epoch
             self._set_deadline(t, now + self.config.claim_lease_ns)
             self.counters.add("tickets.claimed")
-            return [ReplyClaim(e.ticket, e.claimer, e.epoch, True)]
+            return [self._grant(t, e)]
         if t.state in (CLAIMED, READING) and t.claimer == e.claimer and t.epoch == e.epoch:
             if t.state == CLAIMED:
                 self._set_deadline(t, now + self.config.claim_lease_ns)
-            return [ReplyClaim(e.ticket, e.claimer, e.epoch, True, "retry")]
+            return [self._grant(t, e, "retry")]
         reason = "closed: " + t.close_reason if t.state == CLOSED else "claimed by another"
         if t.state in (DRAINING, RETAINING):
             reason = "released"
@@ -177,10 +195,17 @@ class TicketBook:
                 reject(self.counters, "cr", e.ticket, reason)]
 
     def heartbeat(self, e: HeartbeatReceived, now: int) -> list[Effect]:
+        """ISSUED with a proven capability → ISSUED, unclaimed deadline pushed out; CLAIMED by its
+        claimer → lease refreshed; READING/DRAINING/RETAINING by its claimer → unchanged; else
+        Rejected (unknown ticket, closed, no capability, not the claimer)."""
+
         t = self.tickets.get(e.ticket)
         if t is None or t.state == CLOSED:
             return [reject(self.counters, "hb", e.ticket, "closed" if t else "unknown ticket")]
         if t.state == ISSUED:
+            if (t.keepalive_digest or t.abandon_digest) and e.proof not in (
+                    t.keepalive_digest or None, t.abandon_digest or None):
+                return [reject(self.counters, "hb", e.ticket, "no capability")]
             deadline = now + self.config.unclaimed_ttl_ns
             if deadline > t.deadline_ns:
                 self._set_deadline(t, deadline)
@@ -215,9 +240,15 @@ class TicketBook:
         return [ReplyRead(e.ticket, e.claimer, e.read, True)]
 
     def read_end(self, e: ReadFinished, now: int) -> list[Effect]:
+        """READING → READING (reads left) or CLAIMED (lease restarts); DRAINING → DRAINING or
+        released (RETAINING/CLOSED); else Rejected (unknown read, not the claimer)."""
+
         t = self.tickets.get(e.ticket)
         if t is None or e.read not in t.reads:
             return [reject(self.counters, "rf", e.ticket, "unknown read")]
+        legacy = e.claimer == "" and e.epoch == -1  # a record from before reads named their owner
+        if not legacy and (e.claimer != t.claimer or e.epoch != t.epoch):
+            return [reject(self.counters, "rf", e.ticket, "not the claimer")]
         t.reads.remove(e.read)
         t.done_reads.append(e.read)
         self.counters.add("reads.finished.ok" if e.ok else "reads.finished.failed")
@@ -249,9 +280,14 @@ class TicketBook:
         return out
 
     def abandon(self, e: AbandonRequested, now: int) -> list[Effect]:
+        """ISSUED with the router's capability → CLOSED(abandoned); else Rejected (unknown ticket,
+        no capability, claimed, closed)."""
+
         t = self.tickets.get(e.ticket)
         if t is None:
             return [reject(self.counters, "ab", e.ticket, "unknown ticket")]
+        if t.abandon_digest and e.proof != t.abandon_digest:
+            return [reject(self.counters, "ab", e.ticket, "no capability")]
         if t.state != ISSUED:
             return [reject(self.counters, "ab", e.ticket,
                            "closed" if t.state == CLOSED else "claimed: belongs to the decode engine")]

@@ -8,13 +8,22 @@ router abandons the ticket on P's sidecar so P's blocks come back at once (a cla
 to D, which releases it itself).
 
 The router keeps no state but requests in flight. `/metrics` serves Prometheus metrics: the
-router's own and, at scrape time, each known P sidecar's open tickets and counters.
+router's own and each known P sidecar's open tickets and counters (refreshed at most every few
+seconds, so scrapes cannot load the sidecars).
+
+What it trusts: nothing from the client reaches an engine's handoff path. A client's
+`kv_transfer_params` and `request_id` are dropped; D gets only what P returned, minus the abandon
+capability the router keeps for itself. With an API key (`--api-key`, `KVBATON_API_KEY`) every
+route but `/health` needs `Authorization: Bearer KEY`. Bodies are bounded (413), requests in
+flight are bounded (429), and upstream failures are answered without internal addresses or
+exception text (those go to the router's log).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
@@ -62,9 +71,28 @@ class EngineSidecarCollector:
         yield transfer
 
 
+# Requests larger than this are refused (413): prompts of a 128k context are ~1 MB of JSON.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_IN_FLIGHT = 1024
+# The router refreshes sidecar states for /metrics at most this often.
+STATE_REFRESH_S = 5.0
+
+
+def _short(ident) -> str:
+    text = str(ident or "")
+    return text[:8] + "…" if len(text) > 10 else text
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
 class Router:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, timeout_s: float = 600.0,
-                 models: list[str] | None = None) -> None:
+                 models: list[str] | None = None, api_key: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode engine URL")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
@@ -72,6 +100,11 @@ class Router:
         self._next_p = itertools.cycle(range(len(self.prefill_urls)))
         self._next_d = itertools.cycle(range(len(self.decode_urls)))
         self.timeout_s = timeout_s
+        self.api_key = api_key or None
+        self.max_body_bytes = max_body_bytes
+        self.max_in_flight = max_in_flight
+        self.active = 0
+        self._states_at = float("-inf")
         self.models = set(models or [])
         self.controls: dict[str, str] = {}  # P engine id -> its sidecar address (learned from handoffs)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
@@ -113,36 +146,86 @@ class Router:
     async def refresh_sidecar_states(self) -> None:
         from ..control.client import call_authority
 
+        if time.monotonic() - self._states_at < STATE_REFRESH_S:
+            return
+        self._states_at = time.monotonic()
         for engine, address in list(self.controls.items()):
             try:
                 self._states[engine] = await call_authority(address, "debug_state", timeout_s=2.0)
             except Exception as exc:
-                self._states[engine] = {"error": str(exc)}
+                logger.warning("could not read the state of sidecar %s: %r", address, exc)
+                self._states[engine] = {"error": "unreachable"}
 
     async def abandon(self, params: dict | None, cause: str) -> None:
+        """Give P's blocks back now (the ticket is unclaimed): with the capability P gave only
+        to the router (`abandon` in P's answer, never forwarded)."""
+
         section = (params or {}).get("kvbaton")
-        if not isinstance(section, dict):
+        if not isinstance(section, dict) or not isinstance(section.get("abandon"), str):
             return
         from ..control.client import call_authority
 
         try:
-            closed = await call_authority(section["control"], "abandon", section["ticket"], timeout_s=5.0)
+            closed = await call_authority(section["control"], "abandon", section["ticket"], section["abandon"],
+                                          timeout_s=5.0)
             self.abandons.labels(cause if closed else cause + "_already_claimed").inc()
         except Exception as exc:
             self.abandons.labels(cause + "_unreachable").inc()
-            logger.warning("could not abandon ticket %s on %s: %r", section.get("ticket"), section.get("control"), exc)
+            logger.warning("could not abandon ticket %s on %s: %r", _short(section.get("ticket")),
+                           section.get("control"), exc)
+
+    def authorized(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        # Constant time over the key's bytes whatever the client sent.
+        return hmac.compare_digest(token.strip().encode(), self.api_key.encode()) and scheme.lower() == "bearer"
+
+    async def read_body(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise BadRequest(400, "the Content-Length header is not a number")
+            if int(declared) > self.max_body_bytes:
+                raise BadRequest(413, f"the request body is larger than {self.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise BadRequest(413, f"the request body is larger than {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
+            raise BadRequest(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest(400, "the request body must be a JSON object")
+        if not isinstance(body.get("model", ""), (str, type(None))):
+            raise BadRequest(400, "'model' must be a string")
+        return body
 
     # -- the request path ------------------------------------------------------------------------
 
     async def handle(self, request: Request, endpoint: str) -> Response:
+        if self.active >= self.max_in_flight:
+            self.requests.labels(endpoint, "too_many_in_flight").inc()
+            return openai_error(429, "too many requests in flight; retry later", kind="rate_limit_error")
+        self.active += 1
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            self.requests.labels(endpoint, "bad_request").inc()
-            return openai_error(400, "the request body is not valid JSON")
-        if not isinstance(body, dict):
-            self.requests.labels(endpoint, "bad_request").inc()
-            return openai_error(400, "the request body must be a JSON object")
+            return await self._handle(request, endpoint)
+        finally:
+            self.active -= 1
+
+    async def _handle(self, request: Request, endpoint: str) -> Response:
+        try:
+            body = await self.read_body(request)
+        except BadRequest as exc:
+            self.requests.labels(endpoint, "too_large" if exc.status == 413 else "bad_request").inc()
+            return openai_error(exc.status, exc.message)
+        # Handoff parameters and request ids are the router's to set, never the client's.
+        body.pop("kv_transfer_params", None)
+        body.pop("request_id", None)
         await self.refresh_models()
         model = body.get("model")
         if self.models and model not in self.models:
@@ -167,23 +250,32 @@ class Router:
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
         p_body.pop("stream_options", None)
-        p_body["request_id"] = body.get("request_id") or f"kvb-{uuid.uuid4().hex}"
+        p_body["request_id"] = f"kvb-{uuid.uuid4().hex}"
         try:
             p_reply = await self.client.post(f"{p_url}{endpoint}", json=p_body)
         except httpx.HTTPError as exc:
             self.requests.labels(endpoint, "prefill_unreachable").inc()
-            return openai_error(502, f"prefill engine {p_url} failed: {exc}", kind="upstream_error")
+            logger.warning("prefill engine %s failed: %r", p_url, exc)
+            return openai_error(502, "the prefill engine is unreachable", kind="upstream_error")
         if p_reply.status_code != 200:
             self.requests.labels(endpoint, f"prefill_{p_reply.status_code}").inc()
-            return Response(p_reply.content, status_code=p_reply.status_code, media_type="application/json")
+            return upstream_error(p_reply.status_code, p_reply.content, "prefill", p_url)
         self.prefill_time.observe(time.perf_counter() - started)
-        params = p_reply.json().get("kv_transfer_params")
+        try:
+            params = p_reply.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            params = None
         section = (params or {}).get("kvbaton")
         if isinstance(section, dict) and section.get("engine") and section.get("control"):
-            self.controls[section["engine"]] = section["control"]
+            self.controls[str(section["engine"])] = str(section["control"])
         d_body = dict(body)
         if params:
-            d_body["kv_transfer_params"] = params
+            forwarded = dict(params)
+            if isinstance(section, dict):  # the abandon capability stays with the router
+                forwarded["kvbaton"] = {k: v for k, v in section.items() if k != "abandon"}
+            d_body["kv_transfer_params"] = forwarded
         if await request.is_disconnected():
             await self.abandon(params, "client_gone")
             self.requests.labels(endpoint, "client_gone").inc()
@@ -203,13 +295,13 @@ class Router:
                 if attempt == len(self.decode_urls) - 1:
                     await self.abandon(params, "decode_failed")
                     self.requests.labels(endpoint, "decode_unreachable").inc()
-                    return openai_error(502, f"decode engines failed: {exc}", kind="upstream_error")
+                    return openai_error(502, "the decode engines are unreachable", kind="upstream_error")
         self.ttft.observe(time.perf_counter() - started)
         if d_reply.status_code != 200:
             await self.abandon(params, "decode_failed")
             self.requests.labels(endpoint, f"decode_{d_reply.status_code}").inc()
-        else:
-            self.requests.labels(endpoint, "ok").inc()
+            return upstream_error(d_reply.status_code, d_reply.content, "decode", url)
+        self.requests.labels(endpoint, "ok").inc()
         return Response(d_reply.content, status_code=d_reply.status_code, media_type="application/json")
 
     def _decode_order(self, first: str) -> list[str]:
@@ -229,7 +321,8 @@ class Router:
                             outcome = f"decode_{reply.status_code}"
                             await self.abandon(params, "decode_failed")
                             payload = await reply.aread()
-                            yield b"data: " + payload + b"\n\n"
+                            error = upstream_error(reply.status_code, payload, "decode", url)
+                            yield b"data: " + error.body + b"\n\n"
                             return
                         async for chunk in reply.aiter_bytes():
                             if not sent:
@@ -243,7 +336,8 @@ class Router:
                         continue
                     outcome = "decode_unreachable"
                     await self.abandon(params, "decode_failed")
-                    error = {"error": {"message": f"decode engine {url} failed: {exc!r}", "type": "upstream_error"}}
+                    logger.warning("decode engine %s failed mid-stream: %r", url, exc)
+                    error = {"error": {"message": "the decode engine failed", "type": "upstream_error"}}
                     yield f"data: {json.dumps(error)}\n\n".encode()
                     return
         except (asyncio.CancelledError, GeneratorExit):
@@ -267,9 +361,12 @@ class Router:
 
         urls = self.prefill_urls + self.decode_urls
         results = await asyncio.gather(*(probe(u) for u in urls))
-        status = {u: ok for u, ok in zip(urls, results)}
-        healthy = any(results[: len(self.prefill_urls)]) and any(results[len(self.prefill_urls):])
-        return JSONResponse(status_code=200 if healthy else 503, content={"healthy": healthy, "engines": status})
+        n_p = len(self.prefill_urls)
+        healthy = any(results[:n_p]) and any(results[n_p:])
+        # Counts only: engine addresses are internal (unauthenticated route).
+        return JSONResponse(status_code=200 if healthy else 503, content={
+            "healthy": healthy, "prefill": {"up": sum(results[:n_p]), "engines": n_p},
+            "decode": {"up": sum(results[n_p:]), "engines": len(results) - n_p}})
 
     async def list_models(self) -> Response:
         await self.refresh_models()
@@ -284,13 +381,40 @@ class Router:
         await self.client.aclose()
 
 
+def upstream_error(status: int, content: bytes, role: str, url: str) -> JSONResponse:
+    """An engine's error, told to the client without the engine's address or internals: a 4xx
+    keeps the engine's message when it is an OpenAI-shaped error (it is about the request, e.g. a
+    prompt too long); anything else becomes a generic upstream error (details in the log)."""
+
+    message = ""
+    if 400 <= status < 500:
+        try:
+            error = json.loads(content).get("error")
+            message = error.get("message", "") if isinstance(error, dict) else ""
+        except (ValueError, AttributeError, RecursionError):
+            message = ""
+    if message and isinstance(message, str):
+        return openai_error(status, message[:2000])
+    logger.warning("%s engine %s answered %d: %.300r", role, url, status, content)
+    return openai_error(502 if status >= 500 else status, f"the {role} engine could not serve the request",
+                        kind="upstream_error")
+
+
 def build_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await router.close()
 
-    app = FastAPI(title="kvbaton router", lifespan=lifespan)
+    app = FastAPI(title="kvbaton router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if request.url.path != "/health" and not router.authorized(request):
+            router.requests.labels("any", "unauthorized").inc()
+            return openai_error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                kind="invalid_request_error", code="invalid_api_key")
+        return await call_next(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -94,6 +94,8 @@ class Deployment:
 
     def _command(self, spec: EngineSpec) -> tuple[list[str], dict]:
         extra = {"event_log_dir": str(self.event_log_dir), "control_port": spec.control_port, **spec.extra_config}
+        if getattr(self, "secret_file", ""):
+            extra["secret_file"] = self.secret_file
         kv_config = {**CONNECTOR, "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
                      "kv_connector_extra_config": extra}
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -212,12 +214,16 @@ def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, pr
     return specs
 
 
-async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio.Event) -> None:
+async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio.Event, *,
+                     api_key: str | None = None, max_body_bytes: int | None = None,
+                     max_in_flight: int | None = None) -> None:
     import uvicorn
 
-    from .app import Router, build_app
+    from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, Router, build_app
 
-    router = Router(deployment.prefill_urls, deployment.decode_urls, models=[deployment.served_model_name])
+    router = Router(deployment.prefill_urls, deployment.decode_urls, models=[deployment.served_model_name],
+                    api_key=api_key, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                    max_in_flight=max_in_flight or DEFAULT_MAX_IN_FLIGHT)
     config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we own the signals
@@ -247,6 +253,14 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--engine-port-base", type=int, default=8100)
     parser.add_argument("--log-dir", default="runs/serve")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra argument for every engine")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: $KVBATON_API_KEY; none: open)")
+    parser.add_argument("--secret-file", default=None,
+                        help="the deployment secret that authenticates control frames (default: "
+                             "$KVBATON_SECRET, else this user's per-host secret)")
+    parser.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (413 above)")
+    parser.add_argument("--max-in-flight", type=int, default=None, help="requests in flight (429 above)")
 
 
 def deployment_from_args(args) -> Deployment:
@@ -273,11 +287,23 @@ def deployment_from_args(args) -> Deployment:
 
 
 def run_serve(args) -> int:
-    deployment = deployment_from_args(args)
-    stop = asyncio.Event()
+    from ..control.guard import SecretError, ensure_frame_key
 
     def progress(text: str) -> None:
         print(f"kvbaton serve: {text}", flush=True)
+
+    api_key = args.api_key or os.environ.get("KVBATON_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        progress(f"warning: the router listens on {args.host} without an API key (--api-key or "
+                 f"KVBATON_API_KEY): anyone who reaches it can use it")
+    try:
+        ensure_frame_key(args.secret_file or "")
+    except SecretError as exc:
+        progress(str(exc))
+        return 2
+    deployment = deployment_from_args(args)
+    deployment.secret_file = os.path.abspath(args.secret_file) if args.secret_file else ""
+    stop = asyncio.Event()
 
     try:
         deployment.start(progress)
@@ -295,7 +321,8 @@ def run_serve(args) -> int:
             loop.add_signal_handler(sig, stop.set)
         progress(f"router at http://{args.host}:{args.port}/v1 (model {deployment.served_model_name}); "
                  f"metrics at /metrics; Ctrl-C stops everything")
-        await run_router(deployment, args.host, args.port, stop)
+        await run_router(deployment, args.host, args.port, stop, api_key=api_key,
+                         max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight)
 
     try:
         asyncio.run(main())

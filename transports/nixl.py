@@ -354,6 +354,9 @@ class NixlTransport:
         except msgspec.DecodeError as error:
             raise ValueError(f"peer {peer_id!r}: metadata is not NixlTransport metadata "
                              f"({error})") from error
+        if peer_metadata.engine_id != peer_id:
+            raise ValueError(f"peer {peer_id!r}: metadata names engine {peer_metadata.engine_id!r}; "
+                             f"an engine's metadata must name the engine it claims to be")
         if peer_metadata.protocol != _METADATA_PROTOCOL:
             raise ValueError(f"peer {peer_id!r} speaks metadata protocol "
                              f"{peer_metadata.protocol}, we speak {_METADATA_PROTOCOL}")

@@ -23,8 +23,10 @@ catches, logs, and answers "recompute locally".
 
 from __future__ import annotations
 
+import array
 import collections
 import hashlib
+import ipaddress
 import itertools
 import logging
 import math
@@ -42,11 +44,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...control import messages as m
+from ...control import peer as pc
 from ...control.client import Link, SidecarHandle, free_port, ipc_dir_for
 from ...control.config import SidecarConfig
+from ...control.guard import capability_digest, mint_capability, resolve_secret
 from ...transports.layout import CROSS_LAYERS_NAME
 from .history import HistoryPlan, history_plan
-from .settings import Settings, parse_settings
+from .settings import Settings, parse_peer_networks, parse_settings
 from .worker_io import WorkerIo
 
 # Under vLLM's logger tree, so connector lines appear in the engine's log with vLLM's format.
@@ -72,9 +76,7 @@ class KvbatonMetadata(KVConnectorMetadata):
 class Handoff:
     ticket: str
     control: str
-    source_engine: str
-    remote_blocks: tuple[int, ...]
-    num_tokens: int
+    num_tokens: int  # what this request asks for; P's grant must name the same
     epoch: int
     hit: bool | None = None  # None until P answers the claim
     local_computed: int = 0
@@ -102,29 +104,90 @@ class Restore:
     blocks: int = 0  # restorable blocks, once answered
 
 
-def parse_handoff(params: dict, expected_layout: str, block_size: int) -> tuple[dict, int]:
-    """Validate the `kvbaton` section P put in kv_transfer_params; raise HandoffError naming the flaw."""
+# Bounds on what a request's handoff section may carry (it comes from a client, through P's
+# response or not): anything past them recomputes within the step.
+MAX_HANDOFF_TOKENS = 1 << 24
+MAX_BLOCK_ID = (1 << 31) - 1
+MAX_HINT_BLOCKS = 1 << 20
+
+
+def parse_handoff(params: dict, expected_layout: str, block_size: int, trusted) -> tuple[dict, int]:
+    """Validate the `kvbaton` section P put in kv_transfer_params; raise HandoffError naming the
+    flaw. Only the ticket, P's control address (which must be trusted: `peer_networks`), the
+    token count and the layout are used; what to read comes from P's grant. `remote_block_ids`
+    and `engine` are hints: checked for sanity, never used."""
 
     section = params.get("kvbaton")
     if not isinstance(section, dict):
         raise HandoffError("kv_transfer_params has no 'kvbaton' section (not a kvbaton handoff)")
-    for key, kind in (("ticket", str), ("control", str), ("engine", str), ("num_tokens", int),
-                      ("layout", str)):
+    for key, kind in (("ticket", str), ("control", str), ("num_tokens", int), ("layout", str)):
         if not isinstance(section.get(key), kind) or isinstance(section.get(key), bool):
             raise HandoffError(f"kvbaton handoff field {key!r} is missing or not a {kind.__name__}")
+    ticket = section["ticket"]
+    if not 0 < len(ticket) <= pc.MAX_ID or not all(c.isalnum() or c in "._:/@+=-" for c in ticket):
+        raise HandoffError("kvbaton handoff 'ticket' is not a ticket id")
+    keepalive = section.get("keepalive", "")
+    if not isinstance(keepalive, str) or len(keepalive) > 64:
+        raise HandoffError("kvbaton handoff 'keepalive' is not a capability")
+    if len(section["layout"]) > 64:
+        raise HandoffError("kvbaton handoff 'layout' is not a layout fingerprint")
+    check_control(section["control"], trusted)
     blocks = params.get("remote_block_ids")
-    if isinstance(blocks, list) and len(blocks) == 1 and isinstance(blocks[0], list):
-        blocks = blocks[0]  # per-group form
-    if not isinstance(blocks, list) or not all(isinstance(b, int) and b >= 0 for b in blocks):
-        raise HandoffError("kvbaton handoff 'remote_block_ids' is not a list of block ids")
+    if blocks is not None:  # a hint: vLLM-NixlConnector-shaped proxies pass it along
+        if isinstance(blocks, list) and len(blocks) == 1 and isinstance(blocks[0], list):
+            blocks = blocks[0]  # per-group form
+        if (not isinstance(blocks, list) or len(blocks) > MAX_HINT_BLOCKS
+                or not all(type(b) is int and 0 <= b <= MAX_BLOCK_ID for b in blocks)):
+            raise HandoffError("kvbaton handoff 'remote_block_ids' is not a list of block ids")
     if section["layout"] != expected_layout:
         raise HandoffError(f"layout fingerprint {section['layout']!r} does not match this engine's "
                            f"{expected_layout!r} (different model, dtype or block size)")
-    need = math.ceil(section["num_tokens"] / block_size)
-    if section["num_tokens"] <= 0 or len(blocks) < need:
-        raise HandoffError(f"kvbaton handoff covers {section['num_tokens']} tokens but carries "
-                           f"{len(blocks)} blocks of {block_size}")
-    return section, need
+    if not 0 < section["num_tokens"] <= MAX_HANDOFF_TOKENS:
+        raise HandoffError(f"kvbaton handoff covers {section['num_tokens']} tokens (1 to "
+                           f"{MAX_HANDOFF_TOKENS} allowed)")
+    return section, math.ceil(section["num_tokens"] / block_size)
+
+
+def check_control(control: str, trusted) -> None:
+    """A P control address this engine may contact: `host:port` with the host in `trusted`
+    (peer_networks: CIDR networks, exact names); HandoffError otherwise."""
+
+    networks, names = trusted
+    host, sep, port = control.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or len(control) > 260 or not port.isdigit() or not 0 < int(port) < 65536:
+        raise HandoffError(f"kvbaton handoff 'control' {control[:80]!r} is not host:port")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        if host.lower() not in names:
+            raise HandoffError(f"kvbaton handoff names control host {host[:80]!r}, which is not in "
+                               f"peer_networks") from None
+        return
+    if not any(address in net for net in networks):
+        raise HandoffError(f"kvbaton handoff names control address {host!r}, which is not in "
+                           f"peer_networks")
+
+
+def prompt_digest(request, num_tokens: int) -> str:
+    """What a handoff's blocks hold, as both sides can name it: the prompt's first `num_tokens`
+    tokens and what else makes vLLM's block hashes (cache salt, LoRA, multimodal inputs). P puts
+    it in the ticket; D compares it with its own request before reading anything."""
+
+    digest = hashlib.blake2b(digest_size=16, person=b"kvbaton-prompt")
+    tokens = list((request.prompt_token_ids or ())[:num_tokens])
+    digest.update(num_tokens.to_bytes(8, "little"))
+    digest.update(array.array("q", tokens).tobytes())
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        digest.update(b"\0salt\0" + str(salt).encode())
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        digest.update(b"\0lora\0" + str(getattr(lora, "lora_name", lora)).encode())
+    for feature in getattr(request, "mm_features", None) or ():
+        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None) or ""
+        digest.update(b"\0mm\0" + str(ident).encode())
+    return digest.hexdigest()
 
 
 def layout_fingerprint(vllm_config, kv_cache_config) -> str:
@@ -290,12 +353,16 @@ class SchedulerSide:
             port_chosen=not s.control_port,
             ipc_dir=conn.ipc_dir, log_path=log_path, hash_every=s.event_log_hash_every,
             heartbeat_interval_s=s.heartbeat_interval_s, call_timeout_s=s.peer_call_timeout_s,
-            parent_pid=os.getpid(),
+            parent_pid=os.getpid(), layout=conn.layout, block_size=conn.block_size,
             debug_reads_per_load=s.debug_reads_per_load,
             debug_pause_between_reads_s=s.debug_pause_between_reads_s,
             debug_hold_first_read_s=s.debug_hold_first_read_s,
         )
-        self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd())
+        # No secret, no engine: a routable control address without one refuses to start here,
+        # with a message naming the setting (SecretError).
+        secret = resolve_secret(s.secret_file, s.control_host)
+        self.trusted = parse_peer_networks(s.peer_networks)
+        self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self.sidecar_lost_logged = False
         logger.info("kvbaton: engine %s (%s), control at %s, num_blocks %d, event log %s",
                     conn.engine_id, role, self.sidecar.address, num_blocks, log_path or "off")
@@ -353,7 +420,9 @@ class SchedulerSide:
                 h = self.handoffs.get(msg.request)
                 if h is not None and h.hit is None:
                     h.hit, h.reason = msg.hit, msg.reason
-                    if not msg.hit:
+                    if msg.hit:  # P's grant decides how much is read (the sidecar checked it)
+                        h.num_tokens = min(h.num_tokens, msg.num_tokens)
+                    else:
                         logger.info("kvbaton: request %s recomputes locally: %s", msg.request, msg.reason)
             elif kind is m.RestoreReply:
                 r = self.restores.get(msg.request)
@@ -377,26 +446,24 @@ class SchedulerSide:
         if not params or not params.get("do_remote_prefill") or "kvbaton" not in params:
             return None
         if not self.usable():
-            h = Handoff("", "", "", (), 0, 0, hit=False, consumed=True, reason="sidecar down")
+            h = Handoff("", "", 0, 0, hit=False, consumed=True, reason="sidecar down")
             self.handoffs[rid] = h
             return h
         try:
-            section, _need = parse_handoff(params, self.conn.layout, self.conn.block_size)
-        except HandoffError as exc:
+            section, _need = parse_handoff(params, self.conn.layout, self.conn.block_size, self.trusted)
+            num_tokens = min(section["num_tokens"], len(request.prompt_token_ids or ()))
+            digest = prompt_digest(request, num_tokens)
+        except (HandoffError, OverflowError, TypeError, ValueError) as exc:
             logger.warning("kvbaton: request %s: %s; recomputing locally", rid, exc)
-            h = Handoff("", "", "", (), 0, 0, hit=False, consumed=True, reason=str(exc))
+            h = Handoff("", "", 0, 0, hit=False, consumed=True, reason=str(exc))
             self.handoffs[rid] = h
             return h
-        blocks = params["remote_block_ids"]
-        if blocks and isinstance(blocks[0], list):
-            blocks = blocks[0]
-        num_tokens = min(section["num_tokens"], len(request.prompt_token_ids or ()))
-        h = Handoff(section["ticket"], section["control"], section["engine"], tuple(blocks),
-                    num_tokens, next(self.epochs))
+        h = Handoff(section["ticket"], section["control"], num_tokens, next(self.epochs))
         self.handoffs[rid] = h
-        logger.debug("kvbaton: request %s claims ticket %s from %s", rid, h.ticket, h.control)
-        self.sidecar.send(m.LoadFact(rid, h.ticket, h.source_engine, h.control, h.epoch,
-                                     h.remote_blocks[: math.ceil(num_tokens / self.conn.block_size)]))
+        logger.debug("kvbaton: request %s claims ticket %s from %s", rid, pc.short(h.ticket), h.control)
+        if not self.sidecar.send(m.LoadFact(rid, h.ticket, h.control, h.epoch, num_tokens, digest,
+                                            section.get("keepalive", ""))):
+            h.ticket, h.hit, h.consumed, h.reason = "", False, True, "sidecar unreachable"
         return h
 
     def on_new_request(self, request) -> None:
@@ -423,7 +490,7 @@ class SchedulerSide:
         count = h.num_tokens - num_computed_tokens
         if count <= 0:  # the local prefix cache already has it all: give the ticket back
             h.consumed = True
-            self.sidecar.send(m.AllocatedFact(request.request_id, (), ()))
+            self.sidecar.send(m.AllocatedFact(request.request_id, 0, ()))
             return 0, False
         h.local_computed = num_computed_tokens
         return count, True
@@ -442,10 +509,10 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         bs = self.conn.block_size
         first = h.local_computed // bs  # never overwrite a local prefix-cache hit
-        last = min(math.ceil(h.num_tokens / bs), len(block_ids), len(h.remote_blocks))
+        last = min(math.ceil(h.num_tokens / bs), len(block_ids))
         dst = tuple(block_ids[first:last])
-        src = tuple(h.remote_blocks[first:last])
-        self.sidecar.send(m.AllocatedFact(request.request_id, src, dst))
+        # The sidecar reads P's granted blocks from index `first` on into `dst`.
+        self.sidecar.send(m.AllocatedFact(request.request_id, first, dst))
         if self.conn.settings.handoff_read_wait_s > 0:
             self.step_loads.append(request.request_id)
 
@@ -484,7 +551,13 @@ class SchedulerSide:
             return False, None
         ticket = uuid.uuid4().hex
         ticket_keys = self._ticket_keys(request, keys, len(blocks), num_tokens)
-        self.sidecar.send(m.TicketFact(ticket, rid, blocks, ticket_keys))
+        # Two capabilities: the router's (abandon; it strips it before forwarding to D) and D's
+        # keepalive (heartbeats while unclaimed). P keeps only their digests.
+        abandon, keepalive = mint_capability(), mint_capability()
+        if not self.sidecar.send(m.TicketFact(ticket, rid, blocks, ticket_keys, False, num_tokens,
+                                              prompt_digest(request, num_tokens),
+                                              capability_digest(abandon), capability_digest(keepalive))):
+            return False, None  # no ticket: vLLM frees the blocks now and D recomputes
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -497,6 +570,8 @@ class SchedulerSide:
                 "engine": self.conn.engine_id,
                 "num_tokens": num_tokens,
                 "layout": self.conn.layout,
+                "keepalive": keepalive,
+                "abandon": abandon,
             },
         }
 

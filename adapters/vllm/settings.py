@@ -6,6 +6,7 @@ a message that names the key (a typo must not silently fall back to a default).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Any
 
@@ -85,6 +86,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Control plane.
     control_host: str = "127.0.0.1"
     control_port: int = 0  # 0: pick a free port
+    # The deployment secret that authenticates every control frame: KVBATON_SECRET, else this
+    # file (owner-only), else (loopback control_host only) a per-user file made on first use.
+    secret_file: str = ""
+    # The P control addresses a decode engine will contact (CIDR networks or exact host names,
+    # comma-separated): a handoff naming any other address recomputes locally, with a warning.
+    peer_networks: str = "127.0.0.0/8,::1/128"
     # Event log: one file per engine; "" turns logging off.
     event_log_dir: str = "kvbaton-logs"
     event_log_hash_every: int = 1000
@@ -195,4 +202,24 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
                             f"'prepped' or 'per_read' (got {settings.nixl_descriptor_mode!r})")
     if settings.event_log_dir:
         settings.event_log_dir = os.path.abspath(settings.event_log_dir)
+    try:
+        parse_peer_networks(settings.peer_networks)
+    except ValueError as exc:
+        raise SettingsError(f"kvbaton: kv_connector_extra_config 'peer_networks': {exc}") from None
     return settings
+
+
+def parse_peer_networks(text: str) -> tuple[list, set[str]]:
+    """CIDR networks and exact host names from `peer_networks`."""
+
+    networks, names = [], set()
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            if not all(c.isalnum() or c in "-." for c in item):
+                raise ValueError(f"{item!r} is neither a network (10.0.0.0/8) nor a host name") from None
+            names.add(item.lower())
+    return networks, names

@@ -11,9 +11,13 @@ from kvbaton.control.sidecar import Authority
 from kvbaton.core.ledger import LedgerConfig
 
 
+LAYOUT = "layout0"
+BLOCK_SIZE = 16
+
+
 def listed_authority(tmp_path, engine_id: str, role: str, ledger: LedgerConfig | None = None) -> Authority:
     cfg = SidecarConfig(engine_id=engine_id, role=role, ledger=ledger or LedgerConfig(), address="127.0.0.1:1",
-                        ipc_dir=str(tmp_path / "ipc"))
+                        ipc_dir=str(tmp_path / "ipc"), layout=LAYOUT, block_size=BLOCK_SIZE)
     authority = Authority(msgspec.json.encode(cfg))
     authority.sent = []
     authority.to_worker, authority.to_scheduler, authority.to_history = "worker", "scheduler", "history"

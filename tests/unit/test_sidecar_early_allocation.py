@@ -11,10 +11,14 @@ from __future__ import annotations
 import pytest
 
 from kvbaton.control import messages as m
+from kvbaton.control import peer as pc
 from kvbaton.core import events as ev
 from kvbaton.core.ledger import LedgerConfig
 
-from .authority_harness import listed_authority
+from .authority_harness import LAYOUT, listed_authority
+
+DIGEST = "d" * 32
+GRANT = pc.ClaimAnswer(True, "", "P", LAYOUT, (5, 6), 32, DIGEST)
 
 
 @pytest.fixture
@@ -27,11 +31,11 @@ def to_worker(a) -> list[tuple[str, tuple]]:
 
 
 def requested(a):
-    a._on_message(m.LoadFact("r1", "t1", "P", "127.0.0.1:2", 1, (5, 6)))
+    a._on_message(m.LoadFact("r1", "t1", "127.0.0.1:2", 1, 32, DIGEST))
 
 
 def allocated(a, dst):
-    a._on_message(m.AllocatedFact("r1", (5, 6)[:len(dst)], dst))
+    a._on_message(m.AllocatedFact("r1", 0, dst))
 
 
 def refused(a):
@@ -97,15 +101,15 @@ def test_a_grant_for_a_pruned_load_is_undone_at_p(tmp_path):
     spawned, calls = [], []
     a._spawn = spawned.append  # this test runs the peer calls itself
 
-    async def fake_call(address, method, *args):
-        calls.append((method, args))
-        return (True, "")
+    async def fake_call(address, call):
+        calls.append(call)
+        return pc.Answer(True)
 
-    async def fake_try_call(address, method, *args):
-        return "ok", (True, "")
+    async def fake_try_call(address, call):
+        return "ok", GRANT if type(call) is pc.Claim else pc.Answer(True)
 
     a._call, a._try_call = fake_call, fake_try_call
-    a._on_message(m.LoadFact("r1", "t1", "P", "127.0.0.1:2", 1, (5, 6)))
+    a._on_message(m.LoadFact("r1", "t1", "127.0.0.1:2", 1, 32, DIGEST))
     for coro in spawned:  # the claim it started: not needed here
         coro.close()
     spawned.clear()
@@ -119,7 +123,7 @@ def test_a_grant_for_a_pruned_load_is_undone_at_p(tmp_path):
             await spawned.pop(0)
 
     asyncio.run(run(a._read_start(fx.SendReadStart("r1", "t1", "127.0.0.1:2", 1, "r1/0"))))
-    assert ("read_end", ("t1", "r1/0", False, True, "D", 1)) in calls
+    assert pc.ReadEnd("t1", "D", 1, "r1/0", False, True) in calls
     calls.clear()
     asyncio.run(run(a._claim(fx.SendClaim("r1", "t1", "127.0.0.1:2", 1))))
-    assert ("release", ("t1", "D", 1)) in calls
+    assert pc.Release("t1", "D", 1) in calls

@@ -634,8 +634,8 @@ def test_nixl_small_first_read_from_an_idle_target_completes():
         caches = nixl_caches(NIXL_NUM_BLOCKS)
         decode = T.NixlTransport("D-idle", descriptor_mode="per_read")
         decode.register(KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE), caches)
-        decode.add_peer("P", parent_end.recv())
-        decode.start_read("small", "P", [0], [0], notify=None)
+        decode.add_peer("idle-P", parent_end.recv())
+        decode.start_read("small", "idle-P", [0], [0], notify=None)
         result = decode.wait("small", 10.0)
         assert result.ok, result.error
         assert bool((next(iter(caches.values()))[0] == 1.0).all())

@@ -1,0 +1,234 @@
+"""Who may talk to a sidecar: the deployment secret, authenticated frames, and the pool's gate.
+
+* **The secret.** `KVBATON_SECRET`, else the setting `secret_file` (a file readable by its owner
+  only), else, for engines whose control address is loopback, a per-user secret file created
+  0600 on first use (`~/.kvbaton/secret`), so engines of one user on one host are authenticated
+  with no configuration. A routable control address without an explicit secret refuses to start.
+* **Authenticated frames.** xoscar signs every frame with HMAC-SHA256 under `XOSCAR_AUTH_KEY` and
+  verifies the whole frame before it unpickles anything; a frame without the key, or signed with
+  another, is dropped with its connection. `install_frame_key` derives that key from the secret
+  (so the secret itself never sits in a process environment), `watch_refused_frames` counts the
+  drops (xoscar reports them only to its debug log).
+* **The pool's gate.** Even an authenticated peer may only look the authority up and call it:
+  `guard_pool` refuses every other pool message (create or destroy actors, stop the pool, ...)
+  from anything but the sidecar's own process, and records the peer's address for the refusal
+  log of the authority's `call`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import ipaddress
+import logging
+import os
+import secrets
+import stat
+import time
+
+logger = logging.getLogger("kvbaton.guard")
+
+SECRET_ENV = "KVBATON_SECRET"
+FRAME_KEY_ENV = "XOSCAR_AUTH_KEY"
+MIN_SECRET_CHARS = 16
+DEFAULT_SECRET_PATH = os.path.join("~", ".kvbaton", "secret")
+
+# The address of the peer whose call the authority is answering (set by guard_pool).
+peer_address: contextvars.ContextVar[str] = contextvars.ContextVar("kvbaton_peer", default="?")
+
+
+class SecretError(ValueError):
+    """No usable deployment secret; the message names the setting to change."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_private(path: str) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise SecretError(f"secret file {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid():
+            raise SecretError(f"secret file {path} belongs to uid {info.st_uid}, not to this user "
+                              f"({os.getuid()})")
+        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise SecretError(f"secret file {path} is readable by others (mode "
+                              f"{stat.S_IMODE(info.st_mode):o}); chmod 600 it")
+        secret = os.read(fd, 4096).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    if len(secret) < MIN_SECRET_CHARS:
+        raise SecretError(f"secret file {path} holds {len(secret)} characters; at least "
+                          f"{MIN_SECRET_CHARS} are needed (e.g. `openssl rand -hex 32`)")
+    return secret
+
+
+def default_secret(path: str | None = None) -> str:
+    """This user's secret on this host, created 0600 (in a 0700 directory) on first use."""
+
+    path = os.path.expanduser(path or DEFAULT_SECRET_PATH)
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    info = os.stat(folder)
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SecretError(f"secret folder {folder} belongs to another user or is writable by others")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass  # another engine made it first (or earlier): use theirs
+    else:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32) + "\n")
+    for _ in range(50):  # a racing creator may not have written it yet
+        try:
+            return _read_private(path)
+        except SecretError:
+            if os.path.getsize(path) >= MIN_SECRET_CHARS:
+                raise
+            time.sleep(0.01)
+    return _read_private(path)
+
+
+def resolve_secret(secret_file: str = "", control_host: str = "127.0.0.1") -> str:
+    """The deployment secret, by precedence; SecretError names what to set."""
+
+    secret = os.environ.get(SECRET_ENV, "")
+    if secret:
+        if len(secret) < MIN_SECRET_CHARS:
+            raise SecretError(f"{SECRET_ENV} holds {len(secret)} characters; at least "
+                              f"{MIN_SECRET_CHARS} are needed (e.g. `openssl rand -hex 32`)")
+        return secret
+    if secret_file:
+        return _read_private(os.path.expanduser(secret_file))
+    if not is_loopback(control_host):
+        raise SecretError(f"control_host {control_host!r} is reachable from other hosts, and no "
+                          f"deployment secret is set: set {SECRET_ENV} or the setting 'secret_file' "
+                          f"(the same secret on every engine and on the router)")
+    return default_secret()
+
+
+def frame_key(secret: str) -> str:
+    return hashlib.blake2b(secret.encode(), key=b"kvbaton-frames-v1", digest_size=32).hexdigest()
+
+
+def install_frame_key(secret: str) -> None:
+    """Turn on xoscar's frame authentication for this process, under the secret's key."""
+
+    os.environ[FRAME_KEY_ENV] = frame_key(secret)
+
+
+def ensure_frame_key(secret_file: str = "") -> None:
+    """For tools and the router: authenticate this process's frames under the deployment secret
+    (KVBATON_SECRET, `secret_file`, else this user's per-host secret) unless a key is set."""
+
+    if not os.environ.get(FRAME_KEY_ENV):
+        install_frame_key(resolve_secret(secret_file, "127.0.0.1"))
+
+
+def capability_digest(capability: str) -> str:
+    """What P keeps (and logs) of a capability it minted: never the capability itself."""
+
+    return hashlib.blake2b(capability.encode(), key=b"kvbaton-capability-v1", digest_size=16).hexdigest()
+
+
+def mint_capability() -> str:
+    return secrets.token_hex(16)
+
+
+class RateLimitedLog:
+    """At most `burst` lines per `window_s` per reason; the rest are summed into the next line."""
+
+    def __init__(self, log: logging.Logger, burst: int = 5, window_s: float = 10.0) -> None:
+        self.log, self.burst, self.window_s = log, burst, window_s
+        self._windows: dict[str, list] = {}
+
+    def warning(self, reason: str, message: str, *args) -> None:
+        now = time.monotonic()
+        window = self._windows.get(reason)
+        if window is None or now - window[0] > self.window_s:
+            suppressed = window[2] if window else 0
+            window = self._windows[reason] = [now, 0, 0]
+            if suppressed:
+                message += f" ({suppressed} more like it suppressed)"
+        window[1] += 1
+        if window[1] > self.burst:
+            window[2] += 1
+            return
+        self.log.warning(message, *args)
+
+
+# xoscar's words for a frame it dropped because it was not signed with our key.
+_UNAUTHENTICATED_MARKS = ("unauthenticated frame", "authentication failed",
+                          "authenticated frame but XOSCAR_AUTH_KEY")
+_MALFORMED_MARKS = ("malformed", "truncated frame")
+
+
+class _RefusedFrames(logging.Filter):
+    def __init__(self, on_refused) -> None:
+        super().__init__()
+        self.on_refused = on_refused
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno <= logging.DEBUG:
+            text = record.getMessage()
+            if "close connection due to" in text:
+                if any(mark in text for mark in _UNAUTHENTICATED_MARKS):
+                    self.on_refused("unauthenticated", text)
+                elif any(mark in text for mark in _MALFORMED_MARKS):
+                    self.on_refused("malformed_frame", text)
+            return False  # xoscar's debug lines stay out of the sidecar's log
+        return True
+
+
+def watch_refused_frames(on_refused) -> None:
+    """Call `on_refused(reason, text)` for each connection xoscar drops for a bad frame."""
+
+    pool_logger = logging.getLogger("xoscar.backends.pool")
+    pool_logger.setLevel(logging.DEBUG)
+    pool_logger.addFilter(_RefusedFrames(on_refused))
+
+
+def guard_pool(pool, authority_uid: str, on_refused) -> None:
+    """Let remote channels only look up and call the authority; everything else from them is
+    refused with an error answer (`on_refused(reason, peer)`). In-process messages (the sidecar
+    creating its own actor, stopping its own pool) pass."""
+
+    from xoscar.backends.communication.dummy import DummyChannel
+    from xoscar.backends.message import MessageType
+
+    allowed = {MessageType.actor_ref, MessageType.has_actor, MessageType.send, MessageType.cancel}
+    uid = authority_uid.encode()
+    original = pool.process_message
+
+    def _uid_of(message) -> bytes | None:
+        ref = getattr(message, "actor_ref", None)
+        value = getattr(ref, "uid", None)
+        return value.encode() if isinstance(value, str) else value
+
+    async def process_message(message, channel):
+        if isinstance(channel, DummyChannel):
+            return await original(message, channel)
+        address = str(getattr(channel, "dest_address", None) or "?")
+        kind = getattr(message, "message_type", None)
+        if kind not in allowed or (kind in (MessageType.send, MessageType.actor_ref,
+                                            MessageType.has_actor) and _uid_of(message) != uid):
+            on_refused("pool_message", address)
+            from xoscar.backends.pool import _ErrorProcessor
+
+            with _ErrorProcessor(pool.external_address, message.message_id, message.protocol) as err:
+                raise PermissionError("kvbaton sidecars answer only their protocol's calls")
+            await pool._send_channel(err.result, channel)
+            return
+        peer_address.set(address)
+        return await original(message, channel)
+
+    pool.process_message = process_message

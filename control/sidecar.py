@@ -836,7 +836,7 @@ class Authority(xo.Actor):
         counters = dict(self.ledger.counters)
         refused = self.refused + FRAME_REFUSALS
         counters.update({f"peers.refused.{reason}": n for reason, n in refused.items()})
-        return {"open": self.ledger.open_counts(), "counters": counters,
+        return {"open": self.ledger.open_counts(), "counters": counters, "state_hash": self.ledger.state_hash(),
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
                 "transfer": dict(self.transfer), "history": self._history_state()}

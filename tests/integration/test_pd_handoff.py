@@ -182,14 +182,15 @@ def test_router_abandons_after_p_answered(pd):
     prompt = tiny_prompt(150, seed=14)
     params = prefill(pd, prompt)
     section = params["kvbaton"]
-    assert call_authority_sync(section["control"], "abandon", section["ticket"]) is True
+    assert call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"]) is True
     before = counters(pd.d)
     assert decode(pd, prompt, params) == reference(pd, prompt)
     assert delta(before, counters(pd.d), "loads.missed") == 1
     assert_nothing_held(pd)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "wrong_layout", "unknown_ticket", "no_blocks", "bad_control"])
+@pytest.mark.parametrize("damage", ["garbage", "wrong_layout", "unknown_ticket", "huge_block_id", "bad_control",
+                                    "untrusted_control", "absurd_token_count", "megabyte_ticket"])
 def test_malformed_or_stale_params_recompute_locally(pd, damage):
     prompt = tiny_prompt(120, seed=15)
     params = prefill(pd, prompt)
@@ -200,13 +201,19 @@ def test_malformed_or_stale_params_recompute_locally(pd, damage):
         bad["kvbaton"]["layout"] = "0123456789abcdef"
     elif damage == "unknown_ticket":
         bad["kvbaton"]["ticket"] = uuid.uuid4().hex
-    elif damage == "no_blocks":
-        bad["remote_block_ids"] = []
+    elif damage == "huge_block_id":
+        bad["remote_block_ids"] = [2**40] + bad["remote_block_ids"][1:]
     elif damage == "bad_control":
         bad["kvbaton"]["control"] = "127.0.0.1:1"
+    elif damage == "untrusted_control":  # not in D's peer_networks: never contacted
+        bad["kvbaton"]["control"] = "198.18.7.7:4444"
+    elif damage == "absurd_token_count":
+        bad["kvbaton"]["num_tokens"] = 10**12
+    elif damage == "megabyte_ticket":
+        bad["kvbaton"]["ticket"] = "t" * (1 << 20)
     assert decode(pd, prompt, bad) == reference(pd, prompt)
     section = params["kvbaton"]
-    call_authority_sync(section["control"], "abandon", section["ticket"])  # the real ticket
+    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"])  # the real ticket
     assert_nothing_held(pd)
 
 

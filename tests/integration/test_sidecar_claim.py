@@ -23,6 +23,7 @@ pytest.importorskip("xoscar")
 from kvbaton.control import messages as m  # noqa: E402
 from kvbaton.control.client import SidecarHandle, call_authority_sync, free_port, ipc_dir_for  # noqa: E402
 from kvbaton.control.config import SidecarConfig  # noqa: E402
+from kvbaton.control.guard import resolve_secret  # noqa: E402
 from kvbaton.core import events as ev  # noqa: E402
 from kvbaton.core.ledger import SECOND_NS, LedgerConfig  # noqa: E402
 from kvbaton.core.log import read_log  # noqa: E402
@@ -36,16 +37,30 @@ OLD_BOUND_S = 3.0  # the fixed retry bound before claim_wait_ns was used
 CALL_TIMEOUT_S = 1.0  # peer call timeout of the sidecar that meets a silent peer
 
 
+LAYOUT = "layout0"
+BLOCK_SIZE = 16
+NUM_TOKENS = 32  # two blocks
+DIGEST = "d" * 32  # what both sides name the prompt's tokens (the connector computes it)
+
+
 def start_sidecar(root, name: str, role: str, claim_wait_s: float = 30.0, port: int | None = None,
-                  call_timeout_s: float = 10.0, port_chosen: bool = False):
+                  call_timeout_s: float = 10.0, port_chosen: bool = False, secret: str | None = None):
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
     address = f"127.0.0.1:{port or free_port('127.0.0.1')}"
     config = SidecarConfig(
         engine_id=engine_id, role=role, address=address, ipc_dir=ipc_dir_for(engine_id),
         ledger=LedgerConfig(claim_wait_ns=int(claim_wait_s * SECOND_NS)),
         log_path=str(root / "events" / f"{engine_id}.kvlog"), heartbeat_interval_s=1.0,
-        parent_pid=os.getpid(), call_timeout_s=call_timeout_s, port_chosen=port_chosen)
-    return SidecarHandle.start(config, str(root / "logs"))
+        parent_pid=os.getpid(), call_timeout_s=call_timeout_s, port_chosen=port_chosen,
+        layout=LAYOUT, block_size=BLOCK_SIZE)
+    return SidecarHandle.start(config, str(root / "logs"), secret or resolve_secret())
+
+
+def ticket_fact(ticket: str, request: str, blocks=(3, 4), digest: str = DIGEST, **capabilities) -> m.TicketFact:
+    """P's fact for a ticket whose blocks hold NUM_TOKENS tokens named by `digest`."""
+
+    return m.TicketFact(ticket, request, tuple(blocks), (), False, NUM_TOKENS, digest,
+                        capabilities.get("abandon_digest", ""), capabilities.get("keepalive_digest", ""))
 
 
 class SilentServer:
@@ -123,7 +138,7 @@ def wait_closed(*handles: SidecarHandle, timeout_s: float = 10.0) -> None:
 
 def load(d: SidecarHandle, p_address: str, ticket: str) -> str:
     request = f"req-{uuid.uuid4().hex[:8]}"
-    d.send(m.LoadFact(request, ticket, "P", p_address, 1, (0, 1)))
+    d.send(m.LoadFact(request, ticket, p_address, 1, NUM_TOKENS, DIGEST))
     return request
 
 
@@ -155,7 +170,7 @@ def test_claim_waits_for_a_source_sidecar_that_is_not_listening_yet(sidecars):
     assert early is None, f"D gave up while P was not listening yet: {early}"
     late_p = start_sidecar(sidecars.root, "Plate", "producer", port=port)
     try:
-        late_p.send(m.TicketFact(ticket, "p-req", (3, 4)))  # queued until P's sidecar binds
+        late_p.send(ticket_fact(ticket, "p-req"))  # queued until P's sidecar binds
         late_p.wait_ready(START_TIMEOUT_S)
         resolved, _ = wait_resolved(sidecars.d, request, LONG_WAIT_S)
         assert resolved is not None and resolved.hit, resolved
@@ -175,7 +190,7 @@ def test_claim_waits_for_a_ticket_p_has_not_seen_yet(sidecars):
     early, _ = wait_resolved(sidecars.d, request, OLD_BOUND_S + 1.0)
     assert early is None, f"D gave up on a ticket P had not seen yet: {early}"
     assert wait_claims_seen(sidecars.p, ticket, 2) >= 2  # asked, was told "unknown ticket", asked again
-    sidecars.p.send(m.TicketFact(ticket, "p-req-late", (5, 6)))
+    sidecars.p.send(ticket_fact(ticket, "p-req-late", (5, 6)))
     resolved, _ = wait_resolved(sidecars.d, request, 10.0)
     assert resolved is not None and resolved.hit, resolved
     sidecars.d.send(m.CancelFact(request, False))

@@ -176,6 +176,9 @@ class SidecarHandle:
         self.log_file = log_file
         self.backlog: list[m.Msg] = []
         self.ready = False
+        # Only the process that started the sidecar stops it: vLLM forks workers from the
+        # engine process, and a fork's exit (its inherited atexit hook) must not stop P's authority.
+        self.creator_pid = os.getpid()
         self._seen_alive_at = float("-inf")  # monotonic time of the last check that found it running
 
     # The scheduler asks `alive` for every request waiting on the sidecar, every step; the check is
@@ -264,6 +267,8 @@ class SidecarHandle:
         return False
 
     def stop(self) -> None:
+        if os.getpid() != self.creator_pid:
+            return
         if self.process.poll() is None:
             try:
                 self.link.send(m.Stop())

@@ -54,7 +54,7 @@ def _watch(handle) -> None:
 _WRAPPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sidecar_wrap.py")
 
 
-def _start(cls, config, log_dir):
+def _start(cls, config, log_dir, secret):
     popen = _client.subprocess.Popen
     new_session = _flag("KVBATON_GPU_SIDECAR_NEW_SESSION")
     wrap = os.environ.get("KVBATON_GPU_SIDECAR_WRAP", "0") == "1"
@@ -68,7 +68,7 @@ def _start(cls, config, log_dir):
 
     _client.subprocess.Popen = popen_in_new_session
     try:
-        handle = _original_start(cls, config, log_dir)
+        handle = _original_start(cls, config, log_dir, secret)
     finally:
         _client.subprocess.Popen = popen
     handle._kvb_creator = os.getpid()

@@ -365,6 +365,79 @@ def test_read_wait_with_a_load_aborted_while_its_read_is_held(pd):
     assert_nothing_held(pd)
 
 
+def test_a_real_ticket_presented_with_another_prompt_loads_nothing(pd):
+    """P is the authority on what D reads: a client that got a real ticket for its own prompt
+    and sends it to D with another prompt (hoping to read the ticket's KV as that prompt's)
+    loads nothing; the request recomputes and its output is right."""
+
+    own, other = tiny_prompt(200, seed=31), tiny_prompt(200, seed=32)
+    params = prefill(pd, own)
+    before = pd.d.call_connector("debug_state")["counters"]
+    assert decode(pd, other, params) == reference(pd, other)
+    after = pd.d.call_connector("debug_state")["counters"]
+    assert delta(before, after, "peers.refused.grant_mismatch") == 1
+    assert delta(before, after, "loads.missed") == 1 and delta(before, after, "loads.done") == 0
+    assert_nothing_held(pd)
+
+
+def test_forged_block_ids_are_only_a_hint(pd):
+    """remote_block_ids from the client point at another prompt's blocks: D reads what P granted
+    (the ticket's own blocks), so the output is this prompt's."""
+
+    victim, own = tiny_prompt(300, seed=33), tiny_prompt(300, seed=34)
+    victim_params = prefill(pd, victim)
+    params = copy.deepcopy(prefill(pd, own))
+    params["remote_block_ids"] = list(victim_params["remote_block_ids"])
+    before = counters(pd.d)
+    assert decode(pd, own, params) == reference(pd, own)
+    assert delta(before, counters(pd.d), "loads.done") == 1
+    section = victim_params["kvbaton"]
+    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"])
+    assert_nothing_held(pd)
+
+
+def test_a_keyless_pickle_to_p_runs_nothing(pd, tmp_path):
+    """What any local user (or host, with a routable control address) can send to P's control
+    port: a frame without the deployment key, carrying a pickle that would create a file."""
+
+    import os
+    import subprocess
+    import sys
+
+    from .test_peer_security import UNAUTHENTICATED_CLIENT
+
+    prompt = tiny_prompt(64, seed=35)
+    params = prefill(pd, prompt)
+    marker = tmp_path / "pwned-p"
+    env = {k: v for k, v in os.environ.items() if k not in ("XOSCAR_AUTH_KEY", "KVBATON_SECRET")}
+    out = subprocess.run([sys.executable, "-c", UNAUTHENTICATED_CLIENT, params["kvbaton"]["control"],
+                          str(marker)], env=env, capture_output=True, text=True, timeout=60)
+    assert "refused" in out.stdout, out.stdout + out.stderr
+    assert not marker.exists()
+    assert decode(pd, prompt, params) == reference(pd, prompt)  # P serves its real peers still
+    assert counters(pd.p).get("peers.refused.unauthenticated", 0) >= 1
+    assert_nothing_held(pd)
+
+
+def test_a_control_address_answering_a_pickle_runs_nothing_and_the_request_completes(pd, tmp_path):
+    from .test_peer_security import PickleListener
+
+    prompt = tiny_prompt(150, seed=36)
+    params = prefill(pd, prompt)
+    marker = tmp_path / "pwned-d"
+    listener = PickleListener(str(marker))
+    try:
+        bad = copy.deepcopy(params)
+        bad["kvbaton"]["control"] = listener.address
+        assert decode(pd, prompt, bad) == reference(pd, prompt)
+    finally:
+        listener.close()
+    assert listener.served >= 1 and not marker.exists()
+    section = params["kvbaton"]
+    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"])
+    assert_nothing_held(pd)
+
+
 def test_engine_logs_replay_without_violations(pd):
     replay_engine_logs(pd.events, engines=2)
 

@@ -817,6 +817,8 @@ class Authority(xo.Actor):
                 proof = capability_digest(entry.keepalive) if entry.keepalive else ""
                 effects = self._apply(ev.HeartbeatReceived(now, entry.ticket, request.claimer, proof))
                 refused += any(type(e) is fx.Rejected for e in effects)
+            if refused < len(request.tickets):  # it holds some ticket here: a reader still alive
+                self._heard(request.claimer, now)
             return pc.Answer(refused == 0, f"{refused} refused" if refused else "")
         if kind is pc.Abandon:
             effects = self._apply(ev.AbandonRequested(now, request.ticket,

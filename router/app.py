@@ -146,7 +146,7 @@ class Router:
     async def refresh_sidecar_states(self) -> None:
         from ..control.client import call_authority
 
-        if time.monotonic() - self._states_at < STATE_REFRESH_S:
+        if time.monotonic() - self._states_at < STATE_REFRESH_S and set(self.controls) <= set(self._states):
             return
         self._states_at = time.monotonic()
         for engine, address in list(self.controls.items()):

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 
 CONNECTOR = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
 
@@ -138,6 +137,8 @@ class Deployment:
         started = time.monotonic()
         pending = {e.url: e for e in self.engines}
         last_note = 0.0
+        import httpx  # here, not at import: `kvbaton replay` on a core-only install builds this parser
+
         with httpx.Client(timeout=2.0) as client:
             while pending:
                 for url, engine in list(pending.items()):

@@ -119,6 +119,26 @@ def test_bad_requests_get_openai_errors(stack):
     wait_no_open_tickets(router)
 
 
+def test_the_api_key_is_enforced_in_front_of_real_engines(stack):
+    deployment, _router = stack
+    keyed = RouterThread(deployment, free_port(), api_key="sk-kvbaton-test-key")
+    keyed.start()
+    try:
+        base = f"http://127.0.0.1:{keyed.port}/v1"
+        prompt = words_for(tiny_prompt(60, seed=505))
+        for key in ("test", "sk-kvbaton-test-kex"):
+            wrong = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=60)
+            with pytest.raises(openai.AuthenticationError):
+                wrong.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        assert httpx.get(f"{base}/models").status_code == 401
+        assert httpx.get(f"http://127.0.0.1:{keyed.port}/metrics").status_code == 401
+        right = openai.OpenAI(base_url=base, api_key="sk-kvbaton-test-key", max_retries=0, timeout=120)
+        text = right.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+        assert text == reference_completion(deployment, prompt, 8)
+    finally:
+        keyed.stop()
+
+
 def test_client_walking_away_mid_stream_leaves_nothing_open(stack):
     deployment, router = stack
     prompt = words_for(tiny_prompt(400, seed=504))

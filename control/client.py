@@ -78,8 +78,15 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+# Never the process-global `random`: vLLM seeds it (0 by default), so every engine on a host would
+# draw the same ports.
+_PORTS = random.SystemRandom()
+
+
 def free_port(host: str) -> int:
-    """A port free now, chosen below the kernel's ephemeral range when it can be.
+    """A port free now, chosen below the kernel's ephemeral range when it can be (for processes
+    that must be told their port before they start: `kvbaton serve`'s engines; a sidecar binds
+    its own, see SidecarConfig.address).
 
     The port is bound later by another process (the sidecar, an engine), and a port from the
     ephemeral range may be taken meanwhile by any outgoing connection on the machine (it
@@ -89,7 +96,7 @@ def free_port(host: str) -> int:
     low = _ephemeral_low()
     if low > 12000:
         for _ in range(64):
-            port = random.randrange(10000, low)
+            port = _PORTS.randrange(10000, low)
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 try:
                     sock.bind((host, port))
@@ -214,7 +221,9 @@ class SidecarHandle:
             process.stdin.close()
         except OSError:  # it died at once: wait_ready / alive report it with its log
             pass
-        handle = cls(config, process, link, config.address, log_file)
+        # No address until the sidecar says where it listens (its Ready): nothing is advertised
+        # before the bind is real.
+        handle = cls(config, process, link, "", log_file)
         atexit.register(handle.stop)
         return handle
 
@@ -228,8 +237,9 @@ class SidecarHandle:
             self.backlog.extend(self.link.wait(0.05))
             self._note_ready()
         if not self.ready:
-            raise SidecarError(f"kvbaton sidecar for engine {self.config.engine_id} is not up after "
-                               f"{timeout_s:.0f} s (exit code {self.process.poll()}); its log "
+            code = self.process.poll()
+            what = f"exited with code {code}" if code is not None else f"is not up after {timeout_s:.0f} s"
+            raise SidecarError(f"kvbaton sidecar for engine {self.config.engine_id} {what}; its log "
                                f"{self.log_file} ends:\n{_tail(self.log_file)}")
 
     def _note_ready(self) -> None:
@@ -237,16 +247,28 @@ class SidecarHandle:
         for msg in self.backlog:
             if type(msg) is m.Ready:
                 self.ready = True
-                if msg.address and msg.address != self.address:
-                    logger.warning("kvbaton: sidecar of engine %s listens at %s, not %s (that port "
-                                   "was taken)", self.config.engine_id, msg.address, self.address)
-                    self.address = msg.address
+                self.address = msg.address
+                logger.info("kvbaton: sidecar of engine %s listens at %s", self.config.engine_id, msg.address)
             else:
                 kept.append(msg)
         self.backlog = kept
 
     def send(self, msg: m.Msg) -> bool:
         return self.link.send(msg)
+
+    def bound_address(self, wait_s: float) -> str:
+        """Where the sidecar listens, waiting up to `wait_s` for it to say so; "" if it has not
+        (messages that arrive meanwhile are kept for the next drain)."""
+
+        if self.ready:
+            return self.address
+        deadline = time.monotonic() + wait_s
+        while not self.ready and self.process.poll() is None:
+            self.backlog.extend(self.link.wait(min(0.05, max(0.0, deadline - time.monotonic()))))
+            self._note_ready()
+            if time.monotonic() >= deadline:
+                break
+        return self.address if self.ready else ""
 
     def drain(self) -> list[m.Msg]:
         msgs = self.backlog + self.link.drain() if self.backlog else self.link.drain()

@@ -11,10 +11,9 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     engine_id: str
     role: str  # "producer", "consumer" or "both"
     ledger: LedgerConfig
-    address: str  # host:port of the xoscar pool
-    # The port was picked for us (not set by the operator): when another program took it before
-    # the sidecar could bind, the sidecar binds another one and says so in its Ready message.
-    port_chosen: bool = False
+    # host:port the xoscar pool binds: port 0 lets the kernel choose (the sidecar says in its
+    # Ready where it listens); an operator's port is bound as given, or the sidecar exits.
+    address: str
     ipc_dir: str
     log_path: str = ""
     hash_every: int = 1000

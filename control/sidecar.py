@@ -46,7 +46,7 @@ from ..core.ledger import Ledger, LedgerConfig
 from ..core.log import LogHeader, LogRecordError, LogWriter
 from . import messages as m
 from . import peer as pc
-from .client import bounded, free_port
+from .client import bounded
 from .config import SidecarConfig, SidecarLaunch, ipc_paths
 from .guard import (RateLimitedLog, capability_digest, guard_pool, install_frame_key, peer_address,
                     watch_refused_frames)
@@ -451,6 +451,13 @@ class Authority(xo.Actor):
                         stats[f"{name}_seconds"] = stats.get(f"{name}_seconds", 0.0) + seconds
             else:
                 stats["failed"] += 1
+                if msg.error.startswith("read timed out"):
+                    stats["timed_out"] = stats.get("timed_out", 0) + 1
+                    ctx = self.loads.get(msg.request) or {}
+                    self.refusal_log.warning("read_timed_out", "read %s of request %s from P at %s "
+                                             "(engine %s): %s; the request recomputes", msg.read,
+                                             msg.request, ctx.get("source", "?"), ctx.get("engine", "?"),
+                                             msg.error)
             self._apply(ev.LoadReadFinished(now, msg.request, msg.read, msg.ok))
         elif kind is m.Stop:
             self._spawn(self._stop_and_exit())
@@ -909,16 +916,13 @@ def _alive(pid: int) -> bool:
 
 
 async def _create_pool(cfg: SidecarConfig):
-    address = cfg.address
-    for attempt in range(8):
-        try:
-            return await xo.create_actor_pool(address, n_process=0)
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE or not cfg.port_chosen or attempt == 7:
-                raise
-            host = address.rsplit(":", 1)[0]
-            taken, address = address, f"{host}:{free_port(host)}"
-            logger.warning("control address %s is taken: listening at %s instead", taken, address)
+    try:
+        return await xo.create_actor_pool(cfg.address, n_process=0)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(f"kvbaton sidecar: control address {cfg.address} is already in use "
+                             f"(control_port: another program, or another engine, holds it)") from None
+        raise
 
 
 # Connections and messages the pool refused before the authority saw them (frames without our

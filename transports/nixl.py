@@ -200,6 +200,12 @@ class _ReadJob:
     started: float
 
 
+# The slowest rate a read may move at before its bound (read_timeout_s) counts it stalled: well
+# under any TCP link between hosts, so the bound only catches reads that stopped moving.
+READ_FLOOR_BYTES_PER_S = 100e6
+READ_TIMED_OUT = "read timed out"
+
+
 @dataclass
 class _InFlight:
     read_id: str
@@ -216,6 +222,10 @@ class _InFlight:
     # perf_counter of the last progress check that still saw the read in flight (0: none did).
     # NIXL saw the read end between it and the check that saw it done.
     seen_busy: float = 0.0
+    # perf_counter after which the read is cancelled (see read_timeout_s); how long that was.
+    deadline: float = float("inf")
+    bound_s: float = 0.0
+    cancel_refused: bool = False  # NIXL would not cancel it yet: tried again at each progress
 
 
 class NixlTransport:
@@ -224,7 +234,9 @@ class NixlTransport:
     def __init__(self, engine_id: str, *, backends: Sequence[str] = ("UCX",),
                  descriptor_mode: str = "auto", dram_hugepages: bool = True,
                  post_in_thread: bool = True, progress_interval_s: float | None = 0.02,
-                 landing_bytes: int = 0, landing_min_runs_saved: int = 2) -> None:
+                 landing_bytes: int = 0, landing_min_runs_saved: int = 2,
+                 read_timeout_s: float | None = None,
+                 read_floor_bytes_per_s: float = READ_FLOOR_BYTES_PER_S) -> None:
         """
         Args:
             engine_id: this engine's id as peers know it; names the agent and signs notifications.
@@ -258,6 +270,11 @@ class NixlTransport:
             landing_min_runs_saved: use the landing area for a read when it saves at least this
                 many runs (each run costs one descriptor per layer; the scatter costs about one
                 kernel launch per layer); 0 lands every read that fits.
+            read_timeout_s: a read still in flight this long plus its size at
+                `read_floor_bytes_per_s` after it was posted is cancelled (its handle released)
+                and fails: whatever stalls it (a dead peer, a wedged progress engine), no request
+                waits on it for ever. A read NIXL will not cancel yet stays in flight, and its
+                destination blocks with it, until NIXL lets it go. None: no bound.
         """
         if descriptor_mode not in ("auto", "prepped", "per_read"):
             raise ValueError(f"descriptor_mode must be 'auto', 'prepped' or 'per_read', "
@@ -277,6 +294,8 @@ class NixlTransport:
                              f"{landing_bytes} and {landing_min_runs_saved}")
         self._landing_bytes = int(landing_bytes)
         self._landing_min_runs_saved = int(landing_min_runs_saved)
+        self._read_timeout_s = read_timeout_s
+        self._read_floor_bytes_per_s = read_floor_bytes_per_s
         self._landing: LandingArea | None = None
         self._landing_events: dict[str, Any] = {}  # read id -> CUDA event its collector waits on
         self.stats = {"reads": 0, "landed": 0, "landing_full": 0, "descriptors": 0}
@@ -675,6 +694,9 @@ class NixlTransport:
             self.stats["descriptors"] += descriptors
         in_flight = _InFlight(job.read_id, job.peer_id, handle, job.started, moved, error,
                               descriptors, landing)
+        if self._read_timeout_s is not None:
+            in_flight.bound_s = self._read_timeout_s + moved / self._read_floor_bytes_per_s
+            in_flight.deadline = job.started + in_flight.bound_s
         self.stats["reads"] += 1
         prepared = time.perf_counter()
         try:
@@ -723,12 +745,33 @@ class NixlTransport:
                 state = f"ERR ({type(error).__name__}: {error})"
             if state != "PROC":
                 self._settle(in_flight, state)
+            elif checked > in_flight.deadline:
+                self._cancel_overdue(in_flight)
             else:
                 in_flight.seen_busy = checked
 
-    def _settle(self, in_flight: _InFlight, state: str) -> None:
+    def _cancel_overdue(self, in_flight: _InFlight) -> None:
+        """A read past its bound: released (NIXL aborts it) and failed; kept in flight while
+        NIXL refuses, so its destination is never reused under a transfer still writing."""
+
+        try:
+            in_flight.handle.release()
+        except Exception as error:
+            if not in_flight.cancel_refused:
+                in_flight.cancel_refused = True
+                logger.warning("NIXL read %r from peer %r is past its %.1f s bound and could not be "
+                               "cancelled yet (%s); retrying", in_flight.read_id, in_flight.peer_id,
+                               in_flight.bound_s, error)
+            return
+        self.stats["reads_timed_out"] = self.stats.get("reads_timed_out", 0) + 1
+        logger.warning("NIXL read %r from peer %r (%d bytes) did not end within its %.1f s bound: "
+                       "cancelled", in_flight.read_id, in_flight.peer_id, in_flight.nbytes, in_flight.bound_s)
+        self._settle(in_flight, "TIMEOUT", released=True)
+
+    def _settle(self, in_flight: _InFlight, state: str, released: bool | None = None) -> None:
         del self._in_flight[in_flight.read_id]
-        released = _release_quietly(in_flight.handle, f"read {in_flight.read_id!r}")
+        if released is None:
+            released = _release_quietly(in_flight.handle, f"read {in_flight.read_id!r}")
         if in_flight.landing is not None:
             start, count, dst_blocks = in_flight.landing
             if state != "DONE":
@@ -756,6 +799,10 @@ class NixlTransport:
         elif state == "DONE":
             self._finish(in_flight.read_id, ok=False, error=in_flight.injected_error,
                          nbytes=in_flight.nbytes, started=in_flight.started)
+        elif state == "TIMEOUT":
+            self._finish(in_flight.read_id, ok=False, error=f"{READ_TIMED_OUT} after "
+                         f"{in_flight.bound_s:.1f} s (cancelled at the transport) from peer "
+                         f"{in_flight.peer_id!r}", nbytes=in_flight.nbytes, started=in_flight.started)
         else:
             self._finish(in_flight.read_id, ok=False, error=f"NIXL READ from peer "
                          f"{in_flight.peer_id!r} failed: state {state}",

@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...control import messages as m
 from ...control import peer as pc
-from ...control.client import Link, SidecarHandle, free_port, ipc_dir_for
+from ...control.client import Link, SidecarHandle, ipc_dir_for
 from ...control.config import SidecarConfig
 from ...control.guard import capability_digest, mint_capability, resolve_secret
 from ...transports.layout import CROSS_LAYERS_NAME
@@ -90,6 +90,8 @@ class HandoffError(ValueError):
 
 # Restore states on P's scheduler side (one record per request that asked history).
 ASKED, RESERVED, ALLOCATED, DONE = "asked", "reserved", "allocated", "done"
+# How long P's first handoff waits for its sidecar to say where it listens (once, at start).
+SIDECAR_READY_WAIT_S = 5.0
 # P gives up waiting for its own sidecar's answer to a restore after this long (then recomputes).
 RESTORE_REPLY_WAIT_S = 5.0
 
@@ -343,14 +345,12 @@ class SchedulerSide:
         num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
         role = "both" if (conn.is_producer and conn.is_consumer) else (
             "producer" if conn.is_producer else "consumer")
-        port = s.control_port or free_port(s.control_host)
         log_path = os.path.join(s.event_log_dir, f"{conn.engine_id}.kvlog") if s.event_log_dir else ""
         # block_bytes 0 keeps the core's history off (not a producer, or no GPU budget).
         ledger = s.ledger_config(block_bytes=plan.block_bytes if plan.enabled else 0,
                                  cpu_default_bytes=num_blocks * plan.block_bytes)
         config = SidecarConfig(
-            engine_id=conn.engine_id, role=role, ledger=ledger, address=f"{s.control_host}:{port}",
-            port_chosen=not s.control_port,
+            engine_id=conn.engine_id, role=role, ledger=ledger, address=f"{s.control_host}:{s.control_port}",
             ipc_dir=conn.ipc_dir, log_path=log_path, hash_every=s.event_log_hash_every,
             heartbeat_interval_s=s.heartbeat_interval_s, call_timeout_s=s.peer_call_timeout_s,
             parent_pid=os.getpid(), layout=conn.layout, block_size=conn.block_size,
@@ -364,8 +364,10 @@ class SchedulerSide:
         self.trusted = parse_peer_networks(s.peer_networks)
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self.sidecar_lost_logged = False
-        logger.info("kvbaton: engine %s (%s), control at %s, num_blocks %d, event log %s",
-                    conn.engine_id, role, self.sidecar.address, num_blocks, log_path or "off")
+        self.unbound_logged = False
+        logger.info("kvbaton: engine %s (%s), control on %s (port %s), num_blocks %d, event log %s",
+                    conn.engine_id, role, s.control_host, s.control_port or "chosen at bind", num_blocks,
+                    log_path or "off")
         if plan.enabled:
             logger.info("kvbaton: history on: %d-byte blocks, GPU tier %d slots (%d bytes), CPU tier "
                         "%d slots (%d bytes), %s", plan.block_bytes, plan.gpu_slots, plan.gpu_bytes,
@@ -549,6 +551,17 @@ class SchedulerSide:
         blocks = tuple(blocks[: math.ceil(num_tokens / self.conn.block_size)])
         if not blocks:
             return False, None
+        # P advertises only the address its sidecar really listens at (it binds its own port): a
+        # sidecar still starting is given a moment, once; one that is not up by then means no
+        # handoff (vLLM frees the blocks; D computes the prompt itself).
+        control = self.sidecar.address or self.sidecar.bound_address(SIDECAR_READY_WAIT_S)
+        if not control:
+            if not self.unbound_logged:
+                self.unbound_logged = True
+                logger.warning("kvbaton: the sidecar of engine %s has not said where it listens after "
+                               "%.0f s; requests are not handed off until it does (log %s)",
+                               self.conn.engine_id, SIDECAR_READY_WAIT_S, self.sidecar.log_file)
+            return False, None
         ticket = uuid.uuid4().hex
         ticket_keys = self._ticket_keys(request, keys, len(blocks), num_tokens)
         # Two capabilities: the router's (abandon; it strips it before forwarding to D) and D's
@@ -566,7 +579,7 @@ class SchedulerSide:
             "kvbaton": {
                 "v": PARAMS_VERSION,
                 "ticket": ticket,
-                "control": self.sidecar.address,
+                "control": control,
                 "engine": self.conn.engine_id,
                 "num_tokens": num_tokens,
                 "layout": self.conn.layout,
@@ -710,7 +723,7 @@ class SchedulerSide:
 
         from ...control.client import call_authority_sync
 
-        state = call_authority_sync(self.sidecar.address, "debug_state")
+        state = call_authority_sync(self.sidecar.address or self.sidecar.bound_address(30.0), "debug_state")
         state["connector_errors"] = self.errors
         state["handoffs"] = len(self.handoffs)
         state["restores"] = {s: sum(1 for r in self.restores.values() if r.state == s)
@@ -798,7 +811,10 @@ class WorkerSide:
             self.transport = NixlTransport(self.conn.engine_id, post_in_thread=False,
                                            descriptor_mode=settings.nixl_descriptor_mode,
                                            landing_bytes=landing,
-                                           landing_min_runs_saved=settings.landing_min_runs_saved)
+                                           landing_min_runs_saved=settings.landing_min_runs_saved,
+                                           # No read outlives the peer timeout (plus its size at
+                                           # a floor rate): a stalled one is cancelled and fails.
+                                           read_timeout_s=settings.peer_call_timeout_s)
         if layout.device_type == "cpu":
             request_amx_permission()
         self.transport.register(layout, kv_caches)

@@ -44,14 +44,14 @@ DIGEST = "d" * 32  # what both sides name the prompt's tokens (the connector com
 
 
 def start_sidecar(root, name: str, role: str, claim_wait_s: float = 30.0, port: int | None = None,
-                  call_timeout_s: float = 10.0, port_chosen: bool = False, secret: str | None = None):
+                  call_timeout_s: float = 10.0, secret: str | None = None):
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
-    address = f"127.0.0.1:{port or free_port('127.0.0.1')}"
+    address = f"127.0.0.1:{port or 0}"
     config = SidecarConfig(
         engine_id=engine_id, role=role, address=address, ipc_dir=ipc_dir_for(engine_id),
         ledger=LedgerConfig(claim_wait_ns=int(claim_wait_s * SECOND_NS)),
         log_path=str(root / "events" / f"{engine_id}.kvlog"), heartbeat_interval_s=1.0,
-        parent_pid=os.getpid(), call_timeout_s=call_timeout_s, port_chosen=port_chosen,
+        parent_pid=os.getpid(), call_timeout_s=call_timeout_s,
         layout=LAYOUT, block_size=BLOCK_SIZE)
     return SidecarHandle.start(config, str(root / "logs"), secret or resolve_secret())
 
@@ -312,19 +312,33 @@ def test_call_authority_returns_when_the_peer_never_answers():
     assert time.monotonic() - started < 4.0
 
 
-def test_sidecar_listens_elsewhere_when_its_chosen_port_was_taken(sidecars):
-    """The engine picked a port and another program bound it before the sidecar could: the
-    sidecar listens on another port and its Ready tells the engine where (tickets carry it)."""
+def test_sidecars_started_together_bind_their_own_ports_and_say_where(sidecars):
+    """Engines started at the same instant on one host (vLLM seeds the process-global random
+    identically in each): every sidecar binds a port of its own, and nothing is advertised before
+    its Ready says where it listens."""
 
-    server = SilentServer()
-    handle = start_sidecar(sidecars.root, "Pmoved", "producer", port=server.port, port_chosen=True)
+    handles = [start_sidecar(sidecars.root, f"Ptogether{i}", "producer") for i in range(3)]
     try:
-        handle.wait_ready(START_TIMEOUT_S)
-        assert handle.address != server.address
-        assert state(handle)["open"] == {"tickets": 0, "loads": 0, "leases": 0}
+        assert all(h.address == "" for h in handles)  # nothing known before the bind is real
+        for handle in handles:
+            assert handle.bound_address(START_TIMEOUT_S)
+        addresses = {h.address for h in handles}
+        assert len(addresses) == 3 and all(a.startswith("127.0.0.1:") and not a.endswith(":0") for a in addresses)
+        for handle in handles:
+            assert state(handle)["open"] == {"tickets": 0, "loads": 0, "leases": 0}
     finally:
-        handle.stop()
-        server.close()
+        for handle in handles:
+            handle.stop()
+
+
+def test_free_port_ignores_the_seeded_global_random():
+    import random
+
+    random.seed(0)
+    first = free_port("127.0.0.1")
+    random.seed(0)
+    picks = {free_port("127.0.0.1") for _ in range(5)} | {first}
+    assert len(picks) > 1
 
 
 def test_sidecar_on_an_operator_port_that_is_taken_fails_clearly(sidecars):
@@ -336,7 +350,7 @@ def test_sidecar_on_an_operator_port_that_is_taken_fails_clearly(sidecars):
     server = SilentServer()
     handle = start_sidecar(sidecars.root, "Pfixed", "producer", port=server.port)
     try:
-        with pytest.raises(SidecarError, match="address already in use|Address already in use"):
+        with pytest.raises(SidecarError, match="127.0.0.1:[0-9]+ is already in use"):
             handle.wait_ready(START_TIMEOUT_S)
     finally:
         handle.stop()

@@ -510,6 +510,39 @@ def _check_blocks(decode_caches, expected, layout, src_blocks, dst_blocks):
         assert torch.equal(got[dst_blocks], want[src_blocks]), f"{name}: blocks differ"
 
 
+def test_nixl_read_past_its_bound_is_cancelled_and_fails(prefill_process):
+    """Whatever stalls a read (NIXL keeps answering "in progress"), it fails after its bound:
+    the handle is released and the result says so, so the request recomputes instead of waiting
+    for ever; a later read through the same transport is unaffected."""
+
+    _, conn, metadata, expected = prefill_process
+    caches = nixl_caches(NIXL_NUM_BLOCKS)
+    layout = KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE)
+    decode = T.NixlTransport("D-bounded", descriptor_mode="per_read", post_in_thread=False,
+                             read_timeout_s=0.3, read_floor_bytes_per_s=1e12)
+    try:
+        decode.register(layout, caches)
+        decode.add_peer("P", metadata)
+        agent = decode._agent
+        real_transfer, real_check = agent.transfer, agent.check_xfer_state
+        stalled = {"on": True}
+        agent.transfer = lambda handle: (real_transfer(handle), "PROC")[1] if stalled["on"] else real_transfer(handle)
+        agent.check_xfer_state = lambda handle: "PROC" if stalled["on"] else real_check(handle)
+        started = time.monotonic()
+        decode.start_read("stalled", "P", [3], [4], notify=None)
+        result = decode.wait("stalled", 10.0)
+        took = time.monotonic() - started
+        assert not result.ok and "read timed out after 0.3 s" in result.error, result
+        assert 0.25 <= took < 5.0, took
+        assert decode.stats["reads_timed_out"] == 1
+        stalled["on"] = False
+        decode.start_read("after", "P", [7], [5], notify=None)
+        assert decode.wait("after", NIXL_TIMEOUT_S).ok
+        _check_blocks(caches, expected, layout, [7], [5])
+    finally:
+        decode.close()
+
+
 # Both descriptor modes, and both ways of posting (helper thread, the DRAM default; and inline).
 @pytest.mark.parametrize("descriptor_mode,post_in_thread",
                          [("prepped", True), ("per_read", False)])

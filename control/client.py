@@ -183,6 +183,7 @@ class SidecarHandle:
         self.log_file = log_file
         self.backlog: list[m.Msg] = []
         self.ready = False
+        self.instance = ""  # the sidecar's instance epoch, from its Ready
         # Only the process that started the sidecar stops it: vLLM forks workers from the
         # engine process, and a fork's exit (its inherited atexit hook) must not stop P's authority.
         self.creator_pid = os.getpid()
@@ -248,6 +249,7 @@ class SidecarHandle:
             if type(msg) is m.Ready:
                 self.ready = True
                 self.address = msg.address
+                self.instance = msg.instance
                 logger.info("kvbaton: sidecar of engine %s listens at %s", self.config.engine_id, msg.address)
             else:
                 kept.append(msg)

@@ -53,6 +53,7 @@ class LoadFact(Msg, tag="load"):
     num_tokens: int
     digest: str
     keepalive: str = ""
+    source_instance: str = ""  # the P instance that issued the ticket (its handoff says)
 
 
 class AllocatedFact(Msg, tag="alloc"):
@@ -190,6 +191,7 @@ class Ready(Msg, tag="ready"):
     address: str
     pid: int
     log_path: str
+    instance: str = ""  # this sidecar's instance epoch: a restart at the same address is a new peer
 
 
 class Resolved(Msg, tag="resolved"):

@@ -25,6 +25,9 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID, pattern=r"^[A-
 # Capabilities are 32 hex characters (128 random bits).
 Capability = Annotated[str, msgspec.Meta(min_length=32, max_length=64, pattern=r"^[0-9a-f]+$")]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+# An engine instance's epoch (128 random bits, hex) and its control address; "" when unknown.
+Instance = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*$")]
+Address = Annotated[str, msgspec.Meta(max_length=260, pattern=r"^[A-Za-z0-9._:\[\]-]*$")]
 # One D heartbeats at most this many tickets per call to one P (its open loads from that P).
 MAX_HEARTBEAT_TICKETS = 4096
 # The largest request frame a sidecar decodes (a full heartbeat is about 400 KiB).
@@ -41,6 +44,10 @@ class Claim(PeerCall, tag="claim"):
     ticket: Id
     claimer: Id
     epoch: Epoch
+    # Who claims: its instance epoch and control address (a new instance at an address P knows
+    # is a restarted decode engine, whose old claims P ends at once).
+    instance: Instance = ""
+    address: Address = ""
 
 
 class ReadStart(PeerCall, tag="read_start"):
@@ -73,6 +80,8 @@ class HeartbeatTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, a
 class Heartbeat(PeerCall, tag="heartbeat"):
     claimer: Id
     tickets: Annotated[list[HeartbeatTicket], msgspec.Meta(max_length=MAX_HEARTBEAT_TICKETS)]
+    instance: Instance = ""
+    address: Address = ""
 
 
 class Abandon(PeerCall, tag="abandon"):
@@ -108,11 +117,13 @@ class ClaimAnswer(msgspec.Struct, frozen=True):
     blocks: tuple[int, ...] = ()
     num_tokens: int = 0
     digest: str = ""
+    instance: str = ""  # the answering engine's instance epoch, on every answer
 
 
 class MetadataAnswer(msgspec.Struct, frozen=True):
     engine: str
     metadata: bytes | None = None
+    instance: str = ""
 
 
 class StateAnswer(msgspec.Struct, frozen=True):

@@ -29,6 +29,7 @@ import collections
 import errno
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -62,6 +63,12 @@ class Authority(xo.Actor):
         super().__init__()
         self.cfg = msgspec.json.decode(config_json, type=SidecarConfig)
         self.bound_address = address  # what the pool listens at (announced once the actor is up)
+        # This instance's epoch: a sidecar restarted at the same address is a new peer, whose
+        # predecessor's tickets and claims are over (peers compare it on every answer).
+        self.instance = secrets.token_hex(16)
+        # P: the decode engine instance last heard at each control address (address -> (instance,
+        # claimer)): a new instance there means the old one restarted.
+        self.peer_instances: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         # Peer requests refused before they reached the ledger, by reason (and frames xoscar
         # dropped for want of our key): `peers.refused.<reason>` in debug_state's counters.
         self.refused: collections.Counter = collections.Counter()
@@ -134,7 +141,7 @@ class Authority(xo.Actor):
         if cfg.role in ("consumer", "both"):
             self._spawn(self._heartbeat_loop())
         if self.bound_address:
-            self._send(self.to_scheduler, m.Ready(self.bound_address, os.getpid(), cfg.log_path))
+            self._send(self.to_scheduler, m.Ready(self.bound_address, os.getpid(), cfg.log_path, self.instance))
 
     async def __pre_destroy__(self) -> None:
         await self.shutdown()
@@ -403,6 +410,7 @@ class Authority(xo.Actor):
             # The blocks to read and the engine that holds them come from P's grant (see _claim),
             # never from the request: until then the load knows only what it asks for.
             self.loads[msg.request] = {"source": msg.source_address, "engine": "", "ticket": msg.ticket,
+                                       "instance": msg.source_instance, "granted_instance": "",
                                        "num_tokens": msg.num_tokens, "digest": msg.digest,
                                        "keepalive": msg.keepalive, "granted": (), "first": 0, "dst": ()}
             blocks = -(-msg.num_tokens // self.cfg.block_size) if self.cfg.block_size else 0
@@ -535,7 +543,8 @@ class Authority(xo.Actor):
             for source, tickets in by_source.items():
                 for lo in range(0, len(tickets), pc.MAX_HEARTBEAT_TICKETS):
                     self._spawn(self._call(source, pc.Heartbeat(
-                        self.cfg.engine_id, tickets[lo:lo + pc.MAX_HEARTBEAT_TICKETS])))
+                        self.cfg.engine_id, tickets[lo:lo + pc.MAX_HEARTBEAT_TICKETS], self.instance,
+                        self.bound_address)))
 
     # -- calls to peers (D side) -------------------------------------------------------------------
 
@@ -613,10 +622,18 @@ class Authority(xo.Actor):
         pause = 0.02
         retried = 0
         unknown_since = None
-        call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch)
+        call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch, self.instance, self.bound_address)
+        expected_instance = (self.loads.get(effect.request) or {}).get("instance", "")
         while True:
             status, value = await self._try_call(effect.source, call)
             reply = value if status == "ok" else None
+            if reply is not None and expected_instance and reply.instance and reply.instance != expected_instance:
+                # P restarted at this address: its tickets died with the old instance. A miss at
+                # once (never the unknown-ticket retries), and nothing of the old peer is used.
+                reply = pc.ClaimAnswer(False, "source restarted: the ticket was issued by an earlier "
+                                              "instance of P", instance=reply.instance)
+                self.refused["stale_instance"] += 1
+                break
             unknown = reply is not None and not reply.granted and reply.reason == "unknown ticket"
             if unknown and unknown_since is None:
                 unknown_since = time.monotonic()
@@ -655,6 +672,7 @@ class Authority(xo.Actor):
         if reply is not None and reply.granted and not problem:
             if ctx is not None:
                 ctx["granted"], ctx["engine"] = reply.blocks, reply.engine
+                ctx["granted_instance"] = reply.instance
             effects = self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
             if _forgotten(effects):  # the load was pruned meanwhile: give the ticket back
                 self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
@@ -669,22 +687,24 @@ class Authority(xo.Actor):
                 self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
                                                                  effect.epoch)))
 
-    async def _announce_peer(self, source: str, engine: str) -> bool:
-        """Give the worker P's transport metadata once per (address, engine); the metadata must
-        come from the engine the grant named."""
+    async def _announce_peer(self, source: str, engine: str, instance: str) -> bool:
+        """Give the worker P's transport metadata once per (address, engine, instance); the
+        metadata must come from the engine and instance the grant named. A new instance's
+        metadata replaces the old one's (the worker drops the old NIXL agent first)."""
 
-        if (source, engine) in self.peers_announced:
+        if (source, engine, instance) in self.peers_announced:
             return True
         answer = await self._call(source, pc.Metadata())
         if answer is None or answer.metadata is None:
             return False
-        if answer.engine != engine:
+        if answer.engine != engine or answer.instance != instance:
             self.refused["metadata_mismatch"] += 1
             self.refusal_log.warning("metadata_mismatch", "peer at %s granted as engine %r answers as "
                                      "%r: not reading from it", source, engine, answer.engine)
             return False
         self._send(self.to_worker, m.AddPeer(engine, answer.metadata))
-        self.peers_announced.add((source, engine))
+        self.peers_announced = {key for key in self.peers_announced if key[:2] != (source, engine)}
+        self.peers_announced.add((source, engine, instance))
         return True
 
     async def _read_start(self, effect: fx.SendReadStart) -> None:
@@ -694,7 +714,7 @@ class Authority(xo.Actor):
         elif not effect.read.endswith("/0") and self.cfg.debug_pause_between_reads_s:
             await asyncio.sleep(self.cfg.debug_pause_between_reads_s)
         engine = ctx.get("engine", "")
-        if engine and not await self._announce_peer(effect.source, engine):
+        if engine and not await self._announce_peer(effect.source, engine, ctx.get("granted_instance", "")):
             self._apply(ev.ReadRefused(self._now(), effect.request, effect.read, "no transport metadata"))
             return
         reply = await self._call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
@@ -780,22 +800,52 @@ class Authority(xo.Actor):
         if claimer in self.last_heard or len(self.last_heard) < 4 * len(self.ledger.tickets.tickets) + 64:
             self.last_heard[claimer] = now
 
+    def _note_peer(self, address: str, instance: str, claimer: str, now: int) -> None:
+        """A decode engine at `address` speaks as `instance`. When another instance spoke from
+        there before, that one restarted: its claims and reads end now (P's blocks come back on
+        the normal path) instead of when their idle lease runs out."""
+
+        if not address or not instance:
+            return
+        known = self.peer_instances.get(address)
+        self.peer_instances[address] = (instance, claimer)
+        self.peer_instances.move_to_end(address)
+        while len(self.peer_instances) > 4096:
+            self.peer_instances.popitem(last=False)
+        if known is None or known[0] == instance:
+            return
+        # Heard first from the new instance, so every claim its engine name holds here is the
+        # old instance's (the new one has claimed nothing yet).
+        _old_instance, old_claimer = known
+        ended = 0
+        for ticket in list(self.ledger.tickets.tickets.values()):
+            if ticket.claimer != old_claimer or ticket.state not in ("CLAIMED", "READING"):
+                continue
+            for read in list(ticket.reads):
+                self._apply(ev.ReadFinished(now, ticket.ticket, read, False, ticket.claimer, ticket.epoch))
+            self._apply(ev.ReleaseRequested(now, ticket.ticket, ticket.claimer, ticket.epoch))
+            ended += 1
+        self.refusal_log.warning("peer_restarted", "decode engine at %s restarted (instance %s, was %s): "
+                                 "ended %d of its earlier instance's claims", address, instance[:8],
+                                 _old_instance[:8], ended)
+
     def _answer(self, request: pc.PeerCall):
         now = self._now()
         kind = type(request)
         if kind is pc.Claim:
+            self._note_peer(request.address, request.instance, request.claimer, now)
             reply = self._reply(self._apply(ev.ClaimRequested(now, request.ticket, request.claimer,
                                                               request.epoch)), fx.ReplyClaim)
             if reply is None:
-                return pc.ClaimAnswer(False, "no reply")
+                return pc.ClaimAnswer(False, "no reply", instance=self.instance)
             if not reply.granted:
                 if reply.reason == "unknown ticket":
                     self.refusal_log.warning("unknown_ticket", "claim of unknown ticket %s by %r from %s",
                                              pc.short(request.ticket), request.claimer, peer_address.get())
-                return pc.ClaimAnswer(False, reply.reason)
+                return pc.ClaimAnswer(False, reply.reason, instance=self.instance)
             self._heard(request.claimer, now)
             return pc.ClaimAnswer(True, reply.reason, self.cfg.engine_id, self.cfg.layout, reply.blocks,
-                                  reply.num_tokens, reply.digest)
+                                  reply.num_tokens, reply.digest, self.instance)
         if kind is pc.ReadStart:
             reply = self._reply(self._apply(ev.ReadStarted(now, request.ticket, request.claimer, request.epoch,
                                                            request.read)), fx.ReplyRead)
@@ -819,6 +869,7 @@ class Authority(xo.Actor):
                                                                   request.epoch)), fx.Rejected)
             return pc.Answer(refused is None, refused.reason if refused is not None else "")
         if kind is pc.Heartbeat:
+            self._note_peer(request.address, request.instance, request.claimer, now)
             refused = 0
             for entry in request.tickets:
                 proof = capability_digest(entry.keepalive) if entry.keepalive else ""
@@ -836,7 +887,7 @@ class Authority(xo.Actor):
             return pc.Answer(any(type(e) is fx.FreeEngineBlocks for e in effects),
                              refused.reason if refused is not None else "")
         if kind is pc.Metadata:
-            return pc.MetadataAnswer(self.cfg.engine_id, self.metadata)
+            return pc.MetadataAnswer(self.cfg.engine_id, self.metadata, self.instance)
         if kind is pc.State:
             return pc.StateAnswer(self.debug_state())
         raise TypeError(f"no handler for {kind.__name__}")

@@ -128,9 +128,10 @@ def parse_handoff(params: dict, expected_layout: str, block_size: int, trusted) 
     ticket = section["ticket"]
     if not 0 < len(ticket) <= pc.MAX_ID or not all(c.isalnum() or c in "._:/@+=-" for c in ticket):
         raise HandoffError("kvbaton handoff 'ticket' is not a ticket id")
-    keepalive = section.get("keepalive", "")
-    if not isinstance(keepalive, str) or len(keepalive) > 64:
-        raise HandoffError("kvbaton handoff 'keepalive' is not a capability")
+    for key in ("keepalive", "instance"):
+        value = section.get(key, "")
+        if not isinstance(value, str) or len(value) > 64 or not all(c in "0123456789abcdef" for c in value):
+            raise HandoffError(f"kvbaton handoff {key!r} is not a 128-bit hex value")
     if len(section["layout"]) > 64:
         raise HandoffError("kvbaton handoff 'layout' is not a layout fingerprint")
     check_control(section["control"], trusted)
@@ -464,7 +465,7 @@ class SchedulerSide:
         self.handoffs[rid] = h
         logger.debug("kvbaton: request %s claims ticket %s from %s", rid, pc.short(h.ticket), h.control)
         if not self.sidecar.send(m.LoadFact(rid, h.ticket, h.control, h.epoch, num_tokens, digest,
-                                            section.get("keepalive", ""))):
+                                            section.get("keepalive", ""), section.get("instance", ""))):
             h.ticket, h.hit, h.consumed, h.reason = "", False, True, "sidecar unreachable"
         return h
 
@@ -585,6 +586,7 @@ class SchedulerSide:
                 "layout": self.conn.layout,
                 "keepalive": keepalive,
                 "abandon": abandon,
+                "instance": self.sidecar.instance,
             },
         }
 

@@ -381,6 +381,59 @@ def test_ipc_and_log_files_are_private(peers):
     assert b"engine_id" not in cmdline and b"ledger" not in cmdline  # config came on stdin
 
 
+def test_a_restarted_p_refuses_its_old_tickets_at_once_and_serves_new_ones(peers):
+    """P restarts at the same address: a handoff of the old instance is a miss at once (not the
+    unknown-ticket retries), and a ticket of the new instance is a hit."""
+
+    from kvbaton.control.client import free_port
+
+    port = free_port("127.0.0.1")
+    old = start_sidecar(peers.root, "Prestart", "producer", port=port)
+    old_ticket = uuid.uuid4().hex
+    old.send(ticket_fact(old_ticket, "req-old"))
+    old.wait_ready(START_TIMEOUT_S)
+    old_instance = old.instance
+    old.stop()
+    new = start_sidecar(peers.root, "Prestart", "producer", port=port)
+    try:
+        new.wait_ready(START_TIMEOUT_S)
+        assert new.address == old.address and new.instance != old_instance
+        stale = f"req-{uuid.uuid4().hex[:8]}"
+        peers.d.send(m.LoadFact(stale, old_ticket, new.address, 1, NUM_TOKENS, DIGEST, "", old_instance))
+        resolved, took = wait_resolved(peers.d, stale, 30.0)
+        assert resolved is not None and not resolved.hit and "restarted" in resolved.reason, resolved
+        assert took < 3.0, took  # the unknown-ticket window is 8 s
+        fresh_ticket, fresh = uuid.uuid4().hex, f"req-{uuid.uuid4().hex[:8]}"
+        new.send(ticket_fact(fresh_ticket, "req-new"))
+        time.sleep(0.3)
+        peers.d.send(m.LoadFact(fresh, fresh_ticket, new.address, 1, NUM_TOKENS, DIGEST, "", new.instance))
+        resolved, _ = wait_resolved(peers.d, fresh, 30.0)
+        assert resolved is not None and resolved.hit, resolved
+        peers.d.send(m.CancelFact(fresh, False))
+        deadline = time.monotonic() + 10
+        while state(new)["open"]["tickets"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state(new)["open"]["tickets"] == 0
+    finally:
+        new.stop()
+
+
+def test_a_restarted_d_at_the_same_address_loses_its_old_claims_at_once(peers):
+    ticket = uuid.uuid4().hex
+    peers.p.send(ticket_fact(ticket, "req-d-restart", (13, 14)))
+    time.sleep(0.3)
+    address, first, second = "127.0.0.1:6001", "a" * 32, "b" * 32
+    call = lambda c: run(call_peer(peers.p.address, c))  # noqa: E731
+    assert call(pc.Claim(ticket, "Drestart", 1, first, address)).granted
+    assert call(pc.ReadStart(ticket, "Drestart", 1, "r/0")).ok
+    before = state(peers.p)
+    call(pc.Heartbeat("Drestart", [], second, address))  # the same engine, a new instance
+    after = state(peers.p)
+    assert after["open"]["tickets"] == before["open"]["tickets"] - 1
+    assert after["counters"]["tickets.closed.released"] == before["counters"].get("tickets.closed.released", 0) + 1
+    assert after["counters"].get("reads.finished.failed", 0) == before["counters"].get("reads.finished.failed", 0) + 1
+
+
 def test_the_log_still_replays_after_the_forgeries(peers):
     peers.p.stop()
     header, records = read_log(peers.p.config.log_path)

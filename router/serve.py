@@ -43,6 +43,11 @@ class EngineSpec:
     placement: str  # "cpu:<core>" or "gpu:<index>"
     kv_cache_bytes: int
     extra_config: dict = field(default_factory=dict)
+    # Where the engine listens (its HTTP port and its sidecar's control port), and, for engines
+    # on other "hosts" (network namespaces in tests), a command prefix and extra environment.
+    host: str = "127.0.0.1"
+    prefix: list = field(default_factory=list)
+    env: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -54,7 +59,7 @@ class Engine:
 
     @property
     def control(self) -> str:
-        return f"127.0.0.1:{self.spec.control_port}"
+        return f"{self.spec.host}:{self.spec.control_port}"
 
     def tail(self, lines: int = 25) -> str:
         try:
@@ -98,7 +103,7 @@ class Deployment:
         kv_config = {**CONNECTOR, "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
                      "kv_connector_extra_config": extra}
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--served-model-name", self.served_model_name, "--port", str(spec.port), "--host", "127.0.0.1",
+               "--served-model-name", self.served_model_name, "--port", str(spec.port), "--host", spec.host,
                "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
                "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--shutdown-timeout", "5",
                "--kv-transfer-config", json.dumps(kv_config)]
@@ -115,7 +120,8 @@ class Deployment:
             env["CUDA_VISIBLE_DEVICES"] = index or "0"
             env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         cmd += self.extra_engine_args
-        return cmd, env
+        env.update(spec.env)
+        return list(spec.prefix) + cmd, env
 
     def start(self, progress=print, timeout_s: float = 600.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -128,8 +134,8 @@ class Deployment:
             log_path = self.log_dir / f"{spec.role}-{spec.port}.log"
             with open(log_path, "wb") as out:
                 process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env=env, start_new_session=True)
-            self.engines.append(Engine(spec, f"http://127.0.0.1:{spec.port}", process, log_path))
+                                           env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            self.engines.append(Engine(spec, f"http://{spec.host}:{spec.port}", process, log_path))
             progress(f"starting {spec.role} engine on {spec.placement} at :{spec.port} (log {log_path})")
         self.wait_healthy(progress, timeout_s)
 
@@ -194,6 +200,20 @@ class Deployment:
             except ProcessLookupError:
                 pass
             engine.process.wait()
+
+
+def _die_with_parent() -> None:
+    """In an engine's process, before it starts: SIGTERM it when `kvbaton serve` dies, even by
+    SIGKILL (it lives in its own session, so no terminal signal reaches it); vLLM then stops its
+    engine core, whose sidecar follows its parent."""
+
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, prefill_kv_cache_bytes: int | None,

@@ -55,11 +55,19 @@ def private_dir(path: str) -> str:
 
 def ipc_root() -> str:
     """This user's directory for control sockets: the runtime dir when there is one, else a
-    per-user directory in the temp dir; 0700 and owned by this user, or refused."""
+    per-user directory in the temp dir; 0700 and owned by this user. One another user planted
+    in the temp dir is not used (nor is the engine stopped by it): the sockets go under the
+    user's home instead."""
 
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     base = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
-    return private_dir(os.path.join(base, f"kvbaton-{os.getuid()}"))
+    try:
+        return private_dir(os.path.join(base, f"kvbaton-{os.getuid()}"))
+    except SidecarError as exc:
+        home = os.path.join(os.path.expanduser("~"), ".kvbaton")
+        os.makedirs(home, mode=0o700, exist_ok=True)
+        logger.warning("%s; using %s instead", exc, home)
+        return private_dir(os.path.join(home, "run"))
 
 
 def ipc_dir_for(engine_id: str) -> str:

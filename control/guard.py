@@ -51,15 +51,17 @@ def is_loopback(host: str) -> bool:
 
 
 def _read_private(path: str) -> str:
+    # Symlinks are followed (Kubernetes and Docker mount secrets through them); what counts is
+    # the file they lead to: owned by this user or root, and unreadable by anyone else.
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise SecretError(f"secret file {path}: {exc.strerror}") from None
     try:
         info = os.fstat(fd)
-        if info.st_uid != os.getuid():
+        if info.st_uid not in (os.getuid(), 0):
             raise SecretError(f"secret file {path} belongs to uid {info.st_uid}, not to this user "
-                              f"({os.getuid()})")
+                              f"({os.getuid()}) or root")
         if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise SecretError(f"secret file {path} is readable by others (mode "
                               f"{stat.S_IMODE(info.st_mode):o}); chmod 600 it")
@@ -77,7 +79,15 @@ def default_secret(path: str | None = None) -> str:
 
     path = os.path.expanduser(path or DEFAULT_SECRET_PATH)
     folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        return _default_secret_in(folder, path)
+    except OSError as exc:
+        raise SecretError(f"cannot keep the per-user secret at {path} ({exc.strerror}): set "
+                          f"{SECRET_ENV} or the setting 'secret_file'") from None
+
+
+def _default_secret_in(folder: str, path: str) -> str:
     info = os.stat(folder)
     if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise SecretError(f"secret folder {folder} belongs to another user or is writable by others")
@@ -120,10 +130,21 @@ def frame_key(secret: str) -> str:
     return hashlib.blake2b(secret.encode(), key=b"kvbaton-frames-v1", digest_size=32).hexdigest()
 
 
+# The largest frame manifest read before its MAC is checked. xoscar allows 16 MiB, which lets
+# anyone who reaches the port make a process buffer 16 MiB per connection without the key; a
+# manifest is 16 bytes plus 9 per buffer, and kvbaton's frames carry a handful of buffers.
+MAX_UNAUTHENTICATED_MANIFEST = 64 << 10
+
+
 def install_frame_key(secret: str) -> None:
     """Turn on xoscar's frame authentication for this process, under the secret's key."""
 
     os.environ[FRAME_KEY_ENV] = frame_key(secret)
+    try:
+        from xoscar.serialization import _security, aio
+    except ImportError:  # a router-only install: no sidecar calls
+        return
+    aio.MAX_MANIFEST_SIZE = _security.MAX_MANIFEST_SIZE = MAX_UNAUTHENTICATED_MANIFEST
 
 
 def ensure_frame_key(secret_file: str = "") -> None:
@@ -197,6 +218,19 @@ def watch_refused_frames(on_refused) -> None:
     pool_logger.addFilter(_RefusedFrames(on_refused))
 
 
+def _peer_of(channel) -> str:
+    """The remote end of a server-side channel (xoscar leaves dest_address empty there)."""
+
+    writer = getattr(channel, "writer", None)
+    try:
+        peer = writer.get_extra_info("peername") if writer is not None else None
+    except Exception:  # noqa: BLE001 - a closed transport: no address to report
+        peer = None
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer or getattr(channel, "dest_address", None) or "?")
+
+
 def guard_pool(pool, authority_uid: str, on_refused) -> None:
     """Let remote channels only look up and call the authority; everything else from them is
     refused with an error answer (`on_refused(reason, peer)`). In-process messages (the sidecar
@@ -217,7 +251,7 @@ def guard_pool(pool, authority_uid: str, on_refused) -> None:
     async def process_message(message, channel):
         if isinstance(channel, DummyChannel):
             return await original(message, channel)
-        address = str(getattr(channel, "dest_address", None) or "?")
+        address = _peer_of(channel)
         kind = getattr(message, "message_type", None)
         if kind not in allowed or (kind in (MessageType.send, MessageType.actor_ref,
                                             MessageType.has_actor) and _uid_of(message) != uid):

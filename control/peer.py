@@ -5,8 +5,10 @@ deployment secret, checked before anything in a frame is unpickled: see `secret.
 gate the sidecar's actor answers exactly one method, `call(payload: bytes) -> bytes`; `payload` is
 one of the typed requests below, msgpack-encoded, and is decoded against this union with every
 bound checked (id lengths and alphabet, int ranges, list sizes) before any of it reaches the
-ledger. Anything else (another method, a private name, a pickled object, a wrong type, a huge id)
-is refused, counted by reason and changes nothing.
+ledger. Anything else (another method, a private name, an argument that is not bytes, a wrong
+type, a huge id) is refused, counted by reason and changes nothing. (xoscar unpickles an
+authenticated frame before the actor sees it: holders of the secret are trusted not to send
+hostile pickles; see the README's security model.)
 
 Answers are typed too (`ClaimAnswer`, `Answer`, `MetadataAnswer`, `StateAnswer`), so the side
 that asked decodes them the same way and never trusts an unpickled object.
@@ -142,6 +144,21 @@ _PLAIN_ANSWER = msgspec.msgpack.Decoder(Answer)
 
 def answer_decoder(call: PeerCall) -> msgspec.msgpack.Decoder:
     return ANSWER_DECODERS.get(type(call), _PLAIN_ANSWER)
+
+
+def decode_answer(call: PeerCall, raw: bytes):
+    """The typed answer to `call`. A request the peer's gate refused is answered with a plain
+    Answer whatever it was: a refused claim becomes a refused ClaimAnswer (not a failed call)."""
+
+    try:
+        return answer_decoder(call).decode(raw)
+    except msgspec.ValidationError:
+        plain = _PLAIN_ANSWER.decode(raw)  # raises again when it is neither
+        if type(call) is Claim:
+            return ClaimAnswer(False, plain.reason)
+        if type(call) is Metadata:
+            return MetadataAnswer("", None)
+        raise
 
 
 class PeerRefusal(Exception):

@@ -66,9 +66,9 @@ class Authority(xo.Actor):
         # This instance's epoch: a sidecar restarted at the same address is a new peer, whose
         # predecessor's tickets and claims are over (peers compare it on every answer).
         self.instance = secrets.token_hex(16)
-        # P: the decode engine instance last heard at each control address (address -> (instance,
-        # claimer)): a new instance there means the old one restarted.
-        self.peer_instances: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        # P: the instance last heard from each decode engine at each control address ((address,
+        # claimer) -> instance): the same engine at the same address with a new instance restarted.
+        self.peer_instances: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         # Peer requests refused before they reached the ledger, by reason (and frames xoscar
         # dropped for want of our key): `peers.refused.<reason>` in debug_state's counters.
         self.refused: collections.Counter = collections.Counter()
@@ -115,7 +115,10 @@ class Authority(xo.Actor):
             folder = os.path.dirname(cfg.log_path) or "."
             if not os.path.isdir(folder):
                 os.makedirs(folder, mode=0o700, exist_ok=True)
-            fd = os.open(cfg.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            elif os.stat(folder).st_mode & 0o077:
+                logger.warning("event log directory %s is open to other users; its logs are 0600, "
+                               "but a 0700 directory keeps their names private too", folder)
+            fd = os.open(cfg.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             os.fchmod(fd, 0o600)
             self.log = LogWriter(os.fdopen(fd, "wb"), LogHeader(
                 engine=cfg.engine_id, role=cfg.role, config=cfg.ledger, hash_every=cfg.hash_every,
@@ -570,7 +573,7 @@ class Authority(xo.Actor):
                                 f"{what} at {address}")
             if type(raw) is not bytes:
                 raise TypeError(f"{what} at {address}: the answer is a {type(raw).__name__}, not bytes")
-            return "ok", pc.answer_decoder(call).decode(raw)
+            return "ok", pc.decode_answer(call, raw)
         except Exception as exc:
             self.peer_refs.pop(address, None)
             return ("refused" if _never_arrived(exc) else "failed"), exc
@@ -794,6 +797,19 @@ class Authority(xo.Actor):
                 return effect
         return None
 
+    def _refused_by_ledger(self, effects: list, request: pc.PeerCall) -> fx.Rejected | None:
+        """A peer's request the ledger refused for who asked (not the claimer, no capability,
+        claimed by another): counted and logged like the gate's refusals. Refusals of state
+        (closed, unknown read) are lifecycle races, counted by the ledger only."""
+
+        refused = self._reply(effects, fx.Rejected)
+        if refused is not None:
+            reason = _OWNER_REFUSALS.get(refused.reason)
+            if reason is not None:
+                self._refuse(reason, f"{request.__struct_config__.tag} of ticket {pc.short(refused.subject)} "
+                                     f"by {getattr(request, 'claimer', '?')!r}")
+        return refused
+
     def _heard(self, claimer: str, now: int) -> None:
         """A reader spoke (only claimers of open tickets are tracked: see the timer's sweep)."""
 
@@ -801,22 +817,25 @@ class Authority(xo.Actor):
             self.last_heard[claimer] = now
 
     def _note_peer(self, address: str, instance: str, claimer: str, now: int) -> None:
-        """A decode engine at `address` speaks as `instance`. When another instance spoke from
-        there before, that one restarted: its claims and reads end now (P's blocks come back on
-        the normal path) instead of when their idle lease runs out."""
+        """Decode engine `claimer` at `address` speaks as `instance`. When the same engine spoke
+        from the same address as another instance before, that one restarted: its claims and
+        reads end now (P's blocks come back on the normal path) instead of when their idle lease
+        runs out. Two engines that report one address (a wildcard or a copied port) are told
+        apart by their names and never end each other's claims."""
 
-        if not address or not instance:
+        if not address or not instance or address.rpartition(":")[0] in ("0.0.0.0", "[::]", "::", ""):
             return
-        known = self.peer_instances.get(address)
-        self.peer_instances[address] = (instance, claimer)
-        self.peer_instances.move_to_end(address)
+        key = (address, claimer)
+        known = self.peer_instances.get(key)
+        self.peer_instances[key] = instance
+        self.peer_instances.move_to_end(key)
         while len(self.peer_instances) > 4096:
             self.peer_instances.popitem(last=False)
-        if known is None or known[0] == instance:
+        if known is None or known == instance:
             return
-        # Heard first from the new instance, so every claim its engine name holds here is the
+        # Heard first from the new instance, so every claim this engine name holds here is the
         # old instance's (the new one has claimed nothing yet).
-        _old_instance, old_claimer = known
+        _old_instance, old_claimer = known, claimer
         ended = 0
         for ticket in list(self.ledger.tickets.tickets.values()):
             if ticket.claimer != old_claimer or ticket.state not in ("CLAIMED", "READING"):
@@ -839,6 +858,9 @@ class Authority(xo.Actor):
             if reply is None:
                 return pc.ClaimAnswer(False, "no reply", instance=self.instance)
             if not reply.granted:
+                if reply.reason == "claimed by another":
+                    self._refuse("not_claimer", f"claim of ticket {pc.short(request.ticket)} claimed by "
+                                                f"another, by {request.claimer!r}")
                 if reply.reason == "unknown ticket":
                     self.refusal_log.warning("unknown_ticket", "claim of unknown ticket %s by %r from %s",
                                              pc.short(request.ticket), request.claimer, peer_address.get())
@@ -847,26 +869,26 @@ class Authority(xo.Actor):
             return pc.ClaimAnswer(True, reply.reason, self.cfg.engine_id, self.cfg.layout, reply.blocks,
                                   reply.num_tokens, reply.digest, self.instance)
         if kind is pc.ReadStart:
-            reply = self._reply(self._apply(ev.ReadStarted(now, request.ticket, request.claimer, request.epoch,
-                                                           request.read)), fx.ReplyRead)
+            effects = self._apply(ev.ReadStarted(now, request.ticket, request.claimer, request.epoch,
+                                                 request.read))
+            self._refused_by_ledger(effects, request)
+            reply = self._reply(effects, fx.ReplyRead)
             if reply is not None and reply.granted:
                 self._heard(request.claimer, now)
             return pc.Answer(bool(reply and reply.granted), reply.reason if reply else "no reply")
         if kind is pc.ReadEnd:
             effects = self._apply(ev.ReadFinished(now, request.ticket, request.read, request.ok,
                                                   request.claimer, request.epoch))
-            refused = self._reply(effects, fx.Rejected)
+            refused = self._refused_by_ledger(effects, request)
             if refused is not None and refused.reason == "not the claimer":
-                self._refuse("not_claimer", f"read end of ticket {pc.short(request.ticket)} by "
-                                            f"{request.claimer!r}")
                 return pc.Answer(False, refused.reason)
             self._heard(request.claimer, now)
             if request.release:
                 self._apply(ev.ReleaseRequested(now, request.ticket, request.claimer, request.epoch))
             return pc.Answer(refused is None, refused.reason if refused is not None else "")
         if kind is pc.Release:
-            refused = self._reply(self._apply(ev.ReleaseRequested(now, request.ticket, request.claimer,
-                                                                  request.epoch)), fx.Rejected)
+            refused = self._refused_by_ledger(self._apply(ev.ReleaseRequested(
+                now, request.ticket, request.claimer, request.epoch)), request)
             return pc.Answer(refused is None, refused.reason if refused is not None else "")
         if kind is pc.Heartbeat:
             self._note_peer(request.address, request.instance, request.claimer, now)
@@ -874,16 +896,14 @@ class Authority(xo.Actor):
             for entry in request.tickets:
                 proof = capability_digest(entry.keepalive) if entry.keepalive else ""
                 effects = self._apply(ev.HeartbeatReceived(now, entry.ticket, request.claimer, proof))
-                refused += any(type(e) is fx.Rejected for e in effects)
+                refused += self._refused_by_ledger(effects, request) is not None
             if refused < len(request.tickets):  # it holds some ticket here: a reader still alive
                 self._heard(request.claimer, now)
             return pc.Answer(refused == 0, f"{refused} refused" if refused else "")
         if kind is pc.Abandon:
             effects = self._apply(ev.AbandonRequested(now, request.ticket,
                                                       capability_digest(request.capability)))
-            refused = self._reply(effects, fx.Rejected)
-            if refused is not None and refused.reason == "no capability":
-                self._refuse("no_capability", f"abandon of ticket {pc.short(request.ticket)}")
+            refused = self._refused_by_ledger(effects, request)
             return pc.Answer(any(type(e) is fx.FreeEngineBlocks for e in effects),
                              refused.reason if refused is not None else "")
         if kind is pc.Metadata:
@@ -936,6 +956,9 @@ def _forgotten(effects: list) -> bool:
 
     return any(type(e) is fx.Rejected and e.reason == "unknown load" for e in effects)
 
+
+# Ledger refusals that say who asked was not allowed (counted as peers.refused.<reason>).
+_OWNER_REFUSALS = {"not the claimer": "not_claimer", "no capability": "no_capability"}
 
 # How long D keeps asking while P answers "unknown ticket" (within the claim wait).
 UNKNOWN_TICKET_RETRY_S = 8.0

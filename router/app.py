@@ -212,10 +212,29 @@ class Router:
             self.requests.labels(endpoint, "too_many_in_flight").inc()
             return openai_error(429, "too many requests in flight; retry later", kind="rate_limit_error")
         self.active += 1
+        self.in_flight.inc()
+        streaming = False
         try:
-            return await self._handle(request, endpoint)
+            response = await self._handle(request, endpoint)
+            if isinstance(response, StreamingResponse):
+                # A stream holds its place until its last byte (or the client leaving).
+                response.body_iterator = self._held(response.body_iterator)
+                streaming = True
+            return response
         finally:
-            self.active -= 1
+            if not streaming:
+                self._release()
+
+    def _release(self) -> None:
+        self.active -= 1
+        self.in_flight.dec()
+
+    async def _held(self, chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            self._release()
 
     async def _handle(self, request: Request, endpoint: str) -> Response:
         try:
@@ -223,9 +242,14 @@ class Router:
         except BadRequest as exc:
             self.requests.labels(endpoint, "too_large" if exc.status == 413 else "bad_request").inc()
             return openai_error(exc.status, exc.message)
-        # Handoff parameters and request ids are the router's to set, never the client's.
+        # Handoff parameters and request ids are the router's to set, never the client's (vLLM
+        # also reads kv_transfer_params from vllm_xargs).
         body.pop("kv_transfer_params", None)
         body.pop("request_id", None)
+        if isinstance(body.get("vllm_xargs"), dict):
+            body["vllm_xargs"] = {k: v for k, v in body["vllm_xargs"].items() if k != "kv_transfer_params"}
+        elif "vllm_xargs" in body:
+            body.pop("vllm_xargs")
         await self.refresh_models()
         model = body.get("model")
         if self.models and model not in self.models:
@@ -237,11 +261,7 @@ class Router:
             return openai_error(400, "n > 1 is not supported by the kvbaton router yet", param="n")
         p_url = self.prefill_urls[next(self._next_p)]
         d_url = self.decode_urls[next(self._next_d)]
-        self.in_flight.inc()
-        try:
-            return await self._route(request, endpoint, body, p_url, d_url)
-        finally:
-            self.in_flight.dec()
+        return await self._route(request, endpoint, body, p_url, d_url)
 
     async def _route(self, request: Request, endpoint: str, body: dict, p_url: str, d_url: str) -> Response:
         started = time.perf_counter()

@@ -47,7 +47,7 @@ from ...control import messages as m
 from ...control import peer as pc
 from ...control.client import Link, SidecarHandle, ipc_dir_for
 from ...control.config import SidecarConfig
-from ...control.guard import capability_digest, mint_capability, resolve_secret
+from ...control.guard import capability_digest, install_frame_key, mint_capability, resolve_secret
 from ...transports.layout import CROSS_LAYERS_NAME
 from .history import HistoryPlan, history_plan
 from .settings import Settings, parse_peer_networks, parse_settings
@@ -126,7 +126,7 @@ def parse_handoff(params: dict, expected_layout: str, block_size: int, trusted) 
         if not isinstance(section.get(key), kind) or isinstance(section.get(key), bool):
             raise HandoffError(f"kvbaton handoff field {key!r} is missing or not a {kind.__name__}")
     ticket = section["ticket"]
-    if not 0 < len(ticket) <= pc.MAX_ID or not all(c.isalnum() or c in "._:/@+=-" for c in ticket):
+    if not 0 < len(ticket) <= pc.MAX_ID or not _ID_CHARS.issuperset(ticket):
         raise HandoffError("kvbaton handoff 'ticket' is not a ticket id")
     for key in ("keepalive", "instance"):
         value = section.get(key, "")
@@ -149,6 +149,9 @@ def parse_handoff(params: dict, expected_layout: str, block_size: int, trusted) 
         raise HandoffError(f"kvbaton handoff covers {section['num_tokens']} tokens (1 to "
                            f"{MAX_HANDOFF_TOKENS} allowed)")
     return section, math.ceil(section["num_tokens"] / block_size)
+
+
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:/@+=-")  # peer.Id
 
 
 def check_control(control: str, trusted) -> None:
@@ -362,6 +365,7 @@ class SchedulerSide:
         # No secret, no engine: a routable control address without one refuses to start here,
         # with a message naming the setting (SecretError).
         secret = resolve_secret(s.secret_file, s.control_host)
+        install_frame_key(secret)  # this process's own calls to its sidecar (debug_state)
         self.trusted = parse_peer_networks(s.peer_networks)
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self.sidecar_lost_logged = False
@@ -446,7 +450,7 @@ class SchedulerSide:
         if h is not None or not self.conn.is_consumer:
             return h
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or "kvbaton" not in params:
+        if not isinstance(params, dict) or not params.get("do_remote_prefill") or "kvbaton" not in params:
             return None
         if not self.usable():
             h = Handoff("", "", 0, 0, hit=False, consumed=True, reason="sidecar down")
@@ -539,7 +543,7 @@ class SchedulerSide:
         r = self.restores.pop(rid, None)
         if r is not None and r.state in (ASKED, RESERVED):
             self._release(rid, r)  # an abort before allocation gives the lease back
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         remote_decode = self.conn.is_producer and bool(params.get("do_remote_decode"))
         if not remote_decode:
             if self.history_on and not aborted and block_ids and self.usable():
@@ -555,7 +559,10 @@ class SchedulerSide:
         # P advertises only the address its sidecar really listens at (it binds its own port): a
         # sidecar still starting is given a moment, once; one that is not up by then means no
         # handoff (vLLM frees the blocks; D computes the prompt itself).
-        control = self.sidecar.address or self.sidecar.bound_address(SIDECAR_READY_WAIT_S)
+        control = self.sidecar.address
+        if not control:
+            # The first handoff waits for the bind (once); later ones only look.
+            control = self.sidecar.bound_address(0.0 if self.unbound_logged else SIDECAR_READY_WAIT_S)
         if not control:
             if not self.unbound_logged:
                 self.unbound_logged = True
@@ -648,7 +655,8 @@ class SchedulerSide:
             return False, None
         blocks = tuple(blocks[:n])
         ticket_keys = self._ticket_keys(request, keys[:n], n, n * bs)
-        self.sidecar.send(m.TicketFact(uuid.uuid4().hex, request.request_id, blocks, ticket_keys, True))
+        if not self.sidecar.send(m.TicketFact(uuid.uuid4().hex, request.request_id, blocks, ticket_keys, True)):
+            return False, None  # not queued: vLLM frees the blocks now, nothing is retained
         return True, None  # the blocks are returned (finished_sending) once history copied them
 
     def _restore_match(self, request, num_computed_tokens: int):

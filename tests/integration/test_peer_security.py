@@ -280,8 +280,10 @@ def test_ownership_is_checked_on_every_operation(peers):
     after = state(peers.p)
     assert after["counters"]["claims.refused.unknown_ticket"] == unknown + 5
     assert after["open"]["tickets"] == before["open"]["tickets"] - 2
-    assert refused(after).get("not_claimer", 0) - refused(before).get("not_claimer", 0) == 2
-    assert refused(after).get("no_capability", 0) - refused(before).get("no_capability", 0) == 2
+    # Claim of a claimed ticket, read start, read end and an old epoch's read end by non-owners;
+    # two heartbeats and two abandons without the right capability.
+    assert refused(after).get("not_claimer", 0) - refused(before).get("not_claimer", 0) == 4
+    assert refused(after).get("no_capability", 0) - refused(before).get("no_capability", 0) == 4
 
 
 def test_a_grant_for_other_tokens_is_not_read(peers):
@@ -432,6 +434,40 @@ def test_a_restarted_d_at_the_same_address_loses_its_old_claims_at_once(peers):
     assert after["open"]["tickets"] == before["open"]["tickets"] - 1
     assert after["counters"]["tickets.closed.released"] == before["counters"].get("tickets.closed.released", 0) + 1
     assert after["counters"].get("reads.finished.failed", 0) == before["counters"].get("reads.finished.failed", 0) + 1
+
+
+def test_two_decode_engines_reporting_one_address_keep_their_claims(peers):
+    """A wildcard or copied control address on two engines is not a restart: each keeps its
+    claims (told apart by name); only the same engine with a new instance loses its old ones."""
+
+    t1, t2 = uuid.uuid4().hex, uuid.uuid4().hex
+    peers.p.send(ticket_fact(t1, "req-shared-1", (15, 16)))
+    peers.p.send(ticket_fact(t2, "req-shared-2", (17, 18)))
+    time.sleep(0.3)
+    address = "127.0.0.1:7000"
+    call = lambda c: run(call_peer(peers.p.address, c))  # noqa: E731
+    assert call(pc.Claim(t1, "Done", 1, "c" * 32, address)).granted
+    assert call(pc.ReadStart(t1, "Done", 1, "r/0")).ok
+    before = state(peers.p)
+    assert call(pc.Claim(t2, "Dtwo", 1, "d" * 32, address)).granted
+    assert call(pc.Heartbeat("Done", [], "c" * 32, address)).ok
+    after = state(peers.p)
+    assert after["open"]["tickets"] == before["open"]["tickets"]
+    assert after["counters"].get("reads.finished.failed", 0) == before["counters"].get("reads.finished.failed", 0)
+    assert call(pc.ReadEnd(t1, "Done", 1, "r/0", True, True)).ok
+    assert call(pc.Release(t2, "Dtwo", 1)).ok
+
+
+def test_refusal_logs_name_the_peer(peers):
+    run(raw_calls(peers.p.address, [b"\xc1"]))
+    deadline = time.monotonic() + 5
+    text = ""
+    while time.monotonic() < deadline:
+        text = open(peers.p.log_file, errors="replace").read()
+        if "refused a peer call from 127.0.0.1:" in text:
+            break
+        time.sleep(0.1)
+    assert "refused a peer call from 127.0.0.1:" in text, text[-2000:]
 
 
 def test_the_log_still_replays_after_the_forgeries(peers):

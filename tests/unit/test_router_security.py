@@ -134,3 +134,65 @@ def test_upstream_failures_name_no_internal_address_or_exception():
 
     reply = call(unreachable, "POST", "/v1/completions", headers=bearer(), json_body=BODY)
     assert reply.status_code == 502 and "internal" not in reply.text and "refused" not in reply.text
+
+
+def test_streams_hold_their_place_in_flight_until_they_end():
+    """Over a real socket (an in-process transport would buffer the whole stream)."""
+
+    uvicorn = pytest.importorskip("uvicorn")
+    from kvbaton.control.client import free_port
+
+    release = asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host.startswith("p-"):
+            return Engines()(request)
+
+        async def body():
+            yield b"data: first\n\n"
+            await release.wait()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=body())
+
+    async def go():
+        router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY, max_in_flight=1)
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        port = free_port("127.0.0.1")
+        server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.02)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                async with client.stream("POST", "/v1/completions", headers=bearer(),
+                                         json={**BODY, "stream": True}) as first:
+                    assert first.status_code == 200
+                    chunks = first.aiter_bytes()
+                    await chunks.__anext__()
+                    second = await client.post("/v1/completions", headers=bearer(), json={**BODY, "stream": True})
+                    assert second.status_code == 429  # the first stream still holds the only place
+                    release.set()
+                    async for _ in chunks:
+                        pass
+                for _ in range(50):  # the server lets go of the stream just after its last byte
+                    if router.active == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                third = await client.post("/v1/completions", headers=bearer(), json=BODY)
+                return third.status_code, router.active
+        finally:
+            server.should_exit = True
+            await serving
+
+    status, active = asyncio.run(go())
+    assert status == 200 and active == 0
+
+
+def test_vllm_xargs_cannot_carry_handoff_params():
+    engines = Engines(p_params=False)
+    forged = {**BODY, "vllm_xargs": {"kv_transfer_params": {"do_remote_prefill": True}, "other": 1}}
+    call(engines, "POST", "/v1/completions", headers=bearer(), json_body=forged)
+    d_body = next(body for role, body in engines.seen if role == "d" and "prompt" in body)
+    assert d_body["vllm_xargs"] == {"other": 1}

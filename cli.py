@@ -17,10 +17,47 @@ def _short(struct) -> str:
     return f"{type(struct).__name__}({fields})"
 
 
+def stream_log(path: str) -> tuple[LogHeader, Iterator[Record], Callable[[], None]]:
+    """A log read lazily from a memory map: its header (checked), its records one at a time
+    (memory bounded by the largest record, not the file), and a close(). Raises LogError or
+    OSError with a readable message."""
+
+    import mmap
+    import os
+
+    from .core.log import MAGIC, LogError, checked_records, read_header
+
+    stream = open(path, "rb")
+    try:
+        size = os.fstat(stream.fileno()).st_size
+        data = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except BaseException:
+        stream.close()
+        raise
+    try:
+        header, offset = read_header(data)
+        problems = header.config.problems()
+        if problems:
+            raise LogError(len(MAGIC), "header config is invalid: " + "; ".join(problems))
+    except BaseException:
+        close_quietly(data, stream)
+        raise
+    return header, checked_records(data, offset), lambda: close_quietly(data, stream)
+
+
+def close_quietly(data, stream) -> None:
+    try:
+        if hasattr(data, "close"):
+            data.close()
+    except BufferError:  # a record's view still alive: the map goes with the process
+        pass
+    stream.close()
+
+
 def cmd_replay(args) -> int:
     import msgspec
 
-    from .core.log import LogError, read_log
+    from .core.log import LogError
     from .core.replay import replay
 
     if args.diagram:
@@ -35,8 +72,8 @@ def cmd_replay(args) -> int:
         print("kvbaton replay: give a log path (or --diagram)", file=sys.stderr)
         return 2
     try:
-        header, records = read_log(args.log)
-    except (LogError, OSError) as exc:
+        header, records, close = stream_log(args.log)
+    except (LogError, OSError, ValueError) as exc:
         print(f"kvbaton replay: {args.log}: {exc}", file=sys.stderr)
         return 2
     wanted = {x for x in (args.request, args.ticket) if x}
@@ -78,7 +115,37 @@ def cmd_replay(args) -> int:
             print(f"{'':>26}!! state hash diverged: {step.diverged}")
 
     quiet = args.quiet
-    result = replay(header, records, on_step=None if quiet else show)
+    position = {"seq": 0}
+
+    def counted(source):
+        for record in source:
+            position["seq"] = record.seq
+            if record.seq > args.max_records:
+                raise LogError(0, f"more than {args.max_records} records (--max-records)")
+            yield record
+
+    def run(source, **kw):
+        try:
+            return replay(header, counted(source), check_every=args.check_every, **kw)
+        except (LogError, ValueError, OverflowError, TypeError) as exc:
+            # A hostile or damaged log: one line, never a traceback from inside the core.
+            where = "" if isinstance(exc, LogError) else f"record {position['seq']}: "
+            print(f"kvbaton replay: {args.log}: {where}{exc}", file=sys.stderr)
+            return None
+        finally:
+            close()
+
+    result = run(records, on_step=None if quiet else show)
+    if result is None:
+        return 2
+    if result.first_violation is not None and args.check_every > 1:
+        # Checks ran every --check-every events: find the exact first broken event by replaying
+        # again, checking every event after the last clean check.
+        _header, records, close = stream_log(args.log)
+        exact = run(records, exact_after=result.last_clean_seq)
+        if exact is None:
+            return 2
+        result = exact
     if not args.json:
         print(f"log: {args.log} (engine {header.engine or '?'}, role {header.role or '?'}, "
               f"writer {header.writer}, schema {header.schema})")
@@ -202,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per event")
     p.add_argument("--diagram", action="store_true", help="print each machine as a mermaid diagram")
     p.add_argument("--quiet", action="store_true", help="only the summary")
+    p.add_argument("--check-every", type=int, default=64, metavar="N",
+                   help="check every invariant after every N events (and the exact first broken "
+                        "event in a second pass when one fails); 1: after every event (default 64: "
+                        "replay time stays linear in a log's records)")
+    p.add_argument("--max-records", type=int, default=50_000_000,
+                   help="refuse a log with more records than this (default 50 million)")
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("timings", help="where handoffs, retentions and restores spent their time "

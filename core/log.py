@@ -200,6 +200,30 @@ def iter_records(data: bytes, offset: int) -> Iterator[tuple[int, Record]]:
         offset = end
 
 
+INT64_MAX = (1 << 63) - 1
+
+
+def _ints_in_range(value) -> bool:
+    """Every int in an event (times, ids' numbers, block ids) fits the int64 the writer uses."""
+
+    if type(value) is int:
+        return -INT64_MAX - 1 <= value <= INT64_MAX
+    if isinstance(value, (tuple, list)):
+        return all(_ints_in_range(item) for item in value)
+    return True
+
+
+def checked_records(data, offset: int) -> Iterator[Record]:
+    """`iter_records`, refusing events with out-of-range integers (a hostile or damaged log):
+    LogError naming the record."""
+
+    for at, record in iter_records(data, offset):
+        event = record.event
+        if event is not None and not all(_ints_in_range(getattr(event, f)) for f in event.__struct_fields__):
+            raise LogError(at, f"record {record.seq}: {type(event).__name__} holds an integer outside int64")
+        yield record
+
+
 def read_log(path: str) -> tuple[LogHeader, list[Record]]:
     """Read a whole log; raise `LogError` (or `OSError`) with a readable message."""
 

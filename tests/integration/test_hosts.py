@@ -47,9 +47,10 @@ def engine_spec(hosts: Hosts, role: str, name: str, core: int, events: Path) -> 
 def net(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("hosts")
     model_dir = build_tiny_model(root / "model")
-    hosts = Hosts(["p", "d", "r"])
+    hosts = Hosts(["p", "p2", "d", "r"])
     events = root / "events"
-    specs = [engine_spec(hosts, "prefill", "p", 0, events), engine_spec(hosts, "decode", "d", 1, events)]
+    specs = [engine_spec(hosts, "prefill", "p", 0, events), engine_spec(hosts, "prefill", "p2", 1, events),
+             engine_spec(hosts, "decode", "d", 1, events)]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
                             extra_engine_args=[])
@@ -60,8 +61,9 @@ def net(tmp_path_factory):
         r_host = hosts.address("r")
         router = subprocess.Popen(
             hosts.prefix("r") + [sys.executable, "-m", "kvbaton.cli", "serve", "--log-dir", str(root / "router"),
-                                 "--prefill-url", deployment.prefill_urls[0], "--decode-url",
-                                 deployment.decode_urls[0], "--host", r_host, "--port", "8000"],
+                                 "--prefill-url", deployment.prefill_urls[0], "--prefill-url",
+                                 deployment.prefill_urls[1], "--decode-url", deployment.decode_urls[0],
+                                 "--host", r_host, "--port", "8000"],
             stdout=router_log, stderr=subprocess.STDOUT,
             env={**__import__("os").environ, "KVBATON_SECRET": resolve_secret()})
         url = f"http://{r_host}:8000"
@@ -91,8 +93,8 @@ def d_state(deployment) -> dict:
     return call_authority_sync(deployment.controls("decode")[deployment.decode_urls[0]], "debug_state")
 
 
-def p_state(deployment) -> dict:
-    return call_authority_sync(deployment.controls("prefill")[deployment.prefill_urls[0]], "debug_state")
+def p_state(deployment, index: int = 0) -> dict:
+    return call_authority_sync(deployment.controls("prefill")[deployment.prefill_urls[index]], "debug_state")
 
 
 def reference(deployment, prompt: str, max_tokens: int) -> str:
@@ -102,8 +104,13 @@ def reference(deployment, prompt: str, max_tokens: int) -> str:
 
 def wait_closed(deployment, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while any(p_state(deployment)["open"].values()) or any(d_state(deployment)["open"].values()):
-        assert time.monotonic() < deadline, (p_state(deployment)["open"], d_state(deployment)["open"])
+
+    def open_records():
+        return [p_state(deployment, i)["open"] for i in range(len(deployment.prefill_urls))] + \
+            [d_state(deployment)["open"]]
+
+    while any(any(o.values()) for o in open_records()):
+        assert time.monotonic() < deadline, open_records()
         time.sleep(0.3)
 
 
@@ -123,6 +130,24 @@ def test_handoff_across_hosts_equals_a_single_engine(net, words):
     assert p_state(deployment)["counters"].get("peers.refused.unauthenticated", 0) == 0
 
 
+def test_two_prefill_hosts_and_one_decode_host_serve_a_stream_with_every_handoff_loaded(net):
+    hosts, deployment, url, _root = net
+    prompts = [words_for(tiny_prompt(100 + 40 * i, seed=900 + i)) for i in range(6)]
+    before_d = d_state(deployment)["counters"]
+    before_p = [p_state(deployment, i)["counters"] for i in range(2)]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    for prompt in prompts:
+        text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+        assert text == reference(deployment, prompt, 6)
+    after_d = d_state(deployment)
+    assert after_d["counters"].get("loads.done", 0) - before_d.get("loads.done", 0) == len(prompts)
+    assert after_d["transfer"].get("timed_out", 0) == 0
+    issued = [p_state(deployment, i)["counters"].get("tickets.issued", 0) - before_p[i].get("tickets.issued", 0)
+              for i in range(2)]
+    assert issued == [3, 3], issued  # round robin: both prefill hosts handed off
+    wait_closed(deployment)
+
+
 def test_a_p_restarted_at_the_same_address_misses_old_tickets_at_once(net):
     hosts, deployment, url, _root = net
     prompt = words_for(tiny_prompt(120, seed=801))
@@ -132,7 +157,7 @@ def test_a_p_restarted_at_the_same_address_misses_old_tickets_at_once(net):
         timeout=120).json()
     old_params = p_reply["kv_transfer_params"]
     assert old_params["kvbaton"]["control"].startswith(hosts.address("p"))
-    engine = next(e for e in deployment.engines if e.spec.role == "prefill")
+    engine = next(e for e in deployment.engines if e.spec.role == "prefill" and e.spec.host == hosts.address("p"))
     hosts.kill_all("p")  # P's host dies...
     engine.process.wait(30)
     deployment.engines.remove(engine)
@@ -140,7 +165,7 @@ def test_a_p_restarted_at_the_same_address_misses_old_tickets_at_once(net):
                            log_dir=deployment.log_dir / "restart", specs=[engine.spec], block_size=32,
                            max_model_len=2048, load_format="dummy", extra_engine_args=[])
     restarted.start(lambda text: None, timeout_s=400)  # ...and comes back at the same address and port
-    deployment.engines.extend(restarted.engines)
+    deployment.engines[:0] = restarted.engines  # first again: prefill_urls keeps its order
     before = d_state(deployment)["counters"]
     started = time.monotonic()
     d_reply = httpx.post(f"{deployment.decode_urls[0]}/v1/completions", json={

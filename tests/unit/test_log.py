@@ -5,11 +5,12 @@ import pathlib
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from kvbaton.core import events as ev
 from kvbaton.core.ledger import STATE_HASH_VERSION, Ledger, LedgerConfig
-from kvbaton.core.log import LogError, LogHeader, LogWriter, read_log
+from kvbaton.core.log import MAGIC, LogError, LogHeader, LogWriter, Record, _frame, read_log
 from kvbaton.core.replay import replay
 from kvbaton.sim.fuzz import write_log
 from kvbaton.sim.swarm import Swarm
@@ -123,3 +124,61 @@ def test_writer_flushes_on_close(tmp_path):
     writer.close(ledger)
     header, records = read_log(str(path))
     assert [r.seq for r in records] == [1, 2, 3, 4] and records[-1].event is None
+
+
+def _cli_replay(path, *extra):
+    return subprocess.run([sys.executable, "-m", "kvbaton.cli", "replay", str(path), "--quiet", *extra],
+                          capture_output=True, text=True)
+
+
+def test_hostile_logs_get_one_line_and_exit_2(tmp_path):
+    enc = msgspec.msgpack.Encoder()
+    header = msgspec.to_builtins(LogHeader())
+    bad_config = dict(header, config={**header["config"], "unclaimed_ttl_ns": -1})
+    cases = {
+        "bad-config": MAGIC + _frame(enc.encode(bad_config)) + _frame(enc.encode([1, ["tk", 5], None])),
+        "huge-int": MAGIC + _frame(enc.encode(header)) + _frame(enc.encode([1, ["tk", 2**64 - 1], None])),
+        "negative-huge": MAGIC + _frame(enc.encode(header)) + _frame(enc.encode(
+            [1, ["ti", 1, "t", "r", [2**63]], None])),
+    }
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.kvlog"
+        path.write_bytes(data)
+        out = _cli_replay(path)
+        assert out.returncode == 2, (name, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, (name, out.stderr)
+    many = tmp_path / "many.kvlog"
+    many.write_bytes(MAGIC + _frame(enc.encode(header)) + b"".join(
+        _frame(enc.encode([i, ["tk", i], None])) for i in range(1, 11)))
+    out = _cli_replay(many, "--max-records", "5")
+    assert out.returncode == 2 and "more than 5 records" in out.stderr
+    assert _cli_replay(many).returncode == 0
+
+
+def test_periodic_checks_still_name_the_first_broken_event():
+    class BreaksAt(Ledger):
+        def check_invariants(self):
+            return super().check_invariants() + (["broken"] if self.now_ns >= 100 else [])
+
+    records = [Record(i, ev.Tick(at_ns=i)) for i in range(1, 301)]
+    header = LogHeader()
+    coarse = replay(header, records, ledger_factory=BreaksAt, check_every=64)
+    assert coarse.first_violation.seq == 128 and coarse.last_clean_seq == 64
+    exact = replay(header, records, ledger_factory=BreaksAt, check_every=64, exact_after=coarse.last_clean_seq)
+    assert exact.first_violation.seq == 100
+    assert replay(header, records, ledger_factory=BreaksAt).first_violation.seq == 100
+
+
+def test_replay_needs_only_the_core():
+    """A core-only install (msgspec, transitions) runs `kvbaton replay`: the command line never
+    imports the serving or control-plane packages to build its parser or replay a log."""
+
+    golden = GOLDEN / "v1h4-P0.kvlog"
+    code = ("import sys\n"
+            "for name in ('httpx', 'fastapi', 'uvicorn', 'xoscar', 'zmq', 'torch', 'vllm', 'prometheus_client'):\n"
+            "    sys.modules[name] = None\n"
+            "from kvbaton.cli import main\n"
+            f"sys.exit(main(['replay', {str(golden)!r}, '--quiet']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "0 violations" in out.stdout

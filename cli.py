@@ -17,7 +17,7 @@ def _short(struct) -> str:
     return f"{type(struct).__name__}({fields})"
 
 
-def stream_log(path: str) -> tuple[LogHeader, Iterator[Record], Callable[[], None]]:
+def stream_log(path: str) -> tuple:
     """A log read lazily from a memory map: its header (checked), its records one at a time
     (memory bounded by the largest record, not the file), and a close(). Raises LogError or
     OSError with a readable message."""

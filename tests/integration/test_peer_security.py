@@ -18,7 +18,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -35,8 +34,8 @@ from kvbaton.control.guard import capability_digest, ensure_frame_key, mint_capa
 from kvbaton.core.log import read_log  # noqa: E402
 from kvbaton.core.replay import replay  # noqa: E402
 
-from .test_sidecar_claim import (DIGEST, LAYOUT, NUM_TOKENS, START_TIMEOUT_S, load, start_sidecar,  # noqa: E402
-                                 ticket_fact, wait_resolved)
+from .test_sidecar_claim import (DIGEST, LAYOUT, NUM_TOKENS, START_TIMEOUT_S, SilentServer, load,  # noqa: E402
+                                 start_sidecar, ticket_fact, wait_resolved)
 
 pytestmark = pytest.mark.integration
 
@@ -306,7 +305,7 @@ def test_a_grant_for_other_tokens_is_not_read(peers):
     assert state(peers.p)["counters"].get("reads.started", 0) == before_p["counters"].get("reads.started", 0)
 
 
-class PickleListener:
+class PickleListener(SilentServer):
     """Something at a trusted control address that answers every connection with an
     unauthenticated xoscar frame whose header is a pickle that would create a file."""
 
@@ -317,33 +316,12 @@ class PickleListener:
 
         header = pickle.dumps(Evil())
         self.frame = struct.pack("<BQH", 1, len(header), 0) + header
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
         self.served = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        self.sock.settimeout(0.1)
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            try:
-                conn.sendall(self.frame)
-                self.served += 1
-                time.sleep(0.2)
-            finally:
-                conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
+    def on_connection(self, conn: socket.socket) -> None:
+        conn.sendall(self.frame)
+        self.served += 1
 
 
 def test_a_control_address_that_answers_a_pickle_runs_nothing(peers, tmp_path):

@@ -82,9 +82,14 @@ class SilentServer:
         self.sock.settimeout(0.1)
         while not self._stop.is_set():
             try:
-                self.connections.append(self.sock.accept()[0])
+                conn = self.sock.accept()[0]
             except OSError:
                 continue
+            self.connections.append(conn)
+            self.on_connection(conn)
+
+    def on_connection(self, conn: socket.socket) -> None:
+        """What the server does with a new connection: nothing (subclasses answer)."""
 
     def close(self) -> None:
         self._stop.set()

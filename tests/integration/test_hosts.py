@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,10 +35,14 @@ if _why_not:
     pytest.skip(f"separate hosts need network namespaces: {_why_not}", allow_module_level=True)
 
 
-def engine_spec(hosts: Hosts, role: str, name: str, core: int, events: Path) -> EngineSpec:
+CLAIM_LEASE_S = 4  # P: a claim nobody speaks for ends this long after its last word
+HOLD_S = 3  # D2 holds each load this long between its claim and its read (a window to kill a host in)
+
+
+def engine_spec(hosts: Hosts, role: str, name: str, core: int, events: Path, **settings) -> EngineSpec:
     host = hosts.address(name)
     extra = {"control_host": host, "peer_networks": "198.18.0.0/15", "event_log_dir": str(events),
-             "heartbeat_interval_s": 1}
+             "heartbeat_interval_s": 1, **settings}
     env = {"KVBATON_SECRET": resolve_secret(), "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
     return EngineSpec(role, 8100 if role == "prefill" else 8200, free_port("127.0.0.1"), f"cpu:{core}", 64 << 20,
                       extra, host=host, prefix=hosts.prefix(name), env=env)
@@ -47,10 +52,12 @@ def engine_spec(hosts: Hosts, role: str, name: str, core: int, events: Path) -> 
 def net(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("hosts")
     model_dir = build_tiny_model(root / "model")
-    hosts = Hosts(["p", "p2", "d", "r"])
+    hosts = Hosts(["p", "p2", "d", "d2", "r"])
     events = root / "events"
-    specs = [engine_spec(hosts, "prefill", "p", 0, events), engine_spec(hosts, "prefill", "p2", 1, events),
-             engine_spec(hosts, "decode", "d", 1, events)]
+    specs = [engine_spec(hosts, "prefill", "p", 0, events, claim_lease_s=CLAIM_LEASE_S),
+             engine_spec(hosts, "prefill", "p2", 1, events, claim_lease_s=CLAIM_LEASE_S),
+             engine_spec(hosts, "decode", "d", 1, events),
+             engine_spec(hosts, "decode", "d2", 0, events, debug_hold_first_read_s=HOLD_S)]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
                             extra_engine_args=[])
@@ -148,32 +155,75 @@ def test_two_prefill_hosts_and_one_decode_host_serve_a_stream_with_every_handoff
     wait_closed(deployment)
 
 
-def test_a_p_restarted_at_the_same_address_misses_old_tickets_at_once(net):
-    hosts, deployment, url, _root = net
-    prompt = words_for(tiny_prompt(120, seed=801))
-    p_url = deployment.prefill_urls[0]
-    p_reply = httpx.post(f"{p_url}/v1/completions", json={
+def prefill_on_p(deployment, prompt: str) -> dict:
+    reply = httpx.post(f"{deployment.prefill_urls[0]}/v1/completions", json={
         "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
         timeout=120).json()
-    old_params = p_reply["kv_transfer_params"]
-    assert old_params["kvbaton"]["control"].startswith(hosts.address("p"))
+    return reply["kv_transfer_params"]
+
+
+def decode_in_background(url: str, prompt: str, params: dict) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["reply"] = httpx.post(f"{url}/v1/completions", json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "kv_transfer_params": params}, timeout=120)
+        except httpx.HTTPError as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def wait_claimed(deployment, claimed_before: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while p_state(deployment)["counters"].get("tickets.claimed", 0) <= claimed_before:
+        assert time.monotonic() < deadline, "D2 never claimed the ticket"
+        time.sleep(0.05)
+
+
+def restart_p(hosts, deployment) -> None:
     engine = next(e for e in deployment.engines if e.spec.role == "prefill" and e.spec.host == hosts.address("p"))
-    hosts.kill_all("p")  # P's host dies...
     engine.process.wait(30)
     deployment.engines.remove(engine)
     restarted = Deployment(deployment.model, tokenizer=deployment.tokenizer, served_model_name=MODEL,
                            log_dir=deployment.log_dir / "restart", specs=[engine.spec], block_size=32,
                            max_model_len=2048, load_format="dummy", extra_engine_args=[])
-    restarted.start(lambda text: None, timeout_s=400)  # ...and comes back at the same address and port
+    restarted.start(lambda text: None, timeout_s=400)  # at the same address and ports
     deployment.engines[:0] = restarted.engines  # first again: prefill_urls keeps its order
+
+
+def test_p_dies_after_a_claim_and_comes_back_at_the_same_address(net):
+    """P's host dies between D's claim and D's read: the request recomputes (no hang). P comes
+    back at the same address and port: a ticket of the dead instance is a miss at once, new
+    handoffs are hits."""
+
+    hosts, deployment, url, _root = net
+    d2_url = deployment.decode_urls[1]
+    held_prompt, old_prompt = words_for(tiny_prompt(150, seed=811)), words_for(tiny_prompt(120, seed=801))
+    held_params, old_params = prefill_on_p(deployment, held_prompt), prefill_on_p(deployment, old_prompt)
+    assert old_params["kvbaton"]["control"].startswith(hosts.address("p"))
+    claimed = p_state(deployment)["counters"].get("tickets.claimed", 0)
+    thread, box = decode_in_background(d2_url, held_prompt, held_params)
+    wait_claimed(deployment, claimed)
+    hosts.kill_all("p")  # P's host dies with the claim granted and the read not yet started
+    thread.join(90)
+    assert not thread.is_alive(), "D2's request hung after P died"
+    assert box["reply"].status_code == 200, box
+    assert box["reply"].json()["choices"][0]["text"] == reference(deployment, held_prompt, 8)
+
+    restart_p(hosts, deployment)
     before = d_state(deployment)["counters"]
     started = time.monotonic()
     d_reply = httpx.post(f"{deployment.decode_urls[0]}/v1/completions", json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "kv_transfer_params": old_params},
+        "model": MODEL, "prompt": old_prompt, "max_tokens": 8, "temperature": 0, "kv_transfer_params": old_params},
         timeout=120)
     took = time.monotonic() - started
     after = d_state(deployment)["counters"]
-    assert d_reply.status_code == 200 and d_reply.json()["choices"][0]["text"] == reference(deployment, prompt, 8)
+    assert d_reply.status_code == 200 and d_reply.json()["choices"][0]["text"] == reference(deployment, old_prompt, 8)
     assert after.get("peers.refused.stale_instance", 0) == before.get("peers.refused.stale_instance", 0) + 1
     assert took < 6.0, took  # a miss at once, not the unknown-ticket retries (8 s)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
@@ -183,3 +233,24 @@ def test_a_p_restarted_at_the_same_address_misses_old_tickets_at_once(net):
                                      temperature=0).choices[0].text == reference(deployment, fresh, 8)
     assert d_state(deployment)["counters"].get("loads.done", 0) == before.get("loads.done", 0) + 1
     wait_closed(deployment)
+
+
+def test_d_dies_after_claiming_and_p_gets_its_blocks_back(net):
+    """D2's host dies holding a claim: nobody speaks for it, so P's idle lease ends it and P
+    returns the blocks (a recompute elsewhere is all it cost)."""
+
+    hosts, deployment, _url, _root = net
+    prompt = words_for(tiny_prompt(180, seed=821))
+    params = prefill_on_p(deployment, prompt)
+    counters = p_state(deployment)["counters"]
+    claimed, expired = counters.get("tickets.claimed", 0), counters.get("tickets.closed.expired", 0)
+    decode_in_background(deployment.decode_urls[1], prompt, params)
+    wait_claimed(deployment, claimed)
+    hosts.kill_all("d2")
+    deadline = time.monotonic() + CLAIM_LEASE_S + 15
+    while p_state(deployment)["open"]["tickets"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    state = p_state(deployment)
+    assert state["open"]["tickets"] == 0
+    assert state["counters"].get("tickets.closed.expired", 0) == expired + 1
+    assert state["violations"] == []

@@ -131,7 +131,8 @@ class Deployment:
             self.engines.append(Engine(EngineSpec("decode", 0, 0, "attached", 0), url.rstrip("/"), None, Path("/dev/null")))
         for spec in self.specs:
             cmd, env = self._command(spec)
-            log_path = self.log_dir / f"{spec.role}-{spec.port}.log"
+            where = "" if spec.host == "127.0.0.1" else f"{spec.host}-"  # engines on other hosts may share a port
+            log_path = self.log_dir / f"{spec.role}-{where}{spec.port}.log"
             with open(log_path, "wb") as out:
                 process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env=env, start_new_session=True, preexec_fn=_die_with_parent)

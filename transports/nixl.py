@@ -225,7 +225,7 @@ class _InFlight:
     # perf_counter after which the read is cancelled (see read_timeout_s); how long that was.
     deadline: float = float("inf")
     bound_s: float = 0.0
-    cancel_refused: bool = False  # NIXL would not cancel it yet: tried again at each progress
+    cancel_refused: bool = False  # past its bound already (flagged, or failed and retired)
 
 
 class NixlTransport:
@@ -271,10 +271,11 @@ class NixlTransport:
                 many runs (each run costs one descriptor per layer; the scatter costs about one
                 kernel launch per layer); 0 lands every read that fits.
             read_timeout_s: a read still in flight this long plus its size at
-                `read_floor_bytes_per_s` after it was posted is cancelled (its handle released)
-                and fails: whatever stalls it (a dead peer, a wedged progress engine), no request
-                waits on it for ever. A read NIXL will not cancel yet stays in flight, and its
-                destination blocks with it, until NIXL lets it go. None: no bound.
+                `read_floor_bytes_per_s` after it was posted is past its bound. One that lands in
+                the landing area then fails (its request recomputes) and its slice is retired;
+                one straight into engine blocks is flagged and counted (`reads_overdue`) but left
+                in flight, because nothing stops a UCX GET that has been posted and its bytes would
+                land in blocks vLLM reuses. None: no bound.
         """
         if descriptor_mode not in ("auto", "prepped", "per_read"):
             raise ValueError(f"descriptor_mode must be 'auto', 'prepped' or 'per_read', "
@@ -296,6 +297,7 @@ class NixlTransport:
         self._landing_min_runs_saved = int(landing_min_runs_saved)
         self._read_timeout_s = read_timeout_s
         self._read_floor_bytes_per_s = read_floor_bytes_per_s
+        self._retired: list[Any] = []  # handles of reads failed at their bound (never released)
         self._landing: LandingArea | None = None
         self._landing_events: dict[str, Any] = {}  # read id -> CUDA event its collector waits on
         self.stats = {"reads": 0, "landed": 0, "landing_full": 0, "descriptors": 0}
@@ -751,22 +753,27 @@ class NixlTransport:
                 in_flight.seen_busy = checked
 
     def _cancel_overdue(self, in_flight: _InFlight) -> None:
-        """A read past its bound: released (NIXL aborts it) and failed; kept in flight while
-        NIXL refuses, so its destination is never reused under a transfer still writing."""
+        """A read past its bound. Neither releasing its handle nor dropping the peer stops a
+        GET in flight (UCX lets it finish and land later), so a read may be given up only where
+        its late bytes cannot hurt: one that lands in the landing area fails now and its slice
+        is never reused (nor its handle released); one straight into engine blocks is flagged,
+        counted and left to end by itself, since vLLM would reuse those blocks at once."""
 
-        try:
-            in_flight.handle.release()
-        except Exception as error:
-            if not in_flight.cancel_refused:
-                in_flight.cancel_refused = True
-                logger.warning("NIXL read %r from peer %r is past its %.1f s bound and could not be "
-                               "cancelled yet (%s); retrying", in_flight.read_id, in_flight.peer_id,
-                               in_flight.bound_s, error)
+        if in_flight.cancel_refused:
+            return
+        in_flight.cancel_refused = True
+        if in_flight.landing is None:
+            self.stats["reads_overdue"] = self.stats.get("reads_overdue", 0) + 1
+            logger.warning("NIXL read %r from peer %r (%d bytes) is past its %.1f s bound; it goes straight "
+                           "into engine blocks, so it is left to end by itself", in_flight.read_id,
+                           in_flight.peer_id, in_flight.nbytes, in_flight.bound_s)
             return
         self.stats["reads_timed_out"] = self.stats.get("reads_timed_out", 0) + 1
-        logger.warning("NIXL read %r from peer %r (%d bytes) did not end within its %.1f s bound: "
-                       "cancelled", in_flight.read_id, in_flight.peer_id, in_flight.nbytes, in_flight.bound_s)
-        self._settle(in_flight, "TIMEOUT", released=True)
+        logger.warning("NIXL read %r from peer %r (%d bytes) did not end within its %.1f s bound: failed; "
+                       "its landing slice is retired", in_flight.read_id, in_flight.peer_id,
+                       in_flight.nbytes, in_flight.bound_s)
+        self._retired.append(in_flight.handle)  # kept: a released handle's GET would still land
+        self._settle(in_flight, "TIMEOUT", released=False)
 
     def _settle(self, in_flight: _InFlight, state: str, released: bool | None = None) -> None:
         del self._in_flight[in_flight.read_id]

@@ -56,7 +56,9 @@ def net(tmp_path_factory):
     events = root / "events"
     specs = [engine_spec(hosts, "prefill", "p", 0, events, claim_lease_s=CLAIM_LEASE_S),
              engine_spec(hosts, "prefill", "p2", 1, events, claim_lease_s=CLAIM_LEASE_S),
-             engine_spec(hosts, "decode", "d", 1, events),
+             # Every read lands first (CPU engines have no landing area by default): a read past
+             # its bound can then fail safely, the late bytes going to a retired slice.
+             engine_spec(hosts, "decode", "d", 1, events, landing_bytes=32 << 20, landing_min_runs_saved=0),
              engine_spec(hosts, "decode", "d2", 0, events, debug_hold_first_read_s=HOLD_S)]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",

@@ -510,16 +510,19 @@ def _check_blocks(decode_caches, expected, layout, src_blocks, dst_blocks):
         assert torch.equal(got[dst_blocks], want[src_blocks]), f"{name}: blocks differ"
 
 
-def test_nixl_read_past_its_bound_is_cancelled_and_fails(prefill_process):
-    """Whatever stalls a read (NIXL keeps answering "in progress"), it fails after its bound:
-    the handle is released and the result says so, so the request recomputes instead of waiting
-    for ever; a later read through the same transport is unaffected."""
+@pytest.mark.parametrize("landed", [True, False])
+def test_nixl_read_past_its_bound(prefill_process, landed):
+    """Whatever stalls a read (here NIXL keeps answering "in progress"), past its bound a read
+    into the landing area fails (the request recomputes; the slice is retired, so a late write
+    cannot reach another read), while a read straight into engine blocks is only flagged: its
+    bytes could still land, so it is left to end by itself. Later reads are unaffected."""
 
     _, conn, metadata, expected = prefill_process
     caches = nixl_caches(NIXL_NUM_BLOCKS)
     layout = KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE)
-    decode = T.NixlTransport("D-bounded", descriptor_mode="per_read", post_in_thread=False,
-                             read_timeout_s=0.3, read_floor_bytes_per_s=1e12)
+    decode = T.NixlTransport(f"D-bounded-{landed}", descriptor_mode="per_read", post_in_thread=False,
+                             read_timeout_s=0.3, read_floor_bytes_per_s=1e12,
+                             landing_bytes=(4 << 20) if landed else 0, landing_min_runs_saved=0)
     try:
         decode.register(layout, caches)
         decode.add_peer("P", metadata)
@@ -529,13 +532,19 @@ def test_nixl_read_past_its_bound_is_cancelled_and_fails(prefill_process):
         agent.transfer = lambda handle: (real_transfer(handle), "PROC")[1] if stalled["on"] else real_transfer(handle)
         agent.check_xfer_state = lambda handle: "PROC" if stalled["on"] else real_check(handle)
         started = time.monotonic()
-        decode.start_read("stalled", "P", [3], [4], notify=None)
-        result = decode.wait("stalled", 10.0)
-        took = time.monotonic() - started
-        assert not result.ok and "read timed out after 0.3 s" in result.error, result
-        assert 0.25 <= took < 5.0, took
-        assert decode.stats["reads_timed_out"] == 1
+        decode.start_read("stalled", "P", [3, 9], [4, 6], notify=None)
+        if landed:
+            result = decode.wait("stalled", 10.0)
+            assert not result.ok and "read timed out after 0.3 s" in result.error, result
+            assert 0.25 <= time.monotonic() - started < 5.0
+            assert decode.stats["reads_timed_out"] == 1
+        else:
+            with pytest.raises(TimeoutError):
+                decode.wait("stalled", 1.0)
+            assert decode.stats["reads_overdue"] == 1 and "reads_timed_out" not in decode.stats
         stalled["on"] = False
+        if not landed:  # NIXL now reports it done: it ends as an ordinary read
+            assert decode.wait("stalled", NIXL_TIMEOUT_S).ok
         decode.start_read("after", "P", [7], [5], notify=None)
         assert decode.wait("after", NIXL_TIMEOUT_S).ok
         _check_blocks(caches, expected, layout, [7], [5])

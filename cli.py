@@ -141,7 +141,11 @@ def cmd_replay(args) -> int:
     if result.first_violation is not None and args.check_every > 1:
         # Checks ran every --check-every events: find the exact first broken event by replaying
         # again, checking every event after the last clean check.
-        _header, records, close = stream_log(args.log)
+        try:
+            _header, records, close = stream_log(args.log)
+        except (LogError, OSError, ValueError) as exc:
+            print(f"kvbaton replay: {args.log}: {exc}", file=sys.stderr)
+            return 2
         exact = run(records, exact_after=result.last_clean_seq)
         if exact is None:
             return 2

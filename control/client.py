@@ -205,8 +205,8 @@ class SidecarHandle:
     @classmethod
     def start(cls, config: SidecarConfig, log_dir: str, secret: str) -> "SidecarHandle":
         """Start the sidecar without waiting for it: facts queue in the socket until it binds,
-        and the address is known up front (we chose the port), so engine start is not delayed.
-        Its configuration and the deployment secret go to it on stdin."""
+        so engine start is not delayed; its address is known once its Ready says where it
+        listens (bound_address). Its configuration and the deployment secret go to it on stdin."""
 
         if os.path.lexists(config.ipc_dir):
             info = os.lstat(config.ipc_dir)

@@ -702,8 +702,9 @@ class Authority(xo.Actor):
             return False
         if answer.engine != engine or answer.instance != instance:
             self.refused["metadata_mismatch"] += 1
-            self.refusal_log.warning("metadata_mismatch", "peer at %s granted as engine %r answers as "
-                                     "%r: not reading from it", source, engine, answer.engine)
+            self.refusal_log.warning("metadata_mismatch", "peer at %s granted as engine %r instance %s "
+                                     "answers as %r instance %s: not reading from it", source, engine,
+                                     instance[:8], answer.engine, answer.instance[:8])
             return False
         self._send(self.to_worker, m.AddPeer(engine, answer.metadata))
         self.peers_announced = {key for key in self.peers_announced if key[:2] != (source, engine)}

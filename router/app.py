@@ -216,9 +216,10 @@ class Router:
         streaming = False
         try:
             response = await self._handle(request, endpoint)
-            if isinstance(response, StreamingResponse):
-                # A stream holds its place until its last byte (or the client leaving).
-                response.body_iterator = self._held(response.body_iterator)
+            if isinstance(response, HeldStream):
+                # A stream holds its place until it is over, however it ends (a client that
+                # leaves before its first byte included).
+                response.on_close = self._release
                 streaming = True
             return response
         finally:
@@ -229,12 +230,6 @@ class Router:
         self.active -= 1
         self.in_flight.dec()
 
-    async def _held(self, chunks):
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            self._release()
 
     async def _handle(self, request: Request, endpoint: str) -> Response:
         try:
@@ -301,8 +296,8 @@ class Router:
             self.requests.labels(endpoint, "client_gone").inc()
             return Response(status_code=499)
         if body.get("stream"):
-            return StreamingResponse(self._stream(request, endpoint, d_url, d_body, params, started),
-                                     media_type="text/event-stream")
+            return HeldStream(self._stream(request, endpoint, d_url, d_body, params, started),
+                              media_type="text/event-stream")
         d_reply = None
         for attempt, url in enumerate(self._decode_order(d_url)):
             try:
@@ -399,6 +394,20 @@ class Router:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+class HeldStream(StreamingResponse):
+    """A streamed answer that gives its place in flight back exactly once when it is over."""
+
+    on_close = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            release, self.on_close = self.on_close, None
+            if release is not None:
+                release()
 
 
 def upstream_error(status: int, content: bytes, role: str, url: str) -> JSONResponse:

@@ -203,18 +203,29 @@ class Deployment:
             engine.process.wait()
 
 
-def _die_with_parent() -> None:
-    """In an engine's process, before it starts: SIGTERM it when `kvbaton serve` dies, even by
-    SIGKILL (it lives in its own session, so no terminal signal reaches it); vLLM then stops its
-    engine core, whose sidecar follows its parent."""
-
+def _find_prctl():
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _find_prctl()  # resolved here, not between fork and exec
+_PARENT_PID = os.getpid()
+
+
+def _die_with_parent() -> None:
+    """In an engine's process, before it starts: SIGTERM it when `kvbaton serve` dies, even by
+    SIGKILL (it lives in its own session, so no terminal signal reaches it); vLLM then stops its
+    engine core, whose sidecar follows its parent. (Only the thread that forked must live: the
+    engines are started from the main thread.)"""
+
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != _PARENT_PID and _PARENT_PID != os.getpid():
+            os._exit(1)  # the parent died before the request took effect
 
 
 def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, prefill_kv_cache_bytes: int | None,

@@ -185,6 +185,7 @@ class _Peer:
     mem_type: str
     dlist: Any = None  # prepped per-block descriptor list of the peer's cache, or None
     group_offsets: np.ndarray | None = None
+    agent_metadata: bytes = b""  # what the agent was added from (a restart can keep its name)
 
 
 @dataclass
@@ -386,7 +387,7 @@ class NixlTransport:
             layout.check_compatible(peer_metadata.layout)
             old = self._peers.get(peer_id)
             if old is not None:
-                if old.agent_name == peer_metadata.agent_name:
+                if old.agent_name == peer_metadata.agent_name and old.agent_metadata == peer_metadata.agent_metadata:
                     return  # same agent announced twice: keep the connection
                 self._drop_peer(peer_id)
             remote_name = self._agent.add_remote_agent(peer_metadata.agent_metadata)
@@ -394,7 +395,8 @@ class NixlTransport:
                 raise ValueError(f"peer {peer_id!r}: metadata names agent "
                                  f"{peer_metadata.agent_name!r} but holds {_as_str(remote_name)!r}")
             peer = _Peer(peer_metadata.engine_id, peer_metadata.agent_name, remote_name,
-                         peer_metadata.layout, nixl_mem_type(peer_metadata.layout.device_type))
+                         peer_metadata.layout, nixl_mem_type(peer_metadata.layout.device_type),
+                         agent_metadata=bytes(peer_metadata.agent_metadata))
             try:
                 # Optional: wires up the endpoint now so the first read does not pay for it.
                 self._agent.make_connection(remote_name)

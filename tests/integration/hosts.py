@@ -35,10 +35,17 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
 
 
+def _subnets_in_use() -> set[int]:
+    out = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, timeout=10).stdout
+    return {int(part.split(".")[2]) for part in out.split() if part.startswith("198.18.")}
+
+
 class Hosts:
     def __init__(self, names: list[str]) -> None:
-        self.tag = f"kvb{random.randrange(10**4):04d}"
-        self.subnet = random.randrange(1, 250)
+        rng = random.SystemRandom()  # never the seeded global random: runs at once must not collide
+        self.tag = f"kvb{rng.randrange(10**4):04d}"
+        used = _subnets_in_use()
+        self.subnet = rng.choice([n for n in range(1, 250) if n not in used])
         self.bridge = f"{self.tag}br"
         self.names = list(names)
         self.made: list[str] = []
@@ -53,6 +60,7 @@ class Hosts:
                 self.made.append(ns)
                 outside, inside = f"{self.tag}{index}h", f"{self.tag}{index}n"
                 _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+                self.made.append("veth:" + outside)
                 _ip("link", "set", outside, "master", self.bridge, "up")
                 _ip("link", "set", inside, "netns", ns)
                 _ip("-n", ns, "link", "set", inside, "name", "eth0")
@@ -97,8 +105,11 @@ class Hosts:
             if self.namespace(name) in self.made:
                 self.kill_all(name)
         time.sleep(0.2)
-        for ns in [m for m in self.made if m != "bridge"]:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        for made in self.made:
+            if made.startswith("veth:"):  # gone with its namespace, unless it never got there
+                subprocess.run(["ip", "link", "del", made[5:]], capture_output=True, timeout=20)
+            elif made != "bridge":
+                subprocess.run(["ip", "netns", "del", made], capture_output=True, timeout=20)
         if "bridge" in self.made:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=20)
         self.made.clear()

@@ -53,6 +53,13 @@ def net(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("hosts")
     model_dir = build_tiny_model(root / "model")
     hosts = Hosts(["p", "p2", "d", "d2", "r"])
+    try:
+        yield from _stack(root, model_dir, hosts)
+    finally:
+        hosts.close()
+
+
+def _stack(root: Path, model_dir: Path, hosts: Hosts):
     events = root / "events"
     specs = [engine_spec(hosts, "prefill", "p", 0, events, claim_lease_s=CLAIM_LEASE_S),
              engine_spec(hosts, "prefill", "p2", 1, events, claim_lease_s=CLAIM_LEASE_S),
@@ -95,7 +102,6 @@ def net(tmp_path_factory):
                 router.kill()
         router_log.close()
         deployment.stop()
-        hosts.close()
 
 
 def d_state(deployment) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -140,16 +141,19 @@ def cmd_replay(args) -> int:
         return 2
     if result.first_violation is not None and args.check_every > 1:
         # Checks ran every --check-every events: find the exact first broken event by replaying
-        # again, checking every event after the last clean check.
+        # again up to where the first check failed, checking every event after the last clean one.
         try:
             _header, records, close = stream_log(args.log)
         except (LogError, OSError, ValueError) as exc:
             print(f"kvbaton replay: {args.log}: {exc}", file=sys.stderr)
             return 2
+        seen_at = result.first_violation.seq
+        if seen_at > 0:
+            records = itertools.takewhile(lambda record: record.seq <= seen_at, records)
         exact = run(records, exact_after=result.last_clean_seq)
         if exact is None:
             return 2
-        result = exact
+        result = msgspec.structs.replace(result, first_violation=exact.first_violation or result.first_violation)
     if not args.json:
         print(f"log: {args.log} (engine {header.engine or '?'}, role {header.role or '?'}, "
               f"writer {header.writer}, schema {header.schema})")

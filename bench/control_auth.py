@@ -62,13 +62,12 @@ async def round_trips(address: str, calls: int) -> float:
     from kvbaton.control import peer as pc
 
     ref = await xo.actor_ref(address, "kvbaton-authority")
-    payload = pc.ENCODER.encode(pc.Claim(uuid.uuid4().hex, "decode-engine-0", 1))
-    decoder = pc.answer_decoder(pc.Claim("t", "c", 1))
+    claim = pc.Claim(uuid.uuid4().hex, "decode-engine-0", 1)
     for _ in range(50):  # warm the connection
-        decoder.decode(await ref.call(payload))
+        await pc.ask(ref, claim)
     started = time.perf_counter()
     for _ in range(calls):
-        decoder.decode(await ref.call(payload))
+        await pc.ask(ref, claim)
     return (time.perf_counter() - started) / calls
 
 

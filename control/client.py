@@ -405,8 +405,9 @@ def private_log_dir(path: str) -> None:
 
 async def call_peer(address: str, call: pc.PeerCall, timeout_s: float = 10.0):
     """Call an engine's sidecar (the router's `Abandon`, `State`) from any asyncio program; the
-    answer is decoded as `call`'s typed answer. The process must have installed the frame key
-    (guard.install_frame_key). Raises CallTimeout when it does not answer within `timeout_s`."""
+    answer is decoded as `call`'s typed answer. Frames are signed with this process's key
+    (installed from the deployment secret if it has none yet). Raises CallTimeout when the
+    sidecar does not answer within `timeout_s`."""
 
     import xoscar as xo
 
@@ -416,10 +417,7 @@ async def call_peer(address: str, call: pc.PeerCall, timeout_s: float = 10.0):
 
     async def call_once():
         ref = await xo.actor_ref(address, AUTHORITY_UID)
-        raw = await ref.call(pc.ENCODER.encode(call))
-        if type(raw) is not bytes:
-            raise TypeError(f"sidecar {address} answered a {type(raw).__name__}, not bytes")
-        return pc.answer_decoder(call).decode(raw)
+        return await pc.ask(ref, call)
 
     return await bounded(call_once(), timeout_s, f"sidecar {address} ({call.__struct_config__.tag})")
 

@@ -27,6 +27,8 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID, pattern=r"^[A-
 # Capabilities are 32 hex characters (128 random bits).
 Capability = Annotated[str, msgspec.Meta(min_length=32, max_length=64, pattern=r"^[0-9a-f]+$")]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+# Engine block ids a grant may name (vLLM's block pools are far smaller).
+MAX_BLOCK_ID = (1 << 31) - 1
 # An engine instance's epoch (128 random bits, hex) and its control address; "" when unknown.
 Instance = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*$")]
 Address = Annotated[str, msgspec.Meta(max_length=260, pattern=r"^[A-Za-z0-9._:\[\]-]*$")]
@@ -142,16 +144,12 @@ ANSWER_DECODERS = {
 _PLAIN_ANSWER = msgspec.msgpack.Decoder(Answer)
 
 
-def answer_decoder(call: PeerCall) -> msgspec.msgpack.Decoder:
-    return ANSWER_DECODERS.get(type(call), _PLAIN_ANSWER)
-
-
 def decode_answer(call: PeerCall, raw: bytes):
     """The typed answer to `call`. A request the peer's gate refused is answered with a plain
     Answer whatever it was: a refused claim becomes a refused ClaimAnswer (not a failed call)."""
 
     try:
-        return answer_decoder(call).decode(raw)
+        return ANSWER_DECODERS.get(type(call), _PLAIN_ANSWER).decode(raw)
     except msgspec.ValidationError:
         plain = _PLAIN_ANSWER.decode(raw)  # raises again when it is neither
         if type(call) is Claim:
@@ -183,6 +181,26 @@ def decode_call(payload: object) -> PeerCall:
         raise PeerRefusal("invalid", str(exc)[:200]) from None
     except msgspec.DecodeError as exc:
         raise PeerRefusal("malformed", str(exc)[:200]) from None
+
+
+async def ask(ref, call: PeerCall):
+    """Send `call` through an xoscar actor ref to a sidecar; its typed answer (TypeError when
+    what came back is not an encoded answer)."""
+
+    raw = await ref.call(ENCODER.encode(call))
+    if type(raw) is not bytes:
+        raise TypeError(f"{call.__struct_config__.tag}: the answer is a {type(raw).__name__}, not bytes")
+    return decode_answer(call, raw)
+
+
+def is_valid(value: object, kind) -> bool:
+    """Whether `value` is what a peer message's field type (Id, Instance, ...) allows."""
+
+    try:
+        msgspec.convert(value, kind)
+        return True
+    except msgspec.ValidationError:
+        return False
 
 
 def short(ident: str) -> str:

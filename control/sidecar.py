@@ -39,6 +39,7 @@ import msgspec
 import xoscar as xo
 import zmq
 import zmq.asyncio
+from xoscar.core import CALL_METHOD_DEFAULT
 from xoscar.errors import ActorNotExist
 
 from ..core import effects as fx
@@ -80,9 +81,9 @@ class Authority(xo.Actor):
         # D side: what the shell must remember about each load to carry its effects out.
         self.loads: dict[str, dict] = {}
         self.peer_refs: dict[str, object] = {}
-        # NIXL peers announced to the worker, by (control address, engine id) as P's grants and
-        # metadata answers named them (never as a client's request named them).
-        self.peers_announced: set[tuple[str, str]] = set()
+        # NIXL peers announced to the worker, by (control address, engine id, instance) as P's
+        # grants and metadata answers named them (never as a client's request named them).
+        self.peers_announced: set[tuple[str, str, str]] = set()
         # P side: when each claimer was last heard from (reads in flight end if it falls silent).
         self.last_heard: dict[str, int] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -569,11 +570,7 @@ class Authority(xo.Actor):
             # Bounded: a peer that is stopped or wedged (or whose port another program took)
             # never answers, and xoscar would wait for it forever. A timeout may have reached it.
             ref = await bounded(self._ref(address), self.cfg.call_timeout_s, f"connect to {address}")
-            raw = await bounded(ref.call(pc.ENCODER.encode(call)), self.cfg.call_timeout_s,
-                                f"{what} at {address}")
-            if type(raw) is not bytes:
-                raise TypeError(f"{what} at {address}: the answer is a {type(raw).__name__}, not bytes")
-            return "ok", pc.decode_answer(call, raw)
+            return "ok", await bounded(pc.ask(ref, call), self.cfg.call_timeout_s, f"{what} at {address}")
         except Exception as exc:
             self.peer_refs.pop(address, None)
             return ("refused" if _never_arrived(exc) else "failed"), exc
@@ -603,7 +600,7 @@ class Authority(xo.Actor):
             return "grant mismatch: the ticket holds other tokens than this request's prompt"
         if len(answer.blocks) != -(-answer.num_tokens // bs):
             return f"grant mismatch: {len(answer.blocks)} blocks for {answer.num_tokens} tokens"
-        if any(not 0 <= b < 2**31 for b in answer.blocks) or len(set(answer.blocks)) != len(answer.blocks):
+        if any(not 0 <= b <= pc.MAX_BLOCK_ID for b in answer.blocks) or len(set(answer.blocks)) != len(answer.blocks):
             return "grant mismatch: block ids out of range or repeated"
         if not answer.engine or len(answer.engine) > pc.MAX_ID:
             return "grant mismatch: no engine named"
@@ -766,7 +763,7 @@ class Authority(xo.Actor):
         except (TypeError, ValueError):
             self._refuse("method", "malformed actor message")
             raise PermissionError("not a kvbaton peer call") from None
-        if method != pc.PEER_METHOD or call_method != xo_call_default() or len(args) != 1 or kwargs:
+        if method != pc.PEER_METHOD or call_method != CALL_METHOD_DEFAULT or len(args) != 1 or kwargs:
             self._refuse("method", f"method {str(method)[:64]!r}")
             raise PermissionError("kvbaton sidecars answer only their protocol's calls")
         return await super().__on_receive__(message)
@@ -784,12 +781,11 @@ class Authority(xo.Actor):
             return pc.ENCODER.encode(pc.Answer(False, "refused: " + refusal.reason))
         try:
             answer = self._answer(request)
-        except Exception as exc:  # a bug must not take the authority down, nor leak its text
+        except Exception:  # a bug must not take the authority down, nor leak its text to the peer
             logger.exception("answering a peer's %s failed", request.__struct_config__.tag)
             self.refused["internal_error"] += 1
             answer = pc.ClaimAnswer(False, "internal error") if type(request) is pc.Claim else \
                 pc.Answer(False, "internal error")
-            del exc
         return pc.ENCODER.encode(answer)
 
     def _reply(self, effects: list[fx.Effect], kind):
@@ -836,10 +832,9 @@ class Authority(xo.Actor):
             return
         # Heard first from the new instance, so every claim this engine name holds here is the
         # old instance's (the new one has claimed nothing yet).
-        _old_instance, old_claimer = known, claimer
         ended = 0
         for ticket in list(self.ledger.tickets.tickets.values()):
-            if ticket.claimer != old_claimer or ticket.state not in ("CLAIMED", "READING"):
+            if ticket.claimer != claimer or ticket.state not in ("CLAIMED", "READING"):
                 continue
             for read in list(ticket.reads):
                 self._apply(ev.ReadFinished(now, ticket.ticket, read, False, ticket.claimer, ticket.epoch))
@@ -847,7 +842,7 @@ class Authority(xo.Actor):
             ended += 1
         self.refusal_log.warning("peer_restarted", "decode engine at %s restarted (instance %s, was %s): "
                                  "ended %d of its earlier instance's claims", address, instance[:8],
-                                 _old_instance[:8], ended)
+                                 known[:8], ended)
 
     def _answer(self, request: pc.PeerCall):
         now = self._now()
@@ -951,7 +946,6 @@ class Authority(xo.Actor):
         }
 
 
-
 def _forgotten(effects: list) -> bool:
     """The ledger no longer knows the load a grant is for (pruned): the grant must be undone."""
 
@@ -1003,12 +997,6 @@ async def _create_pool(cfg: SidecarConfig):
 # Connections and messages the pool refused before the authority saw them (frames without our
 # key, pool messages other than the authority's calls), by reason; shown with its own refusals.
 FRAME_REFUSALS: collections.Counter = collections.Counter()
-
-
-def xo_call_default() -> int:
-    from xoscar.core import CALL_METHOD_DEFAULT
-
-    return CALL_METHOD_DEFAULT
 
 
 async def _main(launch: SidecarLaunch) -> None:

@@ -203,8 +203,8 @@ class TicketBook:
         if t is None or t.state == CLOSED:
             return [reject(self.counters, "hb", e.ticket, "closed" if t else "unknown ticket")]
         if t.state == ISSUED:
-            if (t.keepalive_digest or t.abandon_digest) and e.proof not in (
-                    t.keepalive_digest or None, t.abandon_digest or None):
+            proofs = {d for d in (t.keepalive_digest, t.abandon_digest) if d}  # none: a legacy record
+            if proofs and e.proof not in proofs:
                 return [reject(self.counters, "hb", e.ticket, "no capability")]
             deadline = now + self.config.unclaimed_ttl_ns
             if deadline > t.deadline_ns:

@@ -218,9 +218,9 @@ _PARENT_PID = os.getpid()
 
 def _die_with_parent() -> None:
     """In an engine's process, before it starts: SIGTERM it when `kvbaton serve` dies, even by
-    SIGKILL (it lives in its own session, so no terminal signal reaches it); vLLM then stops its
-    engine core, whose sidecar follows its parent. (Only the thread that forked must live: the
-    engines are started from the main thread.)"""
+    SIGKILL (it is started detached with setsid, so no terminal signal reaches it); vLLM then
+    stops its engine core, whose sidecar follows its parent. (Only the thread that forked must
+    live: the engines are started from the main thread.)"""
 
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -226,7 +226,7 @@ class _InFlight:
     # perf_counter after which the read is cancelled (see read_timeout_s); how long that was.
     deadline: float = float("inf")
     bound_s: float = 0.0
-    cancel_refused: bool = False  # past its bound already (flagged, or failed and retired)
+    overdue: bool = False  # past its bound already (flagged, or failed and retired)
 
 
 class NixlTransport:
@@ -761,9 +761,9 @@ class NixlTransport:
         is never reused (nor its handle released); one straight into engine blocks is flagged,
         counted and left to end by itself, since vLLM would reuse those blocks at once."""
 
-        if in_flight.cancel_refused:
+        if in_flight.overdue:
             return
-        in_flight.cancel_refused = True
+        in_flight.overdue = True
         if in_flight.landing is None:
             self.stats["reads_overdue"] = self.stats.get("reads_overdue", 0) + 1
             logger.warning("NIXL read %r from peer %r (%d bytes) is past its %.1f s bound; it goes straight "
@@ -810,7 +810,7 @@ class NixlTransport:
                          nbytes=in_flight.nbytes, started=in_flight.started)
         elif state == "TIMEOUT":
             self._finish(in_flight.read_id, ok=False, error=f"{READ_TIMED_OUT} after "
-                         f"{in_flight.bound_s:.1f} s (cancelled at the transport) from peer "
+                         f"{in_flight.bound_s:.1f} s (given up; its landing slice retired) from peer "
                          f"{in_flight.peer_id!r}", nbytes=in_flight.nbytes, started=in_flight.started)
         else:
             self._finish(in_flight.read_id, ok=False, error=f"NIXL READ from peer "

@@ -109,11 +109,10 @@ class Restore:
 # Bounds on what a request's handoff section may carry (it comes from a client, through P's
 # response or not): anything past them recomputes within the step.
 MAX_HANDOFF_TOKENS = 1 << 24
-MAX_BLOCK_ID = (1 << 31) - 1
 MAX_HINT_BLOCKS = 1 << 20
 
 
-def parse_handoff(params: dict, expected_layout: str, block_size: int, trusted) -> tuple[dict, int]:
+def parse_handoff(params: dict, expected_layout: str, trusted) -> dict:
     """Validate the `kvbaton` section P put in kv_transfer_params; raise HandoffError naming the
     flaw. Only the ticket, P's control address (which must be trusted: `peer_networks`), the
     token count and the layout are used; what to read comes from P's grant. `remote_block_ids`
@@ -125,12 +124,11 @@ def parse_handoff(params: dict, expected_layout: str, block_size: int, trusted) 
     for key, kind in (("ticket", str), ("control", str), ("num_tokens", int), ("layout", str)):
         if not isinstance(section.get(key), kind) or isinstance(section.get(key), bool):
             raise HandoffError(f"kvbaton handoff field {key!r} is missing or not a {kind.__name__}")
-    ticket = section["ticket"]
-    if not 0 < len(ticket) <= pc.MAX_ID or not _ID_CHARS.issuperset(ticket):
+    # The same types P's sidecar checks peer messages against: what passes here passes there.
+    if not pc.is_valid(section["ticket"], pc.Id):
         raise HandoffError("kvbaton handoff 'ticket' is not a ticket id")
     for key in ("keepalive", "instance"):
-        value = section.get(key, "")
-        if not isinstance(value, str) or len(value) > 64 or not all(c in "0123456789abcdef" for c in value):
+        if not pc.is_valid(section.get(key, ""), pc.Instance):
             raise HandoffError(f"kvbaton handoff {key!r} is not a 128-bit hex value")
     if len(section["layout"]) > 64:
         raise HandoffError("kvbaton handoff 'layout' is not a layout fingerprint")
@@ -140,7 +138,7 @@ def parse_handoff(params: dict, expected_layout: str, block_size: int, trusted) 
         if isinstance(blocks, list) and len(blocks) == 1 and isinstance(blocks[0], list):
             blocks = blocks[0]  # per-group form
         if (not isinstance(blocks, list) or len(blocks) > MAX_HINT_BLOCKS
-                or not all(type(b) is int and 0 <= b <= MAX_BLOCK_ID for b in blocks)):
+                or not all(type(b) is int and 0 <= b <= pc.MAX_BLOCK_ID for b in blocks)):
             raise HandoffError("kvbaton handoff 'remote_block_ids' is not a list of block ids")
     if section["layout"] != expected_layout:
         raise HandoffError(f"layout fingerprint {section['layout']!r} does not match this engine's "
@@ -148,10 +146,7 @@ def parse_handoff(params: dict, expected_layout: str, block_size: int, trusted) 
     if not 0 < section["num_tokens"] <= MAX_HANDOFF_TOKENS:
         raise HandoffError(f"kvbaton handoff covers {section['num_tokens']} tokens (1 to "
                            f"{MAX_HANDOFF_TOKENS} allowed)")
-    return section, math.ceil(section["num_tokens"] / block_size)
-
-
-_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:/@+=-")  # peer.Id
+    return section
 
 
 def check_control(control: str, trusted) -> None:
@@ -181,9 +176,8 @@ def prompt_digest(request, num_tokens: int) -> str:
     it in the ticket; D compares it with its own request before reading anything."""
 
     digest = hashlib.blake2b(digest_size=16, person=b"kvbaton-prompt")
-    tokens = list((request.prompt_token_ids or ())[:num_tokens])
     digest.update(num_tokens.to_bytes(8, "little"))
-    digest.update(array.array("q", tokens).tobytes())
+    digest.update(array.array("q", (request.prompt_token_ids or ())[:num_tokens]).tobytes())
     salt = getattr(request, "cache_salt", None)
     if salt:
         digest.update(b"\0salt\0" + str(salt).encode())
@@ -457,7 +451,7 @@ class SchedulerSide:
             self.handoffs[rid] = h
             return h
         try:
-            section, _need = parse_handoff(params, self.conn.layout, self.conn.block_size, self.trusted)
+            section = parse_handoff(params, self.conn.layout, self.trusted)
             num_tokens = min(section["num_tokens"], len(request.prompt_token_ids or ()))
             digest = prompt_digest(request, num_tokens)
         except (HandoffError, OverflowError, TypeError, ValueError) as exc:

@@ -74,6 +74,8 @@ def test_every_route_but_health_needs_the_key(path, method, headers):
 
 def test_health_is_open_and_names_no_engine():
     reply = call(Engines(), "GET", "/health", headers=None)
+    assert reply.status_code == 200 and reply.json()["healthy"] is True
+    assert reply.json()["prefill"] == {"up": 1, "engines": 1}
     assert "internal" not in reply.text and "8100" not in reply.text
 
 

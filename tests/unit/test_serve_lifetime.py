@@ -1,6 +1,6 @@
 """Engines started by `kvbaton serve` die with it, even when it is SIGKILLed: each engine process
-asks the kernel for SIGTERM when its parent dies (it lives in its own session, so no terminal
-signal reaches it)."""
+asks the kernel for SIGTERM when its parent dies (started detached with setsid, it gets no
+terminal signal)."""
 
 from __future__ import annotations
 

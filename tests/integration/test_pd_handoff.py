@@ -328,6 +328,9 @@ def test_read_wait_ends_with_every_load_it_waits_for(pd):
     stats_before = pd.d.run_in_engine(engine_hooks.read_wait_stats)
     pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", 5.0)
     pd.d.call_connector("debug_set", "fail_next_reads", 1)
+    # Reads are posted 50 ms after their grant, so each is still in flight when the step that
+    # allocated it reaches get_finished: the wait runs whatever the machine's speed.
+    pd.d.call_connector("debug_set", "debug_hold_post_s", 0.05)
     try:
         ids = [f"rw-many-{i}-{uuid.uuid4().hex[:6]}" for i in range(len(prompts))]
         for request, prompt, p in zip(ids, prompts, params):
@@ -336,6 +339,7 @@ def test_read_wait_ends_with_every_load_it_waits_for(pd):
     finally:
         pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", 0.0)
         pd.d.call_connector("debug_set", "fail_next_reads", 0)
+        pd.d.call_connector("debug_set", "debug_hold_post_s", 0)
     for request, prompt in zip(ids, prompts):
         assert results[request]["token_ids"] == reference(pd, prompt, max_tokens=4), request
     assert delta(before, counters(pd.d), "loads.failed") == 1  # recomputed, same tokens

@@ -19,8 +19,14 @@
 #   bash bench/device_plan.sh I   # tests/gpu (handoff and history halves) at the current commit
 #   bash bench/device_plan.sh J   # the copy probe beside a prefill-shaped forward in the same
 #                                 # process (--busy-here): do P's demotions wait for P's forward?
-#   bash bench/device_plan.sh K   # D's read wait (handoff_read_wait_s): cold arrivals at 0.5B and
-#                                 # 7B, then 0.5B throughput (does the wait cost decode steps?)
+#   bash bench/device_plan.sh L   # 7B revisit under load, interleaved rounds: kvbaton against
+#                                 # kvbaton-syncrestore and kvbaton-restorewait (the restore knobs)
+#   bash bench/device_plan.sh M   # 0.5B open loop (Poisson arrivals at 3 rates), native vs kvbaton,
+#                                 # interleaved rounds, goodput under a stated SLO
+#   (ROUNDS and BUDGET_S override L's and M's rounds and time bound, TAG their tag; arguments after
+#   the letter go to pd_compare, the last of a repeated option winning, e.g. `L --systems native,kvbaton`.
+#   A run cut by its bound keeps the systems it finished. Several files' rounds as one:
+#   python -m kvbaton.bench.pd_compare --summarize a.json b.json --baseline kvbaton.)
 #   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, NIXL reads alone
 #                                 # over NVLink (cross-layer), then 0.5B throughput
 #
@@ -46,7 +52,9 @@ compare() {  # TAG, seconds, then pd_compare's arguments
   shift 2
   TAG=$tag BUDGET_S=$budget bash "$REPO/bench/run_on_device.sh" "$@" > /dev/null 2>&1
   echo "compare $tag: rc=$?"
-  grep -E -A8 "== (throughput|revisit after eviction|cold arrivals|changing working set)" "$OUT/compare-$tag.log" | grep -v "^--$"
+  grep -E -A8 "== (throughput|revisit after eviction|cold arrivals|changing working set|open loop|revisit under load)" \
+    "$OUT/compare-$tag.log" | grep -v "^--$"
+  grep -E -A60 "^== [0-9]+ rounds:" "$OUT/compare-$tag.log" | grep -E "rounds:|ttft_p50|goodput|tok_s|restore|busy" | head -n 60
   grep -E "copies \(|reads \(|Error|Traceback" "$OUT/compare-$tag.log" | tail -n 12
 }
 
@@ -135,10 +143,17 @@ case "${1:-}" in
   J)
     probe here 200 --shape 7b --layout cross-layer --busy --busy-here --runs 1,6 --repeats 4
     ;;
-  K)
-    compare readwait05 200 --device 1gpu --shape 0.5b --systems native,kvbaton,kvbaton-readwait --scenarios cold
-    compare readwait7 220 --device 1gpu --shape 7b --systems kvbaton,kvbaton-readwait --scenarios cold
-    compare readwaitthru 170 --device 1gpu --shape 0.5b --systems kvbaton,kvbaton-readwait --scenarios throughput
+  L)
+    # 6 engine pairs at 2 rounds: ~65 s each at 7B (start, warm-up, ~20 s of revisits under C16).
+    compare ${TAG:-revload7} "${BUDGET_S:-530}" --device 1gpu --shape 7b \
+      --systems kvbaton,kvbaton-syncrestore,kvbaton-restorewait --baseline kvbaton --scenarios revisitload \
+      --rounds "${ROUNDS:-2}" --load-concurrency 16 --load-cycles 5 --load-pressure 2 --load-cap-blocks 4096 "${@:2}"
+    ;;
+  M)
+    # 0.5B: ~35 s of sending per system (rate x 12 s requests per rate), SLO TTFT 500 ms, TPOT 25 ms.
+    compare ${TAG:-open05} "${BUDGET_S:-500}" --device 1gpu --shape 0.5b --systems native,kvbaton \
+      --scenarios openloop --rates 8,16,32 --openloop-seconds 12 --slo-ttft-ms 500 --slo-tpot-ms 25 \
+      --rounds "${ROUNDS:-2}" "${@:2}"
     ;;
   H)
     KVBATON_GPU_TOPOLOGIES=2gpu KVBATON_GPU_CUDA_GRAPHS=1 BUDGET_S=${GPU_TESTS_S:-240} \
@@ -150,7 +165,7 @@ case "${1:-}" in
     compare thru05two 240 --device 2gpu --shape 0.5b --systems native,kvbaton --scenarios throughput
     ;;
   *)
-    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H|I|J|K" >&2
+    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H|I|J|L|M" >&2
     exit 2
     ;;
 esac

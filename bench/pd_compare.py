@@ -432,9 +432,10 @@ async def throughput(url: str, docs: list[list[int]], concurrency: int, max_toke
 
 
 async def _closed_loop(url: str, docs: list[list[int]], concurrency: int, max_tokens: int,
-                       start_at: float = 0.0) -> tuple[list[Sample], float, float]:
+                       start_at: float = 0.0, stop_path: str = "") -> tuple[list[Sample], float, float]:
     """`concurrency` workers, each sending its next document when its last one finished; from
-    `start_at` (time.time()) when given. Returns the samples and the wall-clock start and end."""
+    `start_at` (time.time()) when given, until the documents run out or `stop_path` exists.
+    Returns the samples and the wall-clock start and end."""
 
     import httpx
 
@@ -442,7 +443,7 @@ async def _closed_loop(url: str, docs: list[list[int]], concurrency: int, max_to
     samples: list[Sample] = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
         async def worker():
-            while queue:
+            while queue and not (stop_path and os.path.exists(stop_path)):
                 prompt = queue.pop(0)
                 samples.append(await one_request(client, url, prompt, max_tokens))
 
@@ -631,28 +632,9 @@ def open_loop_in_processes(url: str, offsets: list[float], docs: list[list[int]]
 
 # ------------------------------------------------------------------------ revisit under load
 
-async def _closed_loop_until(url: str, docs: list[list[int]], concurrency: int, max_tokens: int,
-                             start_at: float, stop_path: str) -> tuple[list[Sample], float, float]:
-    """As _closed_loop, but each worker stops once `stop_path` exists (or the documents run out)."""
-
-    import httpx
-
-    queue = list(docs)
-    samples: list[Sample] = []
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
-        async def worker():
-            while queue and not os.path.exists(stop_path):
-                samples.append(await one_request(client, url, queue.pop(0), max_tokens))
-
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-        started = time.time()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return samples, started, time.time()
-
-
 def _closed_loop_until_share(url: str, docs: list[list[int]], concurrency: int, max_tokens: int,
                              start_at: float, stop_path: str) -> tuple[list[Sample], float, float]:
-    return asyncio.run(_closed_loop_until(url, docs, concurrency, max_tokens, start_at, stop_path))
+    return asyncio.run(_closed_loop(url, docs, concurrency, max_tokens, start_at, stop_path))
 
 
 def revisit_under_load(url: str, plan: dict, stop_path: str) -> dict:

@@ -1,5 +1,10 @@
 """Tiered history (P side): recently prefilled prefixes kept in a GPU budget, spilled to CPU.
 
+Rule 1: everything that decides which keys history holds, in which tier, lives in this file: the
+block machine, admission, demotion, eviction, pins and byte accounting. The shell copies bytes when
+told (`StageHistory`, `DemoteHistory`, `DropHistory`) and reports how the copies ended; the slots it
+keeps mirror these decisions and never make their own.
+
 Theory of operation. Keys are vLLM's chained block hashes (namespaced by the shell with model,
 dtype, block size and KV layout), so a key names a whole prefix and `parent` is the key before it.
 One record per resident key:
@@ -34,7 +39,8 @@ import msgspec
 
 from .common import Counters
 from .effects import DemoteHistory, DropHistory, Effect
-from .machine import MachineSpec
+from .machine import Book, MachineSpec
+from .reasons import Dropped, Reason
 
 PROBATION = "PROBATION"
 STAGING = "STAGING"
@@ -73,32 +79,32 @@ class HistoryBlock(msgspec.Struct):
     writer: str = ""  # the ticket whose retention is staging this block
 
 
-class HistoryStore:
-    """The resident keys of one engine's history, their tiers and the admission policy."""
+class HistoryStore(Book):
+    """The resident keys of one engine's history, their tiers and the admission policy.
+
+    A book without deadlines: a block leaves the store when it is evicted (the record is deleted
+    and its key remembered on probation), so EVICTED is never a resident state.
+    """
+
+    spec = SPEC
+    noun = "history"
+    key = "key"
 
     def __init__(self, config, counters: Counters) -> None:
-        self.config = config
-        self.counters = counters
-        self.blocks: dict[str, HistoryBlock] = {}
+        super().__init__(config, counters)
+        self.blocks: dict[str, HistoryBlock] = self.records
         self.gpu_lru: OrderedDict[str, None] = OrderedDict()  # GPU-state keys, oldest first
         self.cpu_lru: OrderedDict[str, None] = OrderedDict()  # CPU-state keys, oldest first
         self.probation: OrderedDict[str, None] = OrderedDict()
         self.gpu_used = 0
         self.cpu_used = 0
         self.writer = ""  # the ticket currently retaining, "" when none
-        self.internal_errors: list[str] = []
 
     @property
     def enabled(self) -> bool:
         return self.config.gpu_history_bytes > 0 and self.config.block_bytes > 0
 
     # -- small moves -----------------------------------------------------------------------------
-
-    def _move(self, blk: HistoryBlock, trigger: str, dest: str) -> None:
-        if (blk.state, trigger) not in SPEC.table or dest not in SPEC.table[(blk.state, trigger)]:
-            self.internal_errors.append(f"history {blk.key}: undeclared move {blk.state} -{trigger}-> {dest}")
-            return
-        blk.state = dest
 
     def _remember(self, key: str) -> None:
         probation = self.probation
@@ -107,7 +113,7 @@ class HistoryStore:
         while len(probation) > self.config.probation_max:
             probation.popitem(last=False)
 
-    def _remove(self, blk: HistoryBlock, trigger: str, reason: str, out: list[Effect]) -> None:
+    def _remove(self, blk: HistoryBlock, trigger: str, reason: Dropped, out: list[Effect]) -> None:
         bb = self.config.block_bytes
         tier = "cpu" if blk.state in (DEMOTING, CPU) else "gpu"
         if tier == "gpu":
@@ -135,19 +141,23 @@ class HistoryStore:
             return blk
         return None
 
-    def _cpu_room(self, key: str, protect: set, out: list[Effect]) -> str:
+    def _cpu_room(self, key: str, protect: set, out: list[Effect]) -> Dropped | str:
+        """Make room for one block in the CPU tier: "" when there is room, else why not."""
+
         cfg = self.config
         if self.cpu_used + cfg.block_bytes <= cfg.cpu_history_bytes:
             return ""
         if key not in self.probation:
-            return "probation"
+            return Dropped.PROBATION
         victim = self._lru_victim(self.cpu_lru, protect, leaf_only=True)
         if victim is None:
-            return "capacity"
-        self._remove(victim, "evict", "capacity", out)
+            return Dropped.CAPACITY
+        self._remove(victim, "evict", Dropped.CAPACITY, out)
         return ""
 
-    def _gpu_room(self, key: str, protect: set, out: list[Effect]) -> str:
+    def _gpu_room(self, key: str, protect: set, out: list[Effect]) -> Dropped | str:
+        """Make room for one block in the GPU tier: "" when there is room, else why not."""
+
         cfg = self.config
         bb = cfg.block_bytes
         if self.gpu_used + bb <= cfg.gpu_history_bytes:
@@ -165,11 +175,11 @@ class HistoryStore:
                 return ""
         # No room to demote into: displace a GPU leaf, which needs a key seen before.
         if key not in self.probation:
-            return "probation"
+            return Dropped.PROBATION
         leaf = self._lru_victim(self.gpu_lru, protect, leaf_only=True)
         if leaf is None:
-            return "capacity"
-        self._remove(leaf, "evict", "capacity", out)
+            return Dropped.CAPACITY
+        self._remove(leaf, "evict", Dropped.CAPACITY, out)
         return ""
 
     def touch(self, keys) -> None:
@@ -188,12 +198,15 @@ class HistoryStore:
     # -- policy ----------------------------------------------------------------------------------
 
     def observe(self, keys) -> None:
+        """Keys a prompt used that history does not hold go on probation (no state moves)."""
+
         for key in keys:
             if key not in self.blocks:
                 self._remember(key)
 
     def admit(self, ticket: str, keys, blocks, out: list[Effect]) -> list[tuple[int, str]]:
-        """Decide which of a released ticket's blocks to copy into the GPU tier."""
+        """A released ticket's keys: the leading ones that fit → new blocks PROBATION → STAGING (this
+        ticket the writer), the rest counted dropped by reason; none while another writer copies."""
 
         if not self.enabled or not keys:
             return []
@@ -206,28 +219,28 @@ class HistoryStore:
             self.touch(keys[:resident])
             if resident < len(keys):
                 # As the normal path: a key held under another parent is no chain of this prompt.
-                reason = "rejected" if keys[resident] in self.blocks else "busy_writer"
+                reason = Dropped.REJECTED if keys[resident] in self.blocks else Dropped.BUSY_WRITER
                 self.counters.add("history.dropped." + reason, len(keys) - resident)
             return []
         cfg = self.config
         protect = set(keys)
         copies: list[tuple[int, str]] = []
         candidate_bytes = 0
-        stop_reason = ""
+        stop_reason: Dropped | str = ""
         index = 0
         for index, key in enumerate(keys):
             parent = keys[index - 1] if index else ""
             blk = self.blocks.get(key)
             if blk is not None:
                 if blk.parent != parent:
-                    stop_reason = "rejected"  # the same key under another parent: not a chain
+                    stop_reason = Dropped.REJECTED  # the same key under another parent: not a chain
                     break
                 continue
             if parent and parent not in self.blocks:
-                stop_reason = "rejected"
+                stop_reason = Dropped.REJECTED
                 break
             if candidate_bytes + cfg.block_bytes > cfg.candidate_bytes_max:
-                stop_reason = "candidate_bytes"
+                stop_reason = Dropped.CANDIDATE_BYTES
                 break
             stop_reason = self._gpu_room(key, protect, out)
             if stop_reason:
@@ -261,8 +274,9 @@ class HistoryStore:
                 return index
         return len(keys)
 
-    def finish_staging(self, ticket: str, keys, ok: bool, reason: str, out: list[Effect]) -> None:
-        """The retention's copies ended: publish them, or drop them (tail first)."""
+    def finish_staging(self, ticket: str, keys, ok: bool, reason: Dropped, out: list[Effect]) -> None:
+        """The retention's copies ended: its STAGING blocks → GPU when `ok`, else → EVICTED (tail
+        first, counted under `reason`); the writer is free again."""
 
         if self.writer == ticket:
             self.writer = ""
@@ -278,15 +292,16 @@ class HistoryStore:
         for key in reversed(keys):
             blk = self.blocks.get(key)
             if blk is not None and blk.state == STAGING:
-                self._remove(blk, "stage_failed", reason.replace(" ", "_"), out)
-        self.counters.add("history.dropped." + reason.replace(" ", "_"), len(keys))
+                self._remove(blk, "stage_failed", reason, out)
+        self.counters.add("history.dropped." + reason, len(keys))
 
-    def demoted(self, key: str, ok: bool, out: list[Effect]) -> str:
-        """A demotion copy ended; returns a reason when the event does not apply."""
+    def demoted(self, key: str, ok: bool, out: list[Effect]) -> Reason | str:
+        """From DEMOTING → CPU when `ok`, else → EVICTED with its whole subtree (the data is in no
+        tier); returns "" or, when the block is not demoting, Reason.NOT_DEMOTING (nothing changes)."""
 
         blk = self.blocks.get(key)
         if blk is None or blk.state != DEMOTING:
-            return "not demoting"
+            return Reason.NOT_DEMOTING
         if ok:
             self._move(blk, "demoted", CPU)
             self.cpu_lru[key] = None
@@ -296,7 +311,7 @@ class HistoryStore:
         for victim in reversed(doomed):
             trigger = "demote_failed" if victim.state == DEMOTING else (
                 "stage_failed" if victim.state == STAGING else "evict")
-            self._remove(victim, trigger, "demotion_failed", out)
+            self._remove(victim, trigger, Dropped.DEMOTION_FAILED, out)
         return ""
 
     def _subtree(self, key: str) -> list[HistoryBlock]:

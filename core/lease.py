@@ -1,5 +1,10 @@
 """Restore leases (P side): a returning prompt's prefix pinned in history until it is copied back.
 
+Rule 1: everything that decides a restore lease's state lives in this file, and the pins it holds
+on history blocks are taken and given back only here. The shell reports the scheduler's
+allocation and the copy's start and end, and carries out `RestoreBlocks`. Each lease reserved
+(`ReplyRestore` with keys) ends in exactly one `LeaseDone`.
+
 Theory of operation. When a request reaches P whose prefix vLLM's own cache no longer holds, the
 scheduler asks history for it. The longest restorable prefix (GPU or CPU tier) is pinned under a
 lease owned by (request, epoch): pinned blocks cannot be demoted or evicted until the lease ends.
@@ -22,7 +27,8 @@ import msgspec
 from .common import NEVER, Counters, Deadlines, reject
 from .effects import Effect, LeaseDone, ReplyRestore, ReportInvalidBlocks, RestoreBlocks
 from .events import LeaseAllocated, LeaseReadFinished, LeaseReadStarted, LeaseReleased, RestoreRequested
-from .machine import MachineSpec
+from .machine import Book, MachineSpec
+from .reasons import LeaseOutcome, Reason
 
 RESERVED = "RESERVED"
 ALLOCATED = "ALLOCATED"
@@ -61,29 +67,24 @@ class Lease(msgspec.Struct):
 KIND_LEASE = 2
 
 
-class LeaseBook:
+class LeaseBook(Book):
     """All restore leases of one engine."""
 
-    on_closed = staticmethod(lambda ident: None)  # the ledger's hook: a lease just ended
+    spec = SPEC
+    noun = "lease"
+    key = "lease"
+    kind = KIND_LEASE
+    timed = frozenset({RESERVED, ALLOCATED})
+    untimed = frozenset({READING})
 
     def __init__(self, config, deadlines: Deadlines, counters: Counters, history) -> None:
-        self.config = config
-        self.deadlines = deadlines
-        self.counters = counters
+        super().__init__(config, counters, deadlines)
         self.history = history
-        self.leases: dict[str, Lease] = {}
-        self.internal_errors: list[str] = []
+        self.leases: dict[str, Lease] = self.records
 
-    def _move(self, ls: Lease, trigger: str, dest: str) -> None:
-        if (ls.state, trigger) not in SPEC.table or dest not in SPEC.table[(ls.state, trigger)]:
-            self.internal_errors.append(f"lease {ls.lease}: undeclared move {ls.state} -{trigger}-> {dest}")
-            return
-        ls.state = dest
-
-    def _end(self, ls: Lease, trigger: str, dest: str, outcome: str, ok: bool, out: list[Effect]) -> None:
-        self._move(ls, trigger, dest)
-        self.on_closed(ls.lease)
-        ls.deadline_ns = NEVER
+    def _end(self, ls: Lease, trigger: str, dest: str, outcome: LeaseOutcome, ok: bool,
+             out: list[Effect]) -> None:
+        self._terminate(ls, trigger, dest)
         ls.outcome = outcome
         self.history.unpin(list(ls.keys) + (self.history.ancestors(ls.keys[0]) or []))
         self.counters.add("leases." + dest.lower())
@@ -92,8 +93,11 @@ class LeaseBook:
     # -- handlers --------------------------------------------------------------------------------
 
     def requested(self, e: RestoreRequested, now: int) -> list[Effect]:
+        """New lease whose prompt starts with restorable history → RESERVED, keys and ancestors pinned;
+        no such prefix: a miss (empty `ReplyRestore`); else Rejected(DUPLICATE_LEASE)."""
+
         if e.lease in self.leases:
-            return [reject(self.counters, "rq", e.lease, "duplicate lease")]
+            return [reject(self.counters, "rq", e.lease, Reason.DUPLICATE_LEASE)]
         prefix = self.history.restorable_prefix(e.keys)
         above = self.history.ancestors(prefix[0][0]) if prefix else None
         if not prefix or above is None:
@@ -104,17 +108,19 @@ class LeaseBook:
         self.leases[e.lease] = ls
         self.history.pin(list(keys) + above)
         self.history.touch(keys)
-        ls.deadline_ns = now + self.config.history_lease_ns
-        self.deadlines.push(ls.deadline_ns, KIND_LEASE, ls.lease)
+        self._set_deadline(ls, now + self.config.history_lease_ns)
         self.counters.add("leases.reserved")
         return [ReplyRestore(e.lease, e.request, keys)]
 
     def allocated(self, e: LeaseAllocated, now: int) -> list[Effect]:
+        """From RESERVED with 1..len(keys) blocks → ALLOCATED, copies ordered (unused keys unpinned);
+        else Rejected(NOT_RESERVED | INVALID)."""
+
         ls = self.leases.get(e.lease)
         if ls is None or ls.state != RESERVED:
-            return [reject(self.counters, "lA", e.lease, "not reserved")]
+            return [reject(self.counters, "lA", e.lease, Reason.NOT_RESERVED)]
         if not e.blocks or len(e.blocks) > len(ls.keys):
-            return [reject(self.counters, "lA", e.lease, "invalid: block count")]
+            return [reject(self.counters, "lA", e.lease, Reason.INVALID.detail("block count"))]
         if len(e.blocks) < len(ls.keys):  # the scheduler took a shorter prefix: unpin the rest
             self.history.unpin(ls.keys[len(e.blocks):])
             ls.keys, ls.tiers = ls.keys[: len(e.blocks)], ls.tiers[: len(e.blocks)]
@@ -123,46 +129,54 @@ class LeaseBook:
         return [RestoreBlocks(ls.lease, tuple(zip(ls.keys, ls.tiers, ls.blocks)))]
 
     def read_started(self, e: LeaseReadStarted, now: int) -> list[Effect]:
+        """From ALLOCATED → READING, no deadline; else Rejected(NOT_ALLOCATED)."""
+
         ls = self.leases.get(e.lease)
         if ls is None or ls.state != ALLOCATED:
-            return [reject(self.counters, "lS", e.lease, "not allocated")]
+            return [reject(self.counters, "lS", e.lease, Reason.NOT_ALLOCATED)]
         self._move(ls, "read_start", READING)
         ls.deadline_ns = NEVER
         return []
 
     def read_finished(self, e: LeaseReadFinished, now: int) -> list[Effect]:
+        """From READING → RELEASED (restored, or blocks invalid when the copy failed); else
+        Rejected(NOT_READING)."""
+
         ls = self.leases.get(e.lease)
         if ls is None or ls.state != READING:
-            return [reject(self.counters, "lF", e.lease, "not reading")]
+            return [reject(self.counters, "lF", e.lease, Reason.NOT_READING)]
         out: list[Effect] = []
         if e.ok:
             for tier in ls.tiers:
                 self.counters.add("restores.hits." + tier)
         else:
             out.append(ReportInvalidBlocks(ls.request, ls.blocks))
-        self._end(ls, "read_end", RELEASED, "restored" if e.ok else "copy failed", e.ok, out)
+        self._end(ls, "read_end", RELEASED, LeaseOutcome.RESTORED if e.ok else LeaseOutcome.COPY_FAILED,
+                  e.ok, out)
         return out
 
     def released(self, e: LeaseReleased, now: int) -> list[Effect]:
+        """By its (request, epoch), from RESERVED or ALLOCATED → CANCELLED; else
+        Rejected(UNKNOWN_LEASE | NOT_OWNER | READING | ENDED)."""
+
         ls = self.leases.get(e.lease)
         if ls is None:
-            return [reject(self.counters, "lR", e.lease, "unknown lease")]
+            return [reject(self.counters, "lR", e.lease, Reason.UNKNOWN_LEASE)]
         if ls.request != e.request or ls.epoch != e.epoch:
-            return [reject(self.counters, "lR", e.lease, "not the owner")]
+            return [reject(self.counters, "lR", e.lease, Reason.NOT_OWNER)]
         if ls.state not in (RESERVED, ALLOCATED):
-            return [reject(self.counters, "lR", e.lease, "reading" if ls.state == READING else "ended")]
+            return [reject(self.counters, "lR", e.lease, Reason.READING if ls.state == READING else Reason.ENDED)]
         out: list[Effect] = []
-        self._end(ls, "cancel", CANCELLED, "released unused", False, out)
+        self._end(ls, "cancel", CANCELLED, LeaseOutcome.RELEASED_UNUSED, False, out)
         return out
 
-    def expire_due(self, ident: str, deadline_ns: int, now: int, out: list[Effect]) -> None:
-        ls = self.leases.get(ident)
-        if ls is None or ls.deadline_ns != deadline_ns:
-            return
+    def _expire(self, ls: Lease, now: int, out: list[Effect]) -> None:
+        """RESERVED or ALLOCATED → EXPIRED (allocated blocks invalid: P recomputes them)."""
+
         if ls.state in (RESERVED, ALLOCATED):
             if ls.state == ALLOCATED:
                 out.append(ReportInvalidBlocks(ls.request, ls.blocks))
-            self._end(ls, "expire", EXPIRED, "expired", False, out)
+            self._end(ls, "expire", EXPIRED, LeaseOutcome.EXPIRED, False, out)
 
     # -- invariants ------------------------------------------------------------------------------
 
@@ -173,18 +187,3 @@ class LeaseBook:
                 for key in list(ls.keys) + (self.history.ancestors(ls.keys[0]) or []):
                     pins[key] = pins.get(key, 0) + 1
         return pins
-
-    def violations(self) -> list[str]:
-        found = list(self.internal_errors)
-        for ls in self.leases.values():
-            where = f"lease {ls.lease} ({ls.state})"
-            if ls.state in (RESERVED, ALLOCATED) and ls.deadline_ns >= NEVER:
-                found.append(f"{where}: no deadline")
-            if ls.state == READING and ls.deadline_ns < NEVER:
-                found.append(f"{where}: a reading lease can expire")
-            if ls.state in SPEC.terminal and ls.deadline_ns < NEVER:
-                found.append(f"{where}: terminal with a deadline")
-        return found
-
-    def open_count(self) -> int:
-        return sum(1 for ls in self.leases.values() if ls.state not in SPEC.terminal)

@@ -16,15 +16,14 @@ import hashlib
 import msgspec
 
 from . import events as ev
-from .common import Counters, Deadlines
+from .common import NEVER, Counters, Deadlines, reject
 from .effects import Effect
-from .history import HistoryStore
-from .history import STAGING
+from .history import STAGING, HistoryStore
 from .lease import KIND_LEASE, LeaseBook
 from .lease import SPEC as lease_spec
 from .load import KIND_LOAD, LoadBook
 from .load import SPEC as load_spec
-from .ticket import KIND_TICKET, TicketBook
+from .ticket import CLOSED, KIND_TICKET, RETAINING, TicketBook
 from .ticket import SPEC as ticket_spec
 
 SECOND_NS = 1_000_000_000
@@ -169,8 +168,6 @@ class Ledger:
         out: list[Effect] = []
         reason = self.history.demoted(event.key, event.ok, out)
         if reason:
-            from .common import reject
-
             return [reject(self.counters, "hd", event.key, reason)]
         return out
 
@@ -188,13 +185,23 @@ class Ledger:
         for key in pins:
             if key not in self.history.blocks:
                 found.append(f"history {key}: leased but not resident")
-        retaining = {t.ticket for t in self.tickets.tickets.values() if t.state == "RETAINING"}
+        retaining = {t.ticket for t in self.tickets.tickets.values() if t.state == RETAINING}
         for blk in self.history.blocks.values():
             if blk.state == STAGING and blk.writer not in retaining:
                 found.append(f"history {blk.key}: staging for {blk.writer!r}, which is not retaining")
         if len(retaining) > 1:
             found.append(f"history: more than one writer {sorted(retaining)}")
         return found
+
+    def books(self) -> tuple:
+        """The four machines' books (ticket, load, lease, history block)."""
+
+        return (self.tickets, self.loads, self.leases, self.history)
+
+    def track_moves(self) -> dict[str, collections.Counter]:
+        """Count every state move from now on, per machine: {machine: {(source, trigger, dest): n}}."""
+
+        return {book.spec.name: book.track_moves() for book in self.books()}
 
     def open_counts(self) -> dict[str, int]:
         return {
@@ -204,10 +211,10 @@ class Ledger:
         }
 
     def earliest_deadline_ns(self) -> int | None:
-        deadlines = [t.deadline_ns for t in self.tickets.tickets.values() if t.state != "CLOSED"]
+        deadlines = [t.deadline_ns for t in self.tickets.tickets.values() if t.state != CLOSED]
         deadlines += [ld.deadline_ns for ld in self.loads.loads.values()]
         deadlines += [ls.deadline_ns for ls in self.leases.leases.values()]
-        finite = [d for d in deadlines if d < 2**63 - 1]
+        finite = [d for d in deadlines if d < NEVER]
         return min(finite) if finite else None
 
     def snapshot(self) -> dict:

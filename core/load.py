@@ -1,5 +1,10 @@
 """Loads (D side): one request that arrived with a handoff, from claim to the last read.
 
+Rule 1: everything that decides a load's state lives in this file. The shell reports what P
+answered, what vLLM's scheduler allocated and how each read ended, and carries out the effects
+(claims, read requests, releases, invalid blocks); it keeps no load state of its own. Each
+accepted `LoadRequested` ends in exactly one `LoadFinished`.
+
 Theory of operation. D claims the ticket as soon as the request arrives, without waiting: the
 scheduler is told "not known yet" until P answers. A granted claim is a remote hit; a refused or
 unanswered one is a miss and the request recomputes locally (a miss, not an error).
@@ -45,7 +50,8 @@ from .events import (
     RequestAborted,
     RequestPreempted,
 )
-from .machine import MachineSpec
+from .machine import Book, MachineSpec
+from .reasons import LoadOutcome, Reason
 
 AWAITING_CLAIM = "AWAITING_CLAIM"
 CLAIMED = "CLAIMED"
@@ -101,40 +107,33 @@ class Load(msgspec.Struct):
 KIND_LOAD = 1
 
 
-class LoadBook:
+class LoadBook(Book):
     """All of one decode engine's loads."""
 
-    on_closed = staticmethod(lambda ident: None)  # the ledger's hook: a load just ended
+    spec = SPEC
+    noun = "load"
+    key = "request"
+    kind = KIND_LOAD
+    timed = frozenset({AWAITING_CLAIM, CLAIMED, ALLOCATED})
+    untimed = frozenset({LOADING, DRAINING})
 
     def __init__(self, config, deadlines: Deadlines, counters: Counters) -> None:
-        self.config = config
-        self.deadlines = deadlines
-        self.counters = counters
-        self.loads: dict[str, Load] = {}
-        self.internal_errors: list[str] = []
-
-    def _move(self, ld: Load, trigger: str, dest: str) -> None:
-        if (ld.state, trigger) not in SPEC.table or dest not in SPEC.table[(ld.state, trigger)]:
-            self.internal_errors.append(f"load {ld.request}: undeclared move {ld.state} -{trigger}-> {dest}")
-            return
-        ld.state = dest
-
-    def _set_deadline(self, ld: Load, deadline_ns: int) -> None:
-        ld.deadline_ns = deadline_ns
-        self.deadlines.push(deadline_ns, KIND_LOAD, ld.request)
+        super().__init__(config, counters, deadlines)
+        self.loads: dict[str, Load] = self.records
 
     def _end(self, ld: Load, trigger: str, dest: str, outcome: str, out: list[Effect]) -> None:
         """Every terminal move ends in exactly one `LoadFinished`, whatever the path."""
 
-        self._move(ld, trigger, dest)
-        self.on_closed(ld.request)
-        ld.deadline_ns = NEVER
+        self._terminate(ld, trigger, dest)
         ld.outcome = outcome
         self.counters.add(f"loads.{dest.lower()}")
         out.append(LoadFinished(ld.request, dest == DONE, outcome))
 
     def _release(self, ld: Load) -> SendRelease:
         return SendRelease(ld.request, ld.ticket, ld.source, ld.epoch)
+
+    def _read_end(self, ld: Load, read: str, ok: bool, release: bool) -> SendReadEnd:
+        return SendReadEnd(ld.request, ld.ticket, ld.source, ld.epoch, read, ok, release)
 
     def _next_read(self, ld: Load, now: int) -> SendReadStart:
         ld.read = f"{ld.request}/{ld.reads_done}"
@@ -144,11 +143,14 @@ class LoadBook:
     # -- handlers --------------------------------------------------------------------------------
 
     def requested(self, e: LoadRequested, now: int) -> list[Effect]:
+        """New request with blocks to load → AWAITING_CLAIM, claim sent; else Rejected(DUPLICATE_REQUEST
+        | INVALID)."""
+
         if e.request in self.loads:
-            return [reject(self.counters, "lq", e.request, "duplicate request")]
+            return [reject(self.counters, "lq", e.request, Reason.DUPLICATE_REQUEST)]
         if e.num_blocks <= 0:
-            return [reject(self.counters, "lq", e.request, "invalid: no blocks"),
-                    LoadResolved(e.request, False, "invalid handoff")]
+            return [reject(self.counters, "lq", e.request, Reason.INVALID.detail("no blocks")),
+                    LoadResolved(e.request, False, Reason.INVALID_HANDOFF)]
         ld = Load(e.request, e.ticket, e.source, e.epoch, e.num_blocks, AWAITING_CLAIM, NEVER)
         self.loads[e.request] = ld
         self._set_deadline(ld, now + self.config.claim_wait_ns)
@@ -156,142 +158,148 @@ class LoadBook:
         return [SendClaim(e.request, e.ticket, e.source, e.epoch)]
 
     def granted(self, e: ClaimGranted, now: int) -> list[Effect]:
+        """From AWAITING_CLAIM (same ticket and epoch) → CLAIMED, a hit; past it, Rejected(LATE_GRANT)
+        and the ticket released; else Rejected(UNKNOWN_LOAD)."""
+
         ld = self.loads.get(e.request)
         if ld is None or ld.ticket != e.ticket or ld.epoch != e.epoch:
-            return [reject(self.counters, "cg", e.request, "unknown load")]
+            return [reject(self.counters, "cg", e.request, Reason.UNKNOWN_LOAD)]
         if ld.state != AWAITING_CLAIM:
             # A grant that arrives after we gave up (abort, claim timeout) would hold P's blocks
             # for a whole idle lease: give the ticket straight back.
-            return [reject(self.counters, "cg", e.request, "late grant"), self._release(ld)]
+            return [reject(self.counters, "cg", e.request, Reason.LATE_GRANT), self._release(ld)]
         self._move(ld, "granted", CLAIMED)
         self._set_deadline(ld, now + self.config.claim_lease_ns)
         return [LoadResolved(e.request, True)]
 
     def refused(self, e: ClaimRefused, now: int) -> list[Effect]:
+        """From AWAITING_CLAIM (same ticket and epoch) → MISSED; else Rejected(UNKNOWN_LOAD |
+        LATE_REFUSAL)."""
+
         ld = self.loads.get(e.request)
         if ld is None or ld.ticket != e.ticket or ld.epoch != e.epoch:
-            return [reject(self.counters, "cx", e.request, "unknown load")]
+            return [reject(self.counters, "cx", e.request, Reason.UNKNOWN_LOAD)]
         if ld.state != AWAITING_CLAIM:
-            return [reject(self.counters, "cx", e.request, "late refusal")]
+            return [reject(self.counters, "cx", e.request, Reason.LATE_REFUSAL)]
         out: list[Effect] = [LoadResolved(e.request, False, e.reason)]
-        self._end(ld, "refused", MISSED, "claim refused: " + e.reason, out)
+        self._end(ld, "refused", MISSED, LoadOutcome.CLAIM_REFUSED.detail(e.reason), out)
         return out
 
     def allocated(self, e: LoadAllocated, now: int) -> list[Effect]:
+        """From CLAIMED → ALLOCATED, first read asked (no blocks: DONE, a local hit); else
+        Rejected(UNKNOWN_LOAD | NOT_CLAIMED | CONSUMED)."""
+
         ld = self.loads.get(e.request)
         if ld is None:
-            return [reject(self.counters, "la", e.request, "unknown load")]
+            return [reject(self.counters, "la", e.request, Reason.UNKNOWN_LOAD)]
         if ld.state != CLAIMED:
-            return [reject(self.counters, "la", e.request, "consumed" if ld.state != AWAITING_CLAIM
-                           else "not claimed")]
+            return [reject(self.counters, "la", e.request, Reason.CONSUMED if ld.state != AWAITING_CLAIM
+                           else Reason.NOT_CLAIMED)]
         ld.blocks = tuple(e.blocks)
         if not e.blocks:  # everything was a local prefix-cache hit: nothing to read
             out: list[Effect] = [self._release(ld)]
-            self._end(ld, "allocated", DONE, "local hit", out)
+            self._end(ld, "allocated", DONE, LoadOutcome.LOCAL_HIT, out)
             return out
         self._move(ld, "allocated", ALLOCATED)
         ld.reads_left = max(1, e.reads)
         return [self._next_read(ld, now)]
 
     def read_granted(self, e: ReadGranted, now: int) -> list[Effect]:
+        """From ALLOCATED, for the read asked → LOADING, read posted; else Rejected(UNKNOWN_LOAD |
+        NO_READ_PENDING), and a grant after the load ended is given back."""
+
         ld = self.loads.get(e.request)
         if ld is None:
-            return [reject(self.counters, "rg", e.request, "unknown load")]
+            return [reject(self.counters, "rg", e.request, Reason.UNKNOWN_LOAD)]
         if ld.state != ALLOCATED or ld.read != e.read:
-            out: list[Effect] = [reject(self.counters, "rg", e.request, "no read pending")]
+            out: list[Effect] = [reject(self.counters, "rg", e.request, Reason.NO_READ_PENDING)]
             if ld.state in SPEC.terminal:
                 # We gave up before the grant came: P pinned its blocks for a read we will never
                 # make. End that read and release the ticket there, or P would wait forever.
-                out.append(SendReadEnd(ld.request, ld.ticket, ld.source, ld.epoch, e.read, False, True))
+                out.append(self._read_end(ld, e.read, False, True))
             return out
         self._move(ld, "read_granted", LOADING)
         ld.deadline_ns = NEVER
         return [PostRead(ld.request, ld.ticket, ld.source, ld.read)]
 
     def read_refused(self, e: ReadRefused, now: int) -> list[Effect]:
+        """From ALLOCATED, for the read asked → FAILED, blocks invalid, ticket released; else
+        Rejected(NO_READ_PENDING)."""
+
         ld = self.loads.get(e.request)
         if ld is None or ld.state != ALLOCATED or ld.read != e.read:
-            return [reject(self.counters, "rx", e.request, "no read pending")]
+            return [reject(self.counters, "rx", e.request, Reason.NO_READ_PENDING)]
         out: list[Effect] = [ReportInvalidBlocks(ld.request, ld.blocks), self._release(ld)]
-        self._end(ld, "read_refused", FAILED, "read refused: " + e.reason, out)
+        self._end(ld, "read_refused", FAILED, LoadOutcome.READ_REFUSED.detail(e.reason), out)
         return out
 
     def read_finished(self, e: LoadReadFinished, now: int) -> list[Effect]:
+        """The read in flight ended: LOADING → ALLOCATED (next read), DONE or FAILED; DRAINING →
+        CANCELLED; else Rejected(NO_READ_IN_FLIGHT)."""
+
         ld = self.loads.get(e.request)
         if ld is None or ld.state not in (LOADING, DRAINING) or ld.read != e.read:
-            return [reject(self.counters, "lr", e.request, "no read in flight")]
+            return [reject(self.counters, "lr", e.request, Reason.NO_READ_IN_FLIGHT)]
         ld.reads_done += 1
         ld.reads_left -= 1
         if ld.state == DRAINING:
-            out: list[Effect] = [SendReadEnd(ld.request, ld.ticket, ld.source, ld.epoch, e.read, e.ok, True)]
-            self._end(ld, "read_done" if e.ok else "read_failed", CANCELLED, "cancelled while loading", out)
+            out: list[Effect] = [self._read_end(ld, e.read, e.ok, True)]
+            self._end(ld, "read_done" if e.ok else "read_failed", CANCELLED,
+                      LoadOutcome.CANCELLED_WHILE_LOADING, out)
             return out
         if not e.ok:
-            out = [SendReadEnd(ld.request, ld.ticket, ld.source, ld.epoch, e.read, False, True),
-                   ReportInvalidBlocks(ld.request, ld.blocks)]
-            self._end(ld, "read_failed", FAILED, "transport error", out)
+            out = [self._read_end(ld, e.read, False, True), ReportInvalidBlocks(ld.request, ld.blocks)]
+            self._end(ld, "read_failed", FAILED, LoadOutcome.TRANSPORT_ERROR, out)
             return out
         if ld.reads_left > 0:
             self._move(ld, "read_done", ALLOCATED)
-            return [SendReadEnd(ld.request, ld.ticket, ld.source, ld.epoch, e.read, True, False),
-                    self._next_read(ld, now)]
+            return [self._read_end(ld, e.read, True, False), self._next_read(ld, now)]
         self.counters.add("loads.blocks", len(ld.blocks))
-        out = [SendReadEnd(ld.request, ld.ticket, ld.source, ld.epoch, e.read, True, True)]
-        self._end(ld, "read_done", DONE, "loaded", out)
+        out = [self._read_end(ld, e.read, True, True)]
+        self._end(ld, "read_done", DONE, LoadOutcome.LOADED, out)
         return out
 
     def cancelled(self, e: RequestPreempted | RequestAborted, now: int) -> list[Effect]:
+        """From AWAITING_CLAIM, CLAIMED or ALLOCATED → CANCELLED, ticket released; LOADING → DRAINING;
+        else Rejected(UNKNOWN_LOAD | CONSUMED)."""
+
         ld = self.loads.get(e.request)
         tag = "rp" if isinstance(e, RequestPreempted) else "ra"
         if ld is None:
-            return [reject(self.counters, tag, e.request, "unknown load")]
+            return [reject(self.counters, tag, e.request, Reason.UNKNOWN_LOAD)]
         if ld.state in SPEC.terminal or ld.state == DRAINING:
-            return [reject(self.counters, tag, e.request, "consumed")]
+            return [reject(self.counters, tag, e.request, Reason.CONSUMED)]
         if ld.state == LOADING:
             self._move(ld, "cancel", DRAINING)
             return []
-        reason = "preempted" if tag == "rp" else "aborted"
+        reason = LoadOutcome.PREEMPTED if tag == "rp" else LoadOutcome.ABORTED
         out: list[Effect] = [self._release(ld)]
         if ld.state == AWAITING_CLAIM:
             out.append(LoadResolved(ld.request, False, reason))
         self._end(ld, "cancel", CANCELLED, reason, out)
         return out
 
-    def expire_due(self, ident: str, deadline_ns: int, now: int, out: list[Effect]) -> None:
-        ld = self.loads.get(ident)
-        if ld is None or ld.deadline_ns != deadline_ns:
-            return
+    def _expire(self, ld: Load, now: int, out: list[Effect]) -> None:
+        """AWAITING_CLAIM → MISSED; CLAIMED → CANCELLED; ALLOCATED → FAILED (blocks invalid); each
+        releases the ticket."""
+
         if ld.state == AWAITING_CLAIM:
             out.append(self._release(ld))  # in case the grant is only late
-            out.append(LoadResolved(ld.request, False, "claim unanswered"))
-            self._end(ld, "expire", MISSED, "claim unanswered", out)
+            out.append(LoadResolved(ld.request, False, LoadOutcome.CLAIM_UNANSWERED))
+            self._end(ld, "expire", MISSED, LoadOutcome.CLAIM_UNANSWERED, out)
         elif ld.state == CLAIMED:
             out.append(self._release(ld))
-            self._end(ld, "expire", CANCELLED, "never allocated", out)
+            self._end(ld, "expire", CANCELLED, LoadOutcome.NEVER_ALLOCATED, out)
         elif ld.state == ALLOCATED:
             out.append(ReportInvalidBlocks(ld.request, ld.blocks))
             out.append(self._release(ld))
-            self._end(ld, "expire", FAILED, "read grant unanswered", out)
+            self._end(ld, "expire", FAILED, LoadOutcome.READ_GRANT_UNANSWERED, out)
 
     # -- invariants ------------------------------------------------------------------------------
 
-    def violations(self) -> list[str]:
-        found = list(self.internal_errors)
-        for ld in self.loads.values():
-            where = f"load {ld.request} ({ld.state})"
-            if ld.state not in SPEC.states:
-                found.append(f"{where}: unknown state")
-                continue
-            terminal = ld.state in SPEC.terminal
-            if terminal and ld.deadline_ns < NEVER:
-                found.append(f"{where}: terminal with a deadline")
-            if ld.state in (AWAITING_CLAIM, CLAIMED, ALLOCATED) and ld.deadline_ns >= NEVER:
-                found.append(f"{where}: no deadline")
-            if ld.state in (ALLOCATED, LOADING, DRAINING) and not ld.blocks:
-                found.append(f"{where}: no destination blocks")
-            if ld.state in (AWAITING_CLAIM, CLAIMED) and ld.blocks:
-                found.append(f"{where}: blocks before allocation")
-        return found
-
-    def open_count(self) -> int:
-        return sum(1 for ld in self.loads.values() if ld.state not in SPEC.terminal)
+    def _check(self, ld: Load, where: str, found: list[str]) -> None:
+        super()._check(ld, where, found)
+        if ld.state in (ALLOCATED, LOADING, DRAINING) and not ld.blocks:
+            found.append(f"{where}: no destination blocks")
+        if ld.state in (AWAITING_CLAIM, CLAIMED) and ld.blocks:
+            found.append(f"{where}: blocks before allocation")

@@ -9,7 +9,10 @@ table and the library agree on every pair) and for `kvbaton replay --diagram`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
+
+from .common import NEVER, Counters, Deadlines
 
 
 class MachineSpec:
@@ -80,3 +83,108 @@ class MachineSpec:
 
         machine, model = self.build_transitions_machine(graph=True)
         return str(model.get_graph().draw(None))
+
+
+class Book:
+    """What every machine's book shares: its records by id, declared moves, deadlines, the hook
+    that tells the ledger a record ended, internal errors, and the invariants every machine keeps.
+
+    A subclass names its machine (`spec`), what it calls a record (`noun`, and `key`, the record's
+    id field), its kind in the shared deadline queue, and which open states must have a deadline
+    (`timed`) or must not (`untimed`: reads in flight pin memory, so they cannot expire). Its
+    handlers change a record's state only through `_move`, so an undeclared move is refused and
+    recorded instead of happening, and every move can be counted (`track_moves`).
+    """
+
+    spec: MachineSpec
+    noun = "record"
+    key = "id"
+    kind = -1  # no deadlines
+    timed: frozenset[str] = frozenset()
+    untimed: frozenset[str] = frozenset()
+
+    on_closed = staticmethod(lambda ident: None)  # the ledger's hook: a record just ended
+
+    def __init__(self, config, counters: Counters, deadlines: Deadlines | None = None) -> None:
+        self.config = config
+        self.counters = counters
+        self.deadlines = deadlines
+        self.records: dict = {}
+        self.internal_errors: list[str] = []
+        # (source, trigger, dest) -> times moved; None (the default) keeps the hot path bare.
+        self.moves: Counter | None = None
+
+    def track_moves(self) -> Counter:
+        """Count every move from now on (the fuzzer's transition coverage)."""
+
+        if self.moves is None:
+            self.moves = Counter()
+        return self.moves
+
+    # -- moves -----------------------------------------------------------------------------------
+
+    def _move(self, record, trigger: str, dest: str) -> None:
+        # A real check, not an assert: an undeclared move is a bug we record and refuse.
+        source = record.state
+        dests = self.spec.table.get((source, trigger))
+        if dests is None or dest not in dests:
+            self.internal_errors.append(
+                f"{self.noun} {getattr(record, self.key)}: undeclared move {source} -{trigger}-> {dest}")
+            return
+        if self.moves is not None:
+            self.moves[(source, trigger, dest)] += 1
+        record.state = dest
+
+    def _terminate(self, record, trigger: str, dest: str) -> None:
+        """Move into a terminal state: no deadline from now on, and the ledger hears of it."""
+
+        self._move(record, trigger, dest)
+        self.on_closed(getattr(record, self.key))
+        record.deadline_ns = NEVER
+
+    # -- deadlines -------------------------------------------------------------------------------
+
+    def _set_deadline(self, record, deadline_ns: int) -> None:
+        record.deadline_ns = deadline_ns
+        self.deadlines.push(deadline_ns, self.kind, getattr(record, self.key))
+
+    def expire_due(self, ident: str, deadline_ns: int, now: int, out: list) -> None:
+        """The deadline queue says `ident` is due at `deadline_ns`: expire it if that still holds."""
+
+        record = self.records.get(ident)
+        if record is None or record.deadline_ns != deadline_ns:
+            return  # a stale heap entry: the deadline moved or the record ended
+        self._expire(record, now, out)
+
+    def _expire(self, record, now: int, out: list) -> None:
+        """Its deadline passed (only called while the deadline is current)."""
+
+    # -- invariants ------------------------------------------------------------------------------
+
+    def violations(self) -> list[str]:
+        found = list(self.internal_errors)
+        spec, noun, key = self.spec, self.noun, self.key
+        for record in self.records.values():
+            where = f"{noun} {getattr(record, key)} ({record.state})"
+            if record.state not in spec.states:
+                found.append(f"{where}: unknown state")
+                continue
+            self._check(record, where, found)
+        return found
+
+    def _check(self, record, where: str, found: list[str]) -> None:
+        """Append what is wrong with one record in a declared state (subclasses add their own)."""
+
+        state, deadline = record.state, record.deadline_ns
+        if state in self.spec.terminal:
+            if deadline < NEVER:
+                found.append(f"{where}: terminal with a deadline")
+        elif state in self.timed:
+            if deadline >= NEVER:
+                found.append(f"{where}: no deadline")
+        elif state in self.untimed and deadline < NEVER:
+            found.append(f"{where}: a reading {self.noun} can expire")
+
+    def open_count(self) -> int:
+        terminal = self.spec.terminal
+        return sum(1 for record in self.records.values() if record.state not in terminal)

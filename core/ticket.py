@@ -1,9 +1,14 @@
 """Handoff tickets (P side): who may read a finished prefill's engine blocks, and until when.
 
+Rule 1: everything that decides a ticket's state lives in this file. The shell reports facts
+(`TicketIssued`, claims, reads, releases, heartbeats, abandons, `HistoryPublished`) and carries out
+the effects; it never sets a state, never frees blocks on its own and never second-guesses a refusal.
+
 Theory of operation. When P finishes prefilling a request that is marked for remote decode, its
 engine blocks are handed to a ticket instead of being freed (`delay_free`). The ticket lives in
 P's ledger and is the only thing that can give those blocks back (`FreeEngineBlocks`, which the
-connector reports as `finished_sending`), exactly once, when it closes.
+connector reports as `finished_sending`), exactly once, when it closes: each accepted
+`TicketIssued` is answered by exactly one `FreeEngineBlocks`.
 
     ISSUED ──claim──▶ CLAIMED ⇄ READING ──release──▶ DRAINING ──last read ends──▶ (close)
       │                  │                                    
@@ -40,7 +45,8 @@ from .events import (
     ReleaseRequested,
     TicketIssued,
 )
-from .machine import MachineSpec
+from .machine import Book, MachineSpec
+from .reasons import Closed, Dropped, Reason
 
 ISSUED = "ISSUED"
 CLAIMED = "CLAIMED"
@@ -100,37 +106,26 @@ class Ticket(msgspec.Struct):
 KIND_TICKET = 0
 
 
-class TicketBook:
+class TicketBook(Book):
     """All of one engine's tickets, and the handlers that move them."""
 
-    on_closed = staticmethod(lambda ident: None)  # the ledger's hook: a ticket just closed
+    spec = SPEC
+    noun = "ticket"
+    key = "ticket"
+    kind = KIND_TICKET
+    timed = frozenset({ISSUED, CLAIMED, RETAINING})
+    untimed = frozenset({READING, DRAINING})
 
     def __init__(self, config, deadlines: Deadlines, counters: Counters, history) -> None:
-        self.config = config
-        self.deadlines = deadlines
-        self.counters = counters
+        super().__init__(config, counters, deadlines)
         self.history = history
-        self.tickets: dict[str, Ticket] = {}
-        self.internal_errors: list[str] = []
+        self.tickets: dict[str, Ticket] = self.records
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _move(self, t: Ticket, trigger: str, dest: str) -> None:
-        # A real check, not an assert: an undeclared move is a bug we record and refuse.
-        if (t.state, trigger) not in SPEC.table or dest not in SPEC.table[(t.state, trigger)]:
-            self.internal_errors.append(f"ticket {t.ticket}: undeclared move {t.state} -{trigger}-> {dest}")
-            return
-        t.state = dest
-
-    def _set_deadline(self, t: Ticket, deadline_ns: int) -> None:
-        t.deadline_ns = deadline_ns
-        self.deadlines.push(deadline_ns, KIND_TICKET, t.ticket)
-
-    def _close(self, t: Ticket, trigger: str, reason: str, out: list[Effect]) -> None:
-        self._move(t, trigger, CLOSED)
-        self.on_closed(t.ticket)
+    def _close(self, t: Ticket, trigger: str, reason: Closed, out: list[Effect]) -> None:
+        self._terminate(t, trigger, CLOSED)
         t.close_reason = reason
-        t.deadline_ns = NEVER
         t.returned = True
         self.counters.add("tickets.closed." + reason)
         out.append(FreeEngineBlocks(t.ticket, t.request, t.blocks, reason))
@@ -145,19 +140,31 @@ class TicketBook:
             self._set_deadline(t, now + self.config.retention_deadline_ns)
             out.append(StageHistory(t.ticket, tuple(copies)))
         else:
-            self._close(t, trigger, "released", out)
+            self._close(t, trigger, Closed.RELEASED, out)
+
+    @staticmethod
+    def _state_refusal(t: Ticket) -> str:
+        """Why a ticket past CLAIMED/READING refuses a claim or a read."""
+
+        if t.state == CLOSED:
+            return Reason.CLOSED.detail(t.close_reason)
+        return Reason.RELEASED if t.state in (DRAINING, RETAINING) else Reason.NOT_CLAIMED
 
     # -- handlers --------------------------------------------------------------------------------
 
     def issued(self, e: TicketIssued, now: int) -> list[Effect]:
+        """New id with distinct, non-negative blocks and no more keys than blocks → ISSUED (unclaimed
+        deadline); else Rejected(DUPLICATE_TICKET | INVALID)."""
+
         if e.ticket in self.tickets:
-            return [reject(self.counters, "ti", e.ticket, "duplicate ticket")]
+            return [reject(self.counters, "ti", e.ticket, Reason.DUPLICATE_TICKET)]
         if not e.blocks:
-            return [reject(self.counters, "ti", e.ticket, "invalid: no blocks")]
+            return [reject(self.counters, "ti", e.ticket, Reason.INVALID.detail("no blocks"))]
         if len(set(e.blocks)) != len(e.blocks) or min(e.blocks) < 0:
-            return [reject(self.counters, "ti", e.ticket, "invalid: block ids repeat or are negative")]
+            return [reject(self.counters, "ti", e.ticket,
+                           Reason.INVALID.detail("block ids repeat or are negative"))]
         if len(e.keys) > len(e.blocks):
-            return [reject(self.counters, "ti", e.ticket, "invalid: more keys than blocks")]
+            return [reject(self.counters, "ti", e.ticket, Reason.INVALID.detail("more keys than blocks"))]
         t = Ticket(e.ticket, e.request, tuple(e.blocks), tuple(e.keys), ISSUED, NEVER,
                    num_tokens=e.num_tokens, digest=e.digest, abandon_digest=e.abandon_digest,
                    keepalive_digest=e.keepalive_digest)
@@ -170,13 +177,13 @@ class TicketBook:
         return ReplyClaim(e.ticket, e.claimer, e.epoch, True, reason, t.blocks, t.num_tokens, t.digest)
 
     def claim(self, e: ClaimRequested, now: int) -> list[Effect]:
-        """ISSUED → CLAIMED (grant); CLAIMED/READING by the same (claimer, epoch) → same (grant,
-        "retry"); else ReplyClaim refused (unknown ticket, claimed by another, released, closed)."""
+        """From ISSUED → CLAIMED; CLAIMED or READING by the same (claimer, epoch) → unchanged, granted
+        again (RETRY); else refused (UNKNOWN_TICKET | CLAIMED_BY_ANOTHER | RELEASED | CLOSED)."""
 
         t = self.tickets.get(e.ticket)
         if t is None:
             self.counters.add("claims.refused.unknown_ticket")
-            return [ReplyClaim(e.ticket, e.claimer, e.epoch, False, "unknown ticket")]
+            return [ReplyClaim(e.ticket, e.claimer, e.epoch, False, Reason.UNKNOWN_TICKET)]
         if t.state == ISSUED:
             self._move(t, "claim", CLAIMED)
             t.claimer, t.epoch = e.claimer, e.epoch
@@ -184,51 +191,54 @@ class TicketBook:
             self.counters.add("tickets.claimed")
             return [self._grant(t, e)]
         if t.state in (CLAIMED, READING) and t.claimer == e.claimer and t.epoch == e.epoch:
+            self._move(t, "claim", t.state)
             if t.state == CLAIMED:
                 self._set_deadline(t, now + self.config.claim_lease_ns)
-            return [self._grant(t, e, "retry")]
-        reason = "closed: " + t.close_reason if t.state == CLOSED else "claimed by another"
-        if t.state in (DRAINING, RETAINING):
-            reason = "released"
+            return [self._grant(t, e, Reason.RETRY)]
+        reason = Reason.CLAIMED_BY_ANOTHER if t.state in (CLAIMED, READING) else self._state_refusal(t)
         self.counters.add("claims.refused")
         return [ReplyClaim(e.ticket, e.claimer, e.epoch, False, reason),
                 reject(self.counters, "cr", e.ticket, reason)]
 
     def heartbeat(self, e: HeartbeatReceived, now: int) -> list[Effect]:
-        """ISSUED with a proven capability → ISSUED, unclaimed deadline pushed out; CLAIMED by its
-        claimer → lease refreshed; READING/DRAINING/RETAINING by its claimer → unchanged; else
-        Rejected (unknown ticket, closed, no capability, not the claimer)."""
+        """ISSUED with a keepalive or abandon proof → ISSUED, deadline pushed out; any other open
+        state by its claimer → unchanged (CLAIMED: lease refreshed); else Rejected(UNKNOWN_TICKET |
+        CLOSED | NO_CAPABILITY | NOT_CLAIMER)."""
 
         t = self.tickets.get(e.ticket)
         if t is None or t.state == CLOSED:
-            return [reject(self.counters, "hb", e.ticket, "closed" if t else "unknown ticket")]
+            return [reject(self.counters, "hb", e.ticket, Reason.CLOSED if t else Reason.UNKNOWN_TICKET)]
         if t.state == ISSUED:
             proofs = {d for d in (t.keepalive_digest, t.abandon_digest) if d}  # none: a legacy record
             if proofs and e.proof not in proofs:
-                return [reject(self.counters, "hb", e.ticket, "no capability")]
+                return [reject(self.counters, "hb", e.ticket, Reason.NO_CAPABILITY)]
+            self._move(t, "heartbeat", ISSUED)
             deadline = now + self.config.unclaimed_ttl_ns
             if deadline > t.deadline_ns:
                 self._set_deadline(t, deadline)
             return []
         if t.claimer != e.claimer:
-            return [reject(self.counters, "hb", e.ticket, "not the claimer")]
+            return [reject(self.counters, "hb", e.ticket, Reason.NOT_CLAIMER)]
+        self._move(t, "heartbeat", t.state)
         if t.state == CLAIMED:
             self._set_deadline(t, now + self.config.claim_lease_ns)
         return []
 
     def read_start(self, e: ReadStarted, now: int) -> list[Effect]:
+        """From CLAIMED or READING by its (claimer, epoch), a read not yet finished → READING, no
+        deadline; else refused (UNKNOWN_TICKET | NOT_CLAIMED | RELEASED | CLOSED | NOT_CLAIMER |
+        READ_ALREADY_FINISHED)."""
+
         t = self.tickets.get(e.ticket)
         reason = ""
         if t is None:
-            reason = "unknown ticket"
+            reason = Reason.UNKNOWN_TICKET
         elif t.state not in (CLAIMED, READING):
-            reason = "closed: " + t.close_reason if t.state == CLOSED else "not claimed"
-            if t.state in (DRAINING, RETAINING):
-                reason = "released"
+            reason = self._state_refusal(t)
         elif t.claimer != e.claimer or t.epoch != e.epoch:
-            reason = "not the claimer"
+            reason = Reason.NOT_CLAIMER
         elif e.read in t.done_reads:
-            reason = "read already finished"
+            reason = Reason.READ_ALREADY_FINISHED
         if reason:
             return [ReplyRead(e.ticket, e.claimer, e.read, False, reason),
                     reject(self.counters, "rs", e.ticket, reason)]
@@ -240,15 +250,15 @@ class TicketBook:
         return [ReplyRead(e.ticket, e.claimer, e.read, True)]
 
     def read_end(self, e: ReadFinished, now: int) -> list[Effect]:
-        """READING → READING (reads left) or CLAIMED (lease restarts); DRAINING → DRAINING or
-        released (RETAINING/CLOSED); else Rejected (unknown read, not the claimer)."""
+        """A read in flight, ended by its claimer: READING → READING (reads left) or CLAIMED (lease
+        restarts); DRAINING → DRAINING, RETAINING or CLOSED; else Rejected(UNKNOWN_READ | NOT_CLAIMER)."""
 
         t = self.tickets.get(e.ticket)
         if t is None or e.read not in t.reads:
-            return [reject(self.counters, "rf", e.ticket, "unknown read")]
+            return [reject(self.counters, "rf", e.ticket, Reason.UNKNOWN_READ)]
         legacy = e.claimer == "" and e.epoch == -1  # a record from before reads named their owner
         if not legacy and (e.claimer != t.claimer or e.epoch != t.epoch):
-            return [reject(self.counters, "rf", e.ticket, "not the claimer")]
+            return [reject(self.counters, "rf", e.ticket, Reason.NOT_CLAIMER)]
         t.reads.remove(e.read)
         t.done_reads.append(e.read)
         self.counters.add("reads.finished.ok" if e.ok else "reads.finished.failed")
@@ -263,15 +273,18 @@ class TicketBook:
         return out
 
     def release(self, e: ReleaseRequested, now: int) -> list[Effect]:
+        """By its (claimer, epoch): CLAIMED → RETAINING or CLOSED(released); READING → DRAINING;
+        else Rejected(UNKNOWN_TICKET | NOT_CLAIMED | RELEASED | CLOSED | NOT_CLAIMER)."""
+
         t = self.tickets.get(e.ticket)
         if t is None:
-            return [reject(self.counters, "rr", e.ticket, "unknown ticket")]
+            return [reject(self.counters, "rr", e.ticket, Reason.UNKNOWN_TICKET)]
         if t.state not in (CLAIMED, READING):
             return [reject(self.counters, "rr", e.ticket,
-                           "closed" if t.state == CLOSED else "not claimed" if t.state == ISSUED
-                           else "released")]
+                           Reason.CLOSED if t.state == CLOSED else Reason.NOT_CLAIMED if t.state == ISSUED
+                           else Reason.RELEASED)]
         if t.claimer != e.claimer or t.epoch != e.epoch:
-            return [reject(self.counters, "rr", e.ticket, "not the claimer")]
+            return [reject(self.counters, "rr", e.ticket, Reason.NOT_CLAIMER)]
         out: list[Effect] = []
         if t.state == READING:
             self._move(t, "release", DRAINING)
@@ -280,69 +293,59 @@ class TicketBook:
         return out
 
     def abandon(self, e: AbandonRequested, now: int) -> list[Effect]:
-        """ISSUED with the router's capability → CLOSED(abandoned); else Rejected (unknown ticket,
-        no capability, claimed, closed)."""
+        """From ISSUED with the router's capability → CLOSED(abandoned); else Rejected(UNKNOWN_TICKET
+        | NO_CAPABILITY | CLAIMED | CLOSED)."""
 
         t = self.tickets.get(e.ticket)
         if t is None:
-            return [reject(self.counters, "ab", e.ticket, "unknown ticket")]
+            return [reject(self.counters, "ab", e.ticket, Reason.UNKNOWN_TICKET)]
         if t.abandon_digest and e.proof != t.abandon_digest:
-            return [reject(self.counters, "ab", e.ticket, "no capability")]
+            return [reject(self.counters, "ab", e.ticket, Reason.NO_CAPABILITY)]
         if t.state != ISSUED:
-            return [reject(self.counters, "ab", e.ticket,
-                           "closed" if t.state == CLOSED else "claimed: belongs to the decode engine")]
+            return [reject(self.counters, "ab", e.ticket, Reason.CLOSED if t.state == CLOSED
+                           else Reason.CLAIMED.detail("belongs to the decode engine"))]
         out: list[Effect] = []
-        self._close(t, "abandon", "abandoned", out)
+        self._close(t, "abandon", Closed.ABANDONED, out)
         return out
 
     def published(self, e: HistoryPublished, now: int) -> list[Effect]:
+        """From RETAINING → CLOSED(released), its staged keys published or dropped by `e.ok`; else
+        Rejected(NOT_RETAINING)."""
+
         t = self.tickets.get(e.ticket)
         if t is None or t.state != RETAINING:
-            return [reject(self.counters, "hp", e.ticket, "not retaining")]
+            return [reject(self.counters, "hp", e.ticket, Reason.NOT_RETAINING)]
         out: list[Effect] = []
-        self.history.finish_staging(t.ticket, t.staged, e.ok, "copy failed", out)
+        self.history.finish_staging(t.ticket, t.staged, e.ok, Dropped.COPY_FAILED, out)
         t.staged = []
-        self._close(t, "publish", "released", out)
+        self._close(t, "publish", Closed.RELEASED, out)
         return out
 
-    def expire_due(self, ident: str, deadline_ns: int, now: int, out: list[Effect]) -> None:
-        t = self.tickets.get(ident)
-        if t is None or t.deadline_ns != deadline_ns:
-            return  # a stale heap entry: the deadline moved or the ticket closed
+    def _expire(self, t: Ticket, now: int, out: list[Effect]) -> None:
+        """ISSUED or CLAIMED → CLOSED(expired); RETAINING → CLOSED(released), its copies dropped."""
+
         if t.state in (ISSUED, CLAIMED):
-            self._close(t, "expire", "expired", out)
+            self._close(t, "expire", Closed.EXPIRED, out)
         elif t.state == RETAINING:
-            self.history.finish_staging(t.ticket, t.staged, False, "deadline", out)
+            self.history.finish_staging(t.ticket, t.staged, False, Dropped.DEADLINE, out)
             t.staged = []
-            self._close(t, "retention_timeout", "released", out)
+            self._close(t, "retention_timeout", Closed.RELEASED, out)
 
     # -- invariants ------------------------------------------------------------------------------
 
-    def violations(self) -> list[str]:
-        found = list(self.internal_errors)
-        for t in self.tickets.values():
-            where = f"ticket {t.ticket} ({t.state})"
-            if t.state not in SPEC.states:
-                found.append(f"{where}: unknown state")
-            if t.state == CLOSED:
-                if not t.returned:
-                    found.append(f"{where}: closed without returning its blocks")
-                if t.reads:
-                    found.append(f"{where}: closed with reads in flight {t.reads}")
-                continue
-            if t.returned:
-                found.append(f"{where}: blocks returned but ticket still open")
-            if t.state in (READING, DRAINING) and not t.reads:
-                found.append(f"{where}: no read in flight")
-            if t.state in (ISSUED, CLAIMED, RETAINING) and t.reads:
-                found.append(f"{where}: reads in flight {t.reads}")
-            if t.state in (ISSUED, CLAIMED, RETAINING) and t.deadline_ns >= NEVER:
-                found.append(f"{where}: no deadline")
-            if t.state in (READING, DRAINING) and t.deadline_ns < NEVER:
-                found.append(f"{where}: a reading ticket can expire")
-            if t.state != RETAINING and t.staged:
-                found.append(f"{where}: staged history outside retention")
-        return found
-
-    def open_count(self) -> int:
-        return sum(1 for t in self.tickets.values() if t.state != CLOSED)
+    def _check(self, t: Ticket, where: str, found: list[str]) -> None:
+        super()._check(t, where, found)
+        if t.state == CLOSED:
+            if not t.returned:
+                found.append(f"{where}: closed without returning its blocks")
+            if t.reads:
+                found.append(f"{where}: closed with reads in flight {t.reads}")
+            return
+        if t.returned:
+            found.append(f"{where}: blocks returned but ticket still open")
+        if t.state in (READING, DRAINING) and not t.reads:
+            found.append(f"{where}: no read in flight")
+        if t.state in (ISSUED, CLAIMED, RETAINING) and t.reads:
+            found.append(f"{where}: reads in flight {t.reads}")
+        if t.state != RETAINING and t.staged:
+            found.append(f"{where}: staged history outside retention")

@@ -170,9 +170,12 @@ class LeaseBook(Book):
         self._end(ls, "cancel", CANCELLED, LeaseOutcome.RELEASED_UNUSED, False, out)
         return out
 
-    def _expire(self, ls: Lease, now: int, out: list[Effect]) -> None:
-        """RESERVED or ALLOCATED → EXPIRED (allocated blocks invalid: P recomputes them)."""
+    def expire_due(self, ident: str, deadline_ns: int, now: int, out: list[Effect]) -> None:
+        """Deadline passed: RESERVED or ALLOCATED → EXPIRED (allocated blocks invalid: P recomputes them)."""
 
+        ls = self._due(ident, deadline_ns)
+        if ls is None:
+            return
         if ls.state in (RESERVED, ALLOCATED):
             if ls.state == ALLOCATED:
                 out.append(ReportInvalidBlocks(ls.request, ls.blocks))

@@ -154,6 +154,9 @@ class Ledger:
     # -- handlers that span machines -------------------------------------------------------------
 
     def _tick(self, event: ev.Tick, now: int) -> list[Effect]:
+        """Every book's records whose deadline is at or before `now` expire, earliest first (ties
+        by kind, then id); nothing else moves."""
+
         out: list[Effect] = []
         expirers = self._expirers
         for deadline_ns, kind, ident in self.deadlines.pop_due(now):
@@ -161,10 +164,15 @@ class Ledger:
         return out
 
     def _observed(self, event: ev.HistoryObserved, now: int) -> list[Effect]:
+        """Keys history does not hold go on probation; no state moves, never refused."""
+
         self.history.observe(event.keys)
         return []
 
     def _demoted(self, event: ev.HistoryDemoted, now: int) -> list[Effect]:
+        """From DEMOTING → CPU, or EVICTED with its subtree when the copy failed; else
+        Rejected(NOT_DEMOTING)."""
+
         out: list[Effect] = []
         reason = self.history.demoted(event.key, event.ok, out)
         if reason:

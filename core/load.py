@@ -279,10 +279,13 @@ class LoadBook(Book):
         self._end(ld, "cancel", CANCELLED, reason, out)
         return out
 
-    def _expire(self, ld: Load, now: int, out: list[Effect]) -> None:
-        """AWAITING_CLAIM → MISSED; CLAIMED → CANCELLED; ALLOCATED → FAILED (blocks invalid); each
-        releases the ticket."""
+    def expire_due(self, ident: str, deadline_ns: int, now: int, out: list[Effect]) -> None:
+        """Deadline passed: AWAITING_CLAIM → MISSED; CLAIMED → CANCELLED; ALLOCATED → FAILED (blocks
+        invalid); each releases the ticket."""
 
+        ld = self._due(ident, deadline_ns)
+        if ld is None:
+            return
         if ld.state == AWAITING_CLAIM:
             out.append(self._release(ld))  # in case the grant is only late
             out.append(LoadResolved(ld.request, False, LoadOutcome.CLAIM_UNANSWERED))

@@ -148,16 +148,14 @@ class Book:
         record.deadline_ns = deadline_ns
         self.deadlines.push(deadline_ns, self.kind, getattr(record, self.key))
 
-    def expire_due(self, ident: str, deadline_ns: int, now: int, out: list) -> None:
-        """The deadline queue says `ident` is due at `deadline_ns`: expire it if that still holds."""
+    def _due(self, ident: str, deadline_ns: int):
+        """The record whose current deadline is `deadline_ns`, or None for a stale queue entry (the
+        deadline moved or the record ended). Each book's `expire_due` starts here."""
 
         record = self.records.get(ident)
         if record is None or record.deadline_ns != deadline_ns:
-            return  # a stale heap entry: the deadline moved or the record ended
-        self._expire(record, now, out)
-
-    def _expire(self, record, now: int, out: list) -> None:
-        """Its deadline passed (only called while the deadline is current)."""
+            return None
+        return record
 
     # -- invariants ------------------------------------------------------------------------------
 

@@ -321,9 +321,13 @@ class TicketBook(Book):
         self._close(t, "publish", Closed.RELEASED, out)
         return out
 
-    def _expire(self, t: Ticket, now: int, out: list[Effect]) -> None:
-        """ISSUED or CLAIMED → CLOSED(expired); RETAINING → CLOSED(released), its copies dropped."""
+    def expire_due(self, ident: str, deadline_ns: int, now: int, out: list[Effect]) -> None:
+        """Deadline passed: ISSUED or CLAIMED → CLOSED(expired); RETAINING → CLOSED(released), copies
+        dropped; any other state has no deadline."""
 
+        t = self._due(ident, deadline_ns)
+        if t is None:
+            return
         if t.state in (ISSUED, CLAIMED):
             self._close(t, "expire", Closed.EXPIRED, out)
         elif t.state == RETAINING:

@@ -46,6 +46,7 @@ from ..core import effects as fx
 from ..core import events as ev
 from ..core.ledger import Ledger, LedgerConfig
 from ..core.log import LogHeader, LogRecordError, LogWriter
+from ..core.reasons import LoadOutcome, Reason
 from . import messages as m
 from . import peer as pc
 from .client import bounded
@@ -253,7 +254,7 @@ class Authority(xo.Actor):
                 else:
                     # Invalid for every reason but an abort (vLLM ignores an aborted request's
                     # blocks): the parked request must never run on blocks nobody loaded.
-                    ctx["invalid_on_finish"] = effect.reason != "aborted"
+                    ctx["invalid_on_finish"] = effect.reason != LoadOutcome.ABORTED
             granted = ctx.get("num_tokens", 0) if (ctx is not None and effect.hit) else 0
             self._send(self.to_scheduler, m.Resolved(effect.request, effect.hit, effect.reason, granted))
         elif kind is fx.SendClaim:
@@ -634,7 +635,7 @@ class Authority(xo.Actor):
                                               "instance of P", instance=reply.instance)
                 self.refused["stale_instance"] += 1
                 break
-            unknown = reply is not None and not reply.granted and reply.reason == "unknown ticket"
+            unknown = reply is not None and not reply.granted and reply.reason == Reason.UNKNOWN_TICKET
             if unknown and unknown_since is None:
                 unknown_since = time.monotonic()
             # "Unknown ticket" is a race with P's own fact (milliseconds; seconds on a starved
@@ -678,7 +679,7 @@ class Authority(xo.Actor):
                 self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
                                                                  effect.epoch)))
         else:
-            reason = problem or (reply.reason if reply is not None else "source unreachable")
+            reason = problem or (reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE)
             self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
             if status == "failed" or problem:
                 # The call may have reached P and been granted there (or was granted for blocks
@@ -716,7 +717,7 @@ class Authority(xo.Actor):
             await asyncio.sleep(self.cfg.debug_pause_between_reads_s)
         engine = ctx.get("engine", "")
         if engine and not await self._announce_peer(effect.source, engine, ctx.get("granted_instance", "")):
-            self._apply(ev.ReadRefused(self._now(), effect.request, effect.read, "no transport metadata"))
+            self._apply(ev.ReadRefused(self._now(), effect.request, effect.read, Reason.NO_TRANSPORT_METADATA))
             return
         reply = await self._call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
                                                              effect.epoch, effect.read))
@@ -728,7 +729,7 @@ class Authority(xo.Actor):
                 self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id,
                                                                  effect.epoch, effect.read, False, True)))
         else:
-            reason = reply.reason if reply is not None else "source unreachable"
+            reason = reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE
             self._apply(ev.ReadRefused(now, effect.request, effect.read, reason))
 
     async def _post_read(self, effect: fx.PostRead) -> None:
@@ -854,10 +855,10 @@ class Authority(xo.Actor):
             if reply is None:
                 return pc.ClaimAnswer(False, "no reply", instance=self.instance)
             if not reply.granted:
-                if reply.reason == "claimed by another":
+                if reply.reason == Reason.CLAIMED_BY_ANOTHER:
                     self._refuse("not_claimer", f"claim of ticket {pc.short(request.ticket)} claimed by "
                                                 f"another, by {request.claimer!r}")
-                if reply.reason == "unknown ticket":
+                if reply.reason == Reason.UNKNOWN_TICKET:
                     self.refusal_log.warning("unknown_ticket", "claim of unknown ticket %s by %r from %s",
                                              pc.short(request.ticket), request.claimer, peer_address.get())
                 return pc.ClaimAnswer(False, reply.reason, instance=self.instance)
@@ -876,7 +877,7 @@ class Authority(xo.Actor):
             effects = self._apply(ev.ReadFinished(now, request.ticket, request.read, request.ok,
                                                   request.claimer, request.epoch))
             refused = self._refused_by_ledger(effects, request)
-            if refused is not None and refused.reason == "not the claimer":
+            if refused is not None and refused.reason == Reason.NOT_CLAIMER:
                 return pc.Answer(False, refused.reason)
             self._heard(request.claimer, now)
             if request.release:
@@ -949,11 +950,11 @@ class Authority(xo.Actor):
 def _forgotten(effects: list) -> bool:
     """The ledger no longer knows the load a grant is for (pruned): the grant must be undone."""
 
-    return any(type(e) is fx.Rejected and e.reason == "unknown load" for e in effects)
+    return any(type(e) is fx.Rejected and e.reason == Reason.UNKNOWN_LOAD for e in effects)
 
 
 # Ledger refusals that say who asked was not allowed (counted as peers.refused.<reason>).
-_OWNER_REFUSALS = {"not the claimer": "not_claimer", "no capability": "no_capability"}
+_OWNER_REFUSALS = {Reason.NOT_CLAIMER: "not_claimer", Reason.NO_CAPABILITY: "no_capability"}
 
 # How long D keeps asking while P answers "unknown ticket" (within the claim wait).
 UNKNOWN_TICKET_RETRY_S = 8.0

@@ -12,15 +12,14 @@
 #                                 # the slot store's GPU unit test, the copy probe's paths by limits
 #   bash bench/device_plan.sh D   # 0.5B throughput: native, kvbaton (cross-layer), kvbaton-perlayer
 #   bash bench/device_plan.sh E   # the history tests alone, cross-layer and per-layer
-#   bash bench/device_plan.sh F   # 7B throughput C16 then C32: native, kvbaton, kvbaton-nohist,
-#                                 # kvbaton-syncrestore, kvbaton-restorewait (history under load)
+#   bash bench/device_plan.sh F   # 7B throughput C16 then C32: native, kvbaton, kvbaton-nohist
+#                                 # (history under load)
 #   bash bench/device_plan.sh G   # NIXL reads alone with cross-layer caches, 0.5B and 7B shapes (the
 #                                 # bandwidth target without D's step), cold arrivals and churn
 #   bash bench/device_plan.sh I   # tests/gpu (handoff and history halves) at the current commit
 #   bash bench/device_plan.sh J   # the copy probe beside a prefill-shaped forward in the same
 #                                 # process (--busy-here): do P's demotions wait for P's forward?
-#   bash bench/device_plan.sh L   # 7B revisit under load, interleaved rounds: kvbaton against
-#                                 # kvbaton-syncrestore and kvbaton-restorewait (the restore knobs)
+#   bash bench/device_plan.sh L   # 7B revisit under load, interleaved rounds: native vs kvbaton
 #   bash bench/device_plan.sh M   # 0.5B open loop (Poisson arrivals at 3 rates), native vs kvbaton,
 #                                 # interleaved rounds, goodput under a stated SLO
 #   (ROUNDS and BUDGET_S override L's and M's rounds and time bound, TAG their tag; arguments after
@@ -126,7 +125,7 @@ case "${1:-}" in
     # C16 first, on the same engines: C32 then sends the same prompts again, so P restores from
     # history under load (C32 alone had no restores to measure: seventh session, `5/`).
     compare thru7sync 570 --device 1gpu --shape 7b \
-      --systems native,kvbaton,kvbaton-syncrestore,kvbaton-restorewait,kvbaton-nohist --scenarios throughput \
+      --systems native,kvbaton,kvbaton-nohist --scenarios throughput \
       --concurrency 16,32
     ;;
   G)
@@ -146,7 +145,7 @@ case "${1:-}" in
   L)
     # 6 engine pairs at 2 rounds: ~65 s each at 7B (start, warm-up, ~20 s of revisits under C16).
     compare ${TAG:-revload7} "${BUDGET_S:-530}" --device 1gpu --shape 7b \
-      --systems kvbaton,kvbaton-syncrestore,kvbaton-restorewait --baseline kvbaton --scenarios revisitload \
+      --systems native,kvbaton --baseline native --scenarios revisitload \
       --rounds "${ROUNDS:-2}" --load-concurrency 16 --load-cycles 5 --load-pressure 2 --load-cap-blocks 4096 "${@:2}"
     ;;
   M)

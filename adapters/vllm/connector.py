@@ -34,7 +34,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -50,7 +50,7 @@ from ...control.config import SidecarConfig
 from ...control.guard import capability_digest, install_frame_key, mint_capability, resolve_secret
 from ...transports.layout import CROSS_LAYERS_NAME
 from .history import HistoryPlan, history_plan
-from .settings import Settings, parse_peer_networks, parse_settings
+from .settings import EVENT_LOG_HASH_EVERY, Settings, automatic_landing, parse_peer_networks, parse_settings
 from .worker_io import WorkerIo
 
 # Under vLLM's logger tree, so connector lines appear in the engine's log with vLLM's format.
@@ -60,16 +60,8 @@ PARAMS_VERSION = 1
 
 @dataclass
 class KvbatonMetadata(KVConnectorMetadata):
-    """Decisions reach workers over the sidecar link, except synchronous history restores: the
-    worker must run those in the very step vLLM scheduled them, so they travel with the step.
-
-    `restores`: (lease, request, ((key, tier, engine block), ...)) per restore; tier "" lets the
-    worker find the key in whichever tier holds it.
-    `loads`: requests whose handoff blocks were allocated this step, for `handoff_read_wait_s`
-    (empty when that is off): the worker's get_finished may wait for their reads."""
-
-    restores: list = field(default_factory=list)
-    loads: list = field(default_factory=list)
+    """Empty: every decision reaches the workers over the sidecar link as soon as it is made, not
+    with the next step (vLLM still asks for one object per step)."""
 
 
 @dataclass
@@ -215,6 +207,7 @@ class KvbatonConnector(KVConnectorBase_V1):
         self.settings: Settings = parse_settings(kvt.kv_connector_extra_config)
         self.engine_id = str(kvt.engine_id)
         self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
         self.is_producer = bool(kvt.is_kv_producer)
         self.is_consumer = bool(kvt.is_kv_consumer)
         self.layout = layout_fingerprint(vllm_config, kv_cache_config)
@@ -243,9 +236,7 @@ class KvbatonConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         self._scheduler.guard(self._scheduler.build_connector_meta, None, scheduler_output)
-        restores, self._scheduler.sync_restores = self._scheduler.sync_restores, []
-        loads, self._scheduler.step_loads = self._scheduler.step_loads, []
-        return KvbatonMetadata(restores, loads)
+        return KvbatonMetadata()
 
     def request_finished(self, request, block_ids):
         return self._scheduler.guard(self._scheduler.request_finished, (False, None), request, block_ids)
@@ -262,21 +253,22 @@ class KvbatonConnector(KVConnectorBase_V1):
     # -- worker side -----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        if self.settings.cross_layer_blocks:
-            # The default asks on every engine; CPU engines and vLLM 0.29+ never offer it.
+        if self.settings.test_hooks.cross_layer_blocks:
+            # The connector asks on every engine; CPU engines and vLLM 0.29+ never offer it.
             logger.info("kvbaton: vLLM registered per-layer KV caches (this vLLM version, device or "
                         "model does not offer the cross-layer layout cross_layer_blocks asks for)")
         self._worker.register_kv_caches(kv_caches)  # a failure here must stop the engine: let it raise
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
-        """Ask vLLM for one KV tensor whose blocks hold every layer (`cross_layer_blocks`). vLLM
+        """Ask vLLM for one KV tensor whose blocks hold every layer (always, unless a test hook
+        turns it off: both sides of a handoff run the same connector, so they agree). vLLM
         0.14-0.28 honours it on GPU for models with one uniform attention group, and then calls
         `register_cross_layers_kv_cache` instead of `register_kv_caches`; elsewhere it is
         ignored. A run of adjacent blocks is then one NIXL descriptor instead of one per layer."""
 
         settings = getattr(self, "settings", None)
-        return bool(settings is not None and settings.cross_layer_blocks)
+        return bool(settings is not None and settings.test_hooks.cross_layer_blocks)
 
     def register_cross_layers_kv_cache(self, kv_cache, attn_backend=None) -> None:
         # vLLM passes it in memory order, blocks first for every backend that qualifies
@@ -288,12 +280,7 @@ class KvbatonConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self._worker is not None:
-            meta = getattr(self, "_connector_metadata", None)
-            # Before pump: a read of this step's loads that ends (or fails) in it counts.
-            self._worker.step_loads = set(getattr(meta, "loads", None) or ())
             self._worker.guard(self._worker.pump)
-            for lease, request, copies in getattr(meta, "restores", None) or ():
-                self._worker.guard(self._worker.restore_now, None, lease, request, copies)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -330,16 +317,16 @@ class SchedulerSide:
         kvt = conn._kv_transfer_config
         plan = conn.history
         loads = conn.is_consumer or plan.enabled  # D loads handoffs; P with history restores
-        if loads and s.set_recompute_policy and kvt.kv_load_failure_policy != "recompute":
+        # kvbaton promises that a failed handoff or restore recomputes its tokens; vLLM's default
+        # policy ("fail") would fail the request instead.
+        if loads and kvt.kv_load_failure_policy != "recompute":
             logger.info("kvbaton: setting kv_load_failure_policy='recompute' (a failed handoff or "
                         "history restore recomputes those tokens instead of failing the request)")
             kvt.kv_load_failure_policy = "recompute"
-        # Allocating before P answers turns a refused claim into blocks marked invalid: only
-        # sound when vLLM recomputes invalid blocks instead of failing the request.
-        self.allocate_early = s.allocate_before_claim and kvt.kv_load_failure_policy == "recompute"
-        if s.allocate_before_claim and not self.allocate_early and conn.is_consumer:
-            logger.warning("kvbaton: allocate_before_claim is off because kv_load_failure_policy is "
-                           "%r (a refused claim would fail the request)", kvt.kv_load_failure_policy)
+        # D allocates a handoff's blocks while its claim is still on the way to P, which saves an
+        # engine step per handoff. A refused claim then turns those blocks invalid: sound only
+        # because vLLM recomputes invalid blocks (the policy above).
+        self.allocate_early = kvt.kv_load_failure_policy == "recompute"
         num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
         role = "both" if (conn.is_producer and conn.is_consumer) else (
             "producer" if conn.is_producer else "consumer")
@@ -349,12 +336,12 @@ class SchedulerSide:
                                  cpu_default_bytes=num_blocks * plan.block_bytes)
         config = SidecarConfig(
             engine_id=conn.engine_id, role=role, ledger=ledger, address=f"{s.control_host}:{s.control_port}",
-            ipc_dir=conn.ipc_dir, log_path=log_path, hash_every=s.event_log_hash_every,
-            heartbeat_interval_s=s.heartbeat_interval_s, call_timeout_s=s.peer_call_timeout_s,
+            ipc_dir=conn.ipc_dir, log_path=log_path, hash_every=EVENT_LOG_HASH_EVERY,
+            heartbeat_interval_s=s.heartbeat_interval_s, call_timeout_s=s.peer_timeout_s,
             parent_pid=os.getpid(), layout=conn.layout, block_size=conn.block_size,
-            debug_reads_per_load=s.debug_reads_per_load,
-            debug_pause_between_reads_s=s.debug_pause_between_reads_s,
-            debug_hold_first_read_s=s.debug_hold_first_read_s,
+            debug_reads_per_load=s.test_hooks.reads_per_load,
+            debug_pause_between_reads_s=s.test_hooks.pause_between_reads_s,
+            debug_hold_first_read_s=s.test_hooks.hold_first_read_s,
         )
         # No secret, no engine: a routable control address without one refuses to start here,
         # with a message naming the setting (SecretError).
@@ -371,7 +358,7 @@ class SchedulerSide:
             logger.info("kvbaton: history on: %d-byte blocks, GPU tier %d slots (%d bytes), CPU tier "
                         "%d slots (%d bytes), %s", plan.block_bytes, plan.gpu_slots, plan.gpu_bytes,
                         plan.cpu_slots, plan.cpu_bytes,
-                        "plain requests too" if s.history_plain_requests else "handed-off requests only")
+                        "plain requests too" if s.history_scope == "all" else "handed-off requests only")
         elif conn.is_producer:
             logger.info("kvbaton: history off (%s)", plan.reason)
         self.handoffs: dict[str, Handoff] = {}
@@ -387,9 +374,6 @@ class SchedulerSide:
         self.keys_by_request: dict[str, list[str]] = {}
         self.offered: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.offered_max = max(4096, 4 * (plan.gpu_slots + plan.cpu_slots))
-        self.restore_sync = s.history_restore_sync
-        self.sync_restores: list = []  # for this step's metadata (see KvbatonMetadata)
-        self.step_loads: list = []  # likewise, when handoff_read_wait_s is on
 
     def guard(self, fn, fallback, *args):
         """Run a callback; an exception becomes a warning and a safe answer, never an engine crash."""
@@ -514,8 +498,6 @@ class SchedulerSide:
         dst = tuple(block_ids[first:last])
         # The sidecar reads P's granted blocks from index `first` on into `dst`.
         self.sidecar.send(m.AllocatedFact(request.request_id, first, dst))
-        if self.conn.settings.handoff_read_wait_s > 0:
-            self.step_loads.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output) -> None:
         self.drain()
@@ -644,7 +626,7 @@ class SchedulerSide:
         n = min(len(keys), len(blocks), computed // bs)
         if n <= 0:
             return False, None
-        if not self.conn.settings.history_plain_requests:
+        if self.conn.settings.history_scope != "all":
             self.sidecar.send(m.ObserveFact(tuple(keys[:n])))
             return False, None
         blocks = tuple(blocks[:n])
@@ -681,17 +663,7 @@ class SchedulerSide:
                 return 0, False
             return None, False
         if r.state == RESERVED:
-            if not self.restore_sync:
-                return r.blocks * bs, True
-            # A synchronous hit must leave vLLM a token to compute in this step (after an
-            # asynchronous load vLLM recomputes the last token itself; here it would schedule
-            # nothing and assert). The last block is still restored whole: the forward rewrites
-            # that token's slot after the copies, with the same values.
-            count = min(r.blocks * bs, len(request.prompt_token_ids or ()) - num_computed_tokens - 1)
-            if count <= 0:
-                self._release(rid, r)
-                return 0, False
-            return count, False
+            return r.blocks * bs, True
         return 0, False  # allocated or done: one restore per request
 
     def _restore_allocated(self, request, r: Restore, blocks, num_external_tokens: int) -> None:
@@ -705,17 +677,7 @@ class SchedulerSide:
         # overwrite a local hit.
         dst = tuple(block_ids[r.first: r.first + math.ceil(num_external_tokens / bs)])
         r.state = ALLOCATED
-        if self.restore_sync:
-            # vLLM already counts these tokens as computed: the worker must get an entry for
-            # every block, even one it can only fail (a key "" is in no tier: load error).
-            try:
-                keys = list(self._keys(request)[r.first: r.first + len(dst)])
-            except Exception:
-                logger.exception("kvbaton: keys of %s for its restore", rid)
-                keys = []
-            keys += [""] * (len(dst) - len(keys))
-            self.sync_restores.append((r.lease, rid, tuple((key, "", block) for key, block in zip(keys, dst))))
-        self.sidecar.send(m.LeaseAllocFact(r.lease, rid, dst, self.restore_sync))
+        self.sidecar.send(m.LeaseAllocFact(r.lease, rid, dst))
 
     def _release(self, rid: str, r: Restore) -> None:
         if r.state in (ASKED, RESERVED):
@@ -778,13 +740,6 @@ class WorkerSide:
         self.reported_received: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.history = None  # P's history copier (a thread), when history is on
         self.restorer = None  # P's history restores (on this thread, from pump)
-        # handoff_read_wait_s: the loads allocated in the current step (from its metadata), and
-        # loads known to be over (last read ended well or not, read never started, or the
-        # sidecar's FinishedRecving), oldest first and bounded. Kept across steps: with a
-        # multiprocess executor a load can end before the step listing it reaches this worker.
-        self.step_loads: set[str] = set()
-        self.loads_over: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.read_wait = {"waits": 0, "deadline": 0, "seconds": 0.0}  # for tests and diagnosis
 
     def guard(self, fn, fallback=None, *args):
         try:
@@ -799,7 +754,8 @@ class WorkerSide:
 
         layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self.conn.block_size,
                                          block_dim=block_dim)
-        if self.conn.settings.transport == "local":
+        settings, hooks = self.conn.settings, self.conn.settings.test_hooks
+        if hooks.transport == "local":
             from ...transports.local import LocalTransport
 
             self.transport = LocalTransport(self.conn.engine_id)
@@ -808,32 +764,32 @@ class WorkerSide:
 
             # The worker io thread posts reads itself (inline): a second thread in between
             # would add a GIL handoff per read.
-            settings = self.conn.settings
-            landing = settings.landing_bytes
-            if landing < 0:  # auto: where a reader's scattered blocks cost descriptors (GPU)
-                landing = (256 << 20) if self.conn.is_consumer and layout.device_type == "cuda" else 0
+            landing, min_runs_saved = hooks.landing_bytes, hooks.landing_min_runs_saved
+            if landing < 0 and self.conn.is_consumer:
+                landing, min_runs_saved = automatic_landing(layout, self.conn.max_model_len, min_runs_saved)
+            elif landing < 0:
+                landing = 0  # P never reads
             self.transport = NixlTransport(self.conn.engine_id, post_in_thread=False,
-                                           descriptor_mode=settings.nixl_descriptor_mode,
+                                           descriptor_mode="auto",
                                            landing_bytes=landing,
-                                           landing_min_runs_saved=settings.landing_min_runs_saved,
+                                           landing_min_runs_saved=min_runs_saved,
                                            # No read outlives the peer timeout (plus its size at
                                            # a floor rate): a stalled one is cancelled and fails.
-                                           read_timeout_s=settings.peer_call_timeout_s)
+                                           read_timeout_s=settings.peer_timeout_s)
         if layout.device_type == "cpu":
             request_amx_permission()
         self.transport.register(layout, kv_caches)
         self.kv_caches = kv_caches  # kept for test hooks and history copies
-        nth = self.conn.settings.debug_fail_every_nth_read
+        nth = hooks.fail_every_nth_read
         if nth:
             counter = itertools.count(1)
             self.transport.fault_hook = lambda read_id: next(counter) % nth == 0
         # Decisions for the worker arrive on the io thread (reads start at once); the engine
         # thread only sends, on its own socket.
-        interval = self.conn.settings.gil_switch_interval_s
+        interval = hooks.gil_switch_interval_s
         if self.conn.is_consumer and 0 < interval < sys.getswitchinterval():
             # The io thread must get the GIL within a fraction of an engine step when a read is
-            # granted or ends; with Python's 5 ms default a busy engine thread kept it for
-            # 5-30 ms per read on GPU engines (reads of 14 MB took 7.7 ms median, 33 ms p90).
+            # granted or ends (see GIL_SWITCH_INTERVAL_S).
             sys.setswitchinterval(interval)
         self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers)
         self.link = Link(self.conn.ipc_dir, None)
@@ -860,17 +816,10 @@ class WorkerSide:
         self.history.start()
         self.restorer = RestoreRunner(store, broken)
 
-    def pump(self, restore_wait_s: float = 0.0) -> None:
-        """On the engine's thread: take what the io thread left for it (see worker_io.py).
-        restore_wait_s: wait up to this long for asynchronous restores still copying."""
+    def pump(self) -> None:
+        """On the engine's thread: take what the io thread left for it (see worker_io.py)."""
         if self.link is None:
             return
-        # Only restores started before this call are worth a wait: one started below (its copies
-        # arrived while the forward was being launched) is ordered after that forward.
-        waitable = set(self.restorer.fresh) if restore_wait_s > 0 and self.restorer is not None else None
-        unposted = self.io.unposted
-        while unposted:  # reads that failed to start: the io thread told the sidecar itself
-            self._mark_over(unposted.popleft())
         inbox = self.io.inbox
         while inbox:
             msg = inbox.popleft()
@@ -879,7 +828,6 @@ class WorkerSide:
             if kind is m.FinishedSending:
                 self.sending.add(msg.request)
             elif kind is m.FinishedRecving:
-                self._mark_over(msg.request)
                 if msg.request in self.reported_received:
                     del self.reported_received[msg.request]  # reported when its read ended
                 else:
@@ -891,7 +839,7 @@ class WorkerSide:
             elif kind is m.Debug and msg.key.startswith("history_") and self.restorer is not None:
                 self.restorer.debug(msg)
         if self.restorer is not None and self.restorer.jobs:
-            for done, request in self.restorer.poll(restore_wait_s, waitable):
+            for done, request in self.restorer.poll():
                 self.link.send(done)
                 if done.ok and request:
                     # As for a load's last read: the bytes are in place, so vLLM may schedule
@@ -904,8 +852,6 @@ class WorkerSide:
                 request, last = self.io.reads.pop(result.read_id, ("", False))
                 if not request:
                     continue
-                if last or not result.ok:
-                    self._mark_over(request)
                 logger.debug("kvbaton worker: read done %s", result)
                 self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
                                           result.nbytes, result.seconds, result.descriptors,
@@ -918,37 +864,8 @@ class WorkerSide:
 
     REPORTED_MAX = 4096  # far more loads and restores than can be in flight at once
 
-    def _mark_over(self, request: str) -> None:
-        _remember(self.loads_over, request, self.REPORTED_MAX)
-
     def _mark_reported(self, request: str) -> None:
         _remember(self.reported_received, request, self.REPORTED_MAX)
-
-    def restore_now(self, lease: str, request: str, copies) -> None:
-        """A synchronous restore, in start_load_kv of the step that computes the request's
-        remaining tokens: the copies are queued, and this step's forward (on the engine's
-        stream) runs after them. One that cannot start marks its blocks failed, so vLLM
-        recomputes those tokens; the sidecar learns the end from RestoreDone either way."""
-        blocks = [block for _key, _tier, block in copies]
-        if self.restorer is None:
-            self.load_errors.update(blocks)
-            self.link.send(m.RestoreDone(lease, False, error="history is off on this worker"))
-            return
-        started = False
-        try:
-            failed = self.restorer.start(m.RestoreCopies(lease, request, tuple(copies)), sync=True)
-            if failed is None:
-                started = True
-                self.restorer.order_after_last()
-                return
-        except Exception as exc:  # vLLM counts these blocks as loaded: never leave them unmarked
-            if started:
-                self.restorer.abandon_last()  # its end is reported here, not by poll
-            failed = m.RestoreDone(lease, False, error=f"{type(exc).__name__}: {exc}")
-        logger.warning("kvbaton worker: restore %s for %s failed: %s; recomputing", lease, request,
-                       failed.error)
-        self.load_errors.update(blocks)
-        self.link.send(failed)
 
     def _restore(self, msg: m.RestoreCopies) -> None:
         if self.restorer is None:  # history is off here: the sidecar should not have asked
@@ -961,54 +878,16 @@ class WorkerSide:
             self.link.send(reply)
 
     def get_finished(self, finished_req_ids):
-        # vLLM calls this right after launching a step's forward (if the step has one): a short
-        # wait for restores still copying overlaps that forward (history_restore_wait_s;
-        # start_load_kv never waits).
-        self.pump(restore_wait_s=self.conn.settings.history_restore_wait_s)
-        if self.step_loads:
-            self._wait_for_step_loads(self.conn.settings.handoff_read_wait_s)
+        self.pump()
         sending, self.sending = self.sending, set()
         recving, self.recving = self.recving, set()
         return (sending or None), (recving or None)
-
-    def _wait_for_step_loads(self, wait_s: float) -> None:
-        """handoff_read_wait_s: wait up to `wait_s` (plus one last pump) for the reads of the
-        loads allocated in this step, so the ones that end in time are reported to vLLM now, not
-        a step later. Sleeping between checks hands the GIL to the io thread, which receives the
-        grants and posts."""
-
-        started = time.perf_counter()
-        deadline = started + wait_s
-        pause_s = 50e-6
-        waited = False
-        try:
-            while wait_s > 0 and self.io is not None:
-                waiting = self.step_loads - self.recving - self.loads_over.keys()
-                remaining_s = deadline - time.perf_counter()
-                if not waiting:
-                    return
-                if remaining_s <= 0:
-                    self.read_wait["deadline"] += 1
-                    return
-                waited = True
-                time.sleep(min(pause_s, remaining_s))
-                pause_s = min(pause_s * 2, 200e-6)
-                self.pump()
-        finally:
-            self.step_loads = set()
-            if waited:
-                self.read_wait["waits"] += 1
-                self.read_wait["seconds"] += time.perf_counter() - started
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
 
     def shutdown(self) -> None:
-        if self.read_wait["waits"] or self.read_wait["deadline"]:
-            logger.info("kvbaton worker: handoff_read_wait_s waited in %d steps, %.3f s in all; %d "
-                        "waits ran into the bound", self.read_wait["waits"], self.read_wait["seconds"],
-                        self.read_wait["deadline"])
         if self.history is not None:
             self.history.stop()
         if self.io is not None:

@@ -808,29 +808,21 @@ def slot_stats(store: SlotStore | None, broken: str = "") -> m.SlotStats:
 
 
 class RestoreRunner:
-    """Runs restores from the worker's `pump` on the engine thread; `poll` reports their ends."""
+    """Runs restores from the worker's `pump` on the engine thread; `poll` reports their ends.
+
+    Restores are asynchronous: vLLM parks the request until `poll` reports its copies done (the
+    worker then puts it in finished_recving), so a restore never holds up a step's forward."""
 
     def __init__(self, store: SlotStore | None, broken: str = "") -> None:
         self.store = store
         self.broken = broken
-        # (lease, request, sync, job) in flight; `sync`: vLLM counted the blocks as loaded in
-        # the step that queued the copies, and expects no finished_recving for the request.
-        self.jobs: list[tuple[str, str, bool, RestoreJob]] = []
-        # Leases of the restores started since the last poll that waited: the only ones `poll`
-        # waits for (an older one still copying is slow for a reason a short wait will not fix,
-        # and waiting for it every step would stretch every short step while it lasts). A step
-        # polls twice: from start_load_kv without waiting (just after starting its restores),
-        # then from get_finished with the wait.
-        self.fresh: set[str] = set()
+        self.jobs: list[tuple[str, str, RestoreJob]] = []  # (lease, request, job) in flight
         # Test hooks (sidecar Debug messages named history_*restore*).
         self.fail_next_restores = 0
         self.hold_restore_s = 0.0
 
-    def start(self, msg: m.RestoreCopies, sync: bool = False) -> m.RestoreDone | None:
-        """Post the copies; a restore that cannot start is answered at once (failed).
-
-        sync: vLLM counts the blocks as loaded in this step (no finished_recving is reported
-        for the request); see `order_after_last`."""
+    def start(self, msg: m.RestoreCopies) -> m.RestoreDone | None:
+        """Post the copies; a restore that cannot start is answered at once (failed)."""
 
         try:
             if self.store is None:
@@ -841,66 +833,28 @@ class RestoreRunner:
             job = self.store.begin_restore(msg.copies, self.hold_restore_s)
         except Exception as exc:
             return m.RestoreDone(msg.lease, False, error=str(exc))
-        self.jobs.append((msg.lease, msg.request, sync, job))
-        self.fresh.add(msg.lease)
+        self.jobs.append((msg.lease, msg.request, job))
         return None
 
-    def abandon_last(self) -> None:
-        """Forget the last restore after its copies ended (its failure is reported elsewhere)."""
-        lease, _request, _sync, job = self.jobs.pop()
-        self.fresh.discard(lease)
-        try:
-            if job.event is not None:
-                job.event.synchronize()
-        finally:
-            self.store.end_restore(job)
-
-    def order_after_last(self) -> None:
-        """Make the engine's current stream wait for the last restore's copies (CUDA; on CPU
-        they are done already): the forward that reads the blocks is queued after this."""
-        job = self.jobs[-1][-1]
-        if job.event is not None:
-            self.store.torch.cuda.current_stream(self.store.device).wait_event(job.event)
-
-    def poll(self, wait_s: float = 0.0, waitable: set[str] | None = None) -> list[tuple[m.RestoreDone, str]]:
-        """The restores that ended, each with the request to report received to vLLM ("" for a
-        synchronous one: vLLM expects no finished_recving for it). wait_s: wait up to this long
-        in all for asynchronous restores started since the last poll that waited, and still
-        copying (sleeping, so the GIL is free); `waitable` narrows those to the leases given."""
-        fresh = self.fresh if waitable is None else self.fresh & waitable
-        if wait_s > 0:
-            self.fresh = set()
+    def poll(self) -> list[tuple[m.RestoreDone, str]]:
+        """The restores that ended, each with the request to report received to vLLM."""
         if not self.jobs:
-            self.fresh = set()
             return []
-        deadline = time.perf_counter() + wait_s
         done, pending = [], []
-        for lease, request, sync, job in self.jobs:
-            if sync:
-                request = ""
+        for lease, request, job in self.jobs:
             try:
-                if sync and job.event is not None:
-                    # A synchronous restore: its copies ran before the forward that just ended,
-                    # so this wait is short, and its end must not wait for a next step (an idle
-                    # engine has none; the lease would stay open, its keys pinned).
-                    job.event.synchronize()
                 finished = job.done()
-                while not finished and lease in fresh and time.perf_counter() < deadline:
-                    time.sleep(50e-6)
-                    finished = job.done()
             except Exception as exc:  # a device error surfaces here: the restore failed
                 self.store.end_restore(job)
                 done.append((m.RestoreDone(lease, False, error=str(exc)), request))
                 continue
             if not finished:
-                pending.append((lease, request, sync, job))
+                pending.append((lease, request, job))
                 continue
             self.store.end_restore(job)
             done.append((m.RestoreDone(lease, True, job.nbytes, time.perf_counter() - job.started,
                                        job.gpu_blocks, job.cpu_blocks), request))
         self.jobs = pending
-        if self.fresh:  # keep only restores still in flight
-            self.fresh &= {lease for lease, _, _, _ in pending}
         return done
 
     def debug(self, msg: m.Debug) -> None:

@@ -1,135 +1,174 @@
 """Connector settings, read from `kv_connector_extra_config`.
 
-Every key has a documented default; an unknown key or a bad value stops the engine at start with
-a message that names the key (a typo must not silently fall back to a default).
+A user sets a handful of keys (`Settings`); everything else is derived from them (`DERIVED`), a
+named constant with its reason (`CONSTANTS`), or chosen by the connector from the engine it runs
+in (`AUTOMATIC`). An unknown key, a removed key or a bad value stops the engine at start with a
+message that names the key: a typo must not silently fall back to a default.
+
+Tests and benchmarks reach further through one key, `test_hooks`, which is refused unless the
+engine's environment has `KVBATON_TEST_HOOKS=1`: a production engine never runs with a hook on.
+
+`docs/reference/SETTINGS.md` is generated from this file (`python -m
+kvbaton.adapters.vllm.settings`); a unit test fails when the committed page is stale.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
-from typing import Any
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from ...core.ledger import SECOND_NS, LedgerConfig
+
+TEST_HOOKS_ENV = "KVBATON_TEST_HOOKS"
+
+# -- constants ----------------------------------------------------------------------------------
+
+# D's patience with P is a multiple of one peer call's timeout, so a claim or a read grant
+# survives a retried call or two before it is given up.
+PEER_WAITS_PER_TIMEOUT = 3
+# D speaks for a ticket this many times per ticket lifetime (the shorter of the two), so a few
+# lost heartbeats never let a ticket that D still wants expire.
+HEARTBEATS_PER_LIFETIME = 12
+# A released ticket's engine blocks are held at most this long while history copies them: P's
+# engine gets its blocks back on time, and what is not copied by then is dropped and counted.
+RETENTION_DEADLINE_S = 0.05
+# A post-state hash every this many log records: replay names a divergence within this many
+# events, while hashing stays a small share of the log's cost.
+EVENT_LOG_HASH_EVERY = 1000
+# D lands a scattered read in its landing area only when that saves at least this many runs: the
+# extra scatter on the device must be paid for by descriptors saved.
+LANDING_MIN_RUNS_SAVED = 2
+# The landing area a reading engine whose KV cache is on CUDA gets.
+LANDING_BYTES_CUDA = 256 << 20
+# A reading engine whose KV cache is in host memory lands *every* read, so that every read has a
+# bound: a NIXL read cannot be stopped once posted (its bytes may still arrive after it is given
+# up), and only a read into the landing area can be failed at its bound without its late bytes
+# overwriting engine blocks that vLLM has handed to another request. The area holds two
+# full-length prompts, within these limits; a read larger than the area goes straight into the
+# engine's blocks and is only flagged at its bound.
+LANDING_BYTES_CPU_MIN = 64 << 20
+LANDING_BYTES_CPU_MAX = 1 << 30
+# The engine process's GIL switch interval on a reading engine (Python's default is 5 ms): the
+# worker's io thread posts granted reads and reports their end, and must get the GIL within a
+# fraction of an engine step. Only ever lowered.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def automatic_landing(layout, max_model_len: int, min_runs_saved: int) -> tuple[int, int]:
+    """The landing area (bytes) and landing threshold (runs saved) a reading engine gets when
+    the test hooks leave them to the connector."""
+    if layout.device_type == "cuda":
+        return LANDING_BYTES_CUDA, min_runs_saved
+    blocks = -(-max(max_model_len, 1) // max(layout.block_size, 1))
+    wanted = 2 * blocks * layout.block_nbytes
+    return min(max(wanted, LANDING_BYTES_CPU_MIN), LANDING_BYTES_CPU_MAX), 0
 
 
 class SettingsError(ValueError):
     pass
 
 
+def _doc(text: str, **constraints) -> msgspec.Meta:
+    return msgspec.Meta(description=" ".join(text.split()), **constraints)
+
+
+class TestHooks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Hooks for tests and benchmarks (`test_hooks: {...}`); refused unless `KVBATON_TEST_HOOKS=1`."""
+
+    __test__ = False  # not a pytest test class
+
+    transport: Annotated[Literal["nixl", "local"], _doc(
+        '"local" moves bytes with torch copies inside one process (single-process tests).')] = "nixl"
+    reads_per_load: Annotated[int, _doc("Split each handoff load into this many sequential reads.", ge=1)] = 1
+    pause_between_reads_s: Annotated[float, _doc("Pause before the 2nd and later reads of a load.", ge=0)] = 0.0
+    hold_first_read_s: Annotated[float, _doc("Hold each load's first read this long before posting it.",
+                                             ge=0)] = 0.0
+    fail_every_nth_read: Annotated[int, _doc("The transport fails every Nth read (0: none).", ge=0)] = 0
+    cross_layer_blocks: Annotated[bool, _doc(
+        "false: ask vLLM for per-layer KV caches instead of one cross-layer tensor (both sides must "
+        "agree).")] = True
+    landing_bytes: Annotated[int, _doc(
+        "Size of D's landing area; -1 chooses automatically, 0 turns it off.", ge=-1)] = -1
+    landing_min_runs_saved: Annotated[int, _doc(
+        "Land a read when that saves at least this many runs (0: every read that fits).",
+        ge=0)] = LANDING_MIN_RUNS_SAVED
+    gil_switch_interval_s: Annotated[float, _doc(
+        "The reading engine's GIL switch interval; 0 leaves Python's own.", ge=0)] = GIL_SWITCH_INTERVAL_S
+    # None: the derived value (see DERIVED).
+    heartbeat_interval_s: Annotated[float, _doc("Overrides the derived heartbeat interval.", gt=0)] | None = None
+    claim_wait_s: Annotated[float, _doc("Overrides the derived claim wait.", gt=0)] | None = None
+    history_lease_s: Annotated[float, _doc("Overrides the derived history lease.", gt=0)] | None = None
+    history_retention_deadline_s: Annotated[float, _doc(
+        "Overrides the retention deadline constant.", gt=0)] = RETENTION_DEADLINE_S
+
+
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # Handoff tickets (P).
-    unclaimed_ttl_s: float = 120.0
-    claim_lease_s: float = 600.0
-    # Loads (D).
-    claim_wait_s: float = 30.0
-    read_grant_wait_s: float = 30.0
-    heartbeat_interval_s: float = 10.0
-    # A call to a peer's sidecar (claim, read grant, heartbeat, release) that gets no answer by
-    # then has failed: a stopped or wedged peer must not hold a claim or a read forever.
-    peer_call_timeout_s: float = 10.0
-    # D allocates a handoff's blocks as soon as the request arrives, while its claim is still on
-    # the way to P (saves an engine step per handoff); a refused claim then costs a recompute of
-    # blocks already allocated. False: wait for P's answer before allocating.
-    allocate_before_claim: bool = True
-    # History (P). `xavier_gpu_cache_bytes` is accepted as an alias of `gpu_history_bytes`.
-    # 0 (or less than one engine block) turns history off; the direct handoff is unaffected.
-    gpu_history_bytes: int = 256 << 20
-    cpu_history_bytes: int = -1  # -1: the engine's KV cache size
-    history_lease_s: float = 120.0
-    # Soft deadline of one retention's copies: a released ticket's engine blocks are held at most
-    # this long while history copies them (what is not copied by then is dropped, counted).
-    history_retention_deadline_s: float = 0.05
-    # How much of one released prompt a retention may copy into history (its leading blocks).
-    # -1: the GPU budget, so a whole prompt that fits is kept on its first visit (older content
-    # moves to the CPU tier). A 7B-shaped 4000-token prompt is 229 MB: under the core's former
-    # fixed 64 MiB only its first 73 of 250 blocks were kept per visit, so its next visits
-    # recomputed most of it while history grew by 73 blocks a visit.
-    history_retention_max_bytes: int = -1
-    # Which finished P requests leave their prompt in history: by default only handed-off ones
-    # (their ticket is released by D). True: plain requests on P (no remote decode) too.
-    history_plain_requests: bool = False
-    # How P loads a restore. False (async): vLLM parks the request until the copies are reported
-    # done, which costs it at least one engine step after the copies end (restore end -> ticket:
-    # P50 19 ms at 0.5B, 30 ms at 7B on one H200, docs/BENCHMARKS.md). True (sync): the copies
-    # run in the step that computes the request's remaining tokens, queued before its forward on
-    # the same stream (7B revisit P50 0.59x native against 0.67x async; 0.5B 0.82x against 0.68x).
-    # Known exposure: a sync restore that fails is recomputed, but vLLM (policy "recompute")
-    # keeps those blocks in its prefix cache meanwhile; a preemption or abort before the
-    # recompute can leave them holding bytes nobody wrote. Failures need a key lost between
-    # reservation and copy (rare), but this is why the setting is off by default.
-    history_restore_sync: bool = False
-    # An asynchronous restore is started before a step's forward and reported to vLLM from a
-    # later step's get_finished, which vLLM calls right after launching the forward: a copy of a
-    # few ms then costs a whole step before vLLM schedules the request. With this > 0, P's
-    # get_finished waits up to this long (on the host, while the GPU runs the launched forward)
-    # for restores started before this step's forward and still copying, so one that ends in
-    # time is reported a step earlier (an older one still copying is not waited for again). Under 7B
-    # throughput load P's steps were long (P90 75 ms, some 200 ms and more) and 21 of 45 restores
-    # were reported 280-340 ms after they were posted (docs/BENCHMARKS.md, sixth session). At
-    # most 0.1 s. Off until measured on a GPU.
-    history_restore_wait_s: float = 0.0
-    # D: a handoff's read is granted while the step that allocated its blocks runs, and vLLM
-    # learns it ended only from a later step's get_finished, called right after that step's
-    # forward is launched. A 7B prompt's read took 0.23 ms on its own on one H200 and 0.6 ms to
-    # post inside D, yet was seen done only at D's next poll, a step later (8.9 ms; 13 ms steps
-    # at 7B under load, docs/BENCHMARKS.md, seventh session), and the request was scheduled the
-    # step after that. With
-    # this > 0, D's get_finished waits up to this long (on the host, while the GPU runs the
-    # forward just launched) for the loads allocated in this same step, so a read that ends in
-    # time lets vLLM schedule the request one step sooner. At most 0.1 s. Off until measured
-    # on a GPU (on a CPU engine the wait adds to the step: the forward has already run). An
-    # engine in both roles may wait for this and history_restore_wait_s in one get_finished.
-    handoff_read_wait_s: float = 0.0
-    # Control plane.
-    control_host: str = "127.0.0.1"
-    control_port: int = 0  # 0: pick a free port
-    # The deployment secret that authenticates every control frame: KVBATON_SECRET, else this
-    # file (owner-only), else (loopback control_host only) a per-user file made on first use.
-    secret_file: str = ""
-    # The P control addresses a decode engine will contact (CIDR networks or exact host names,
-    # comma-separated): a handoff naming any other address recomputes locally, with a warning.
-    peer_networks: str = "127.0.0.0/8,::1/128"
-    # Event log: one file per engine; "" turns logging off.
-    event_log_dir: str = "kvbaton-logs"
-    event_log_hash_every: int = 1000
-    # Transport: "nixl" (default) or "local" (one process, tests only).
-    transport: str = "nixl"
-    # How NIXL reads are described: "per_read" builds each read's descriptors from the runs of
-    # adjacent blocks (one per layer for a contiguous prompt), "prepped" indexes per-block lists
-    # prepared once (vLLM's way), "auto" picks per_read for GPU caches (NIXL costs ~10 us per
-    # descriptor there) and prepped for CPU caches of up to 1M blocks x layers.
-    nixl_descriptor_mode: str = "auto"
-    # D's landing area (transports/landing.py): a read whose destination blocks are scattered
-    # lands packed there and the device scatters it (one descriptor per layer and source run
-    # instead of per run on both sides; NIXL costs ~10 us per descriptor on an H200). -1: 256 MiB
-    # on a reading engine whose cache is on CUDA, none on CPU; 0: none.
-    landing_bytes: int = -1
-    # Land a read when that saves at least this many runs; 0 lands every read that fits.
-    landing_min_runs_saved: int = 2
-    # Ask vLLM for a cross-layer KV cache: one tensor whose blocks hold every layer, so a run of
-    # adjacent blocks is one NIXL descriptor (and one history copy) instead of one per layer.
-    # vLLM 0.14-0.28 honour it on GPU for models with one uniform attention group; other vLLM
-    # versions and CPU engines ignore it. P and D must agree (their layouts are compared at the
-    # handshake). On by default: on an H200 it nearly halved a 7B revisit's 224 MB reads (3.8 ->
-    # 2.1 ms, 95 -> 3 descriptors) and turned every history copy into one copy per run (docs/BENCHMARKS.md).
-    cross_layer_blocks: bool = True
-    # The engine process's GIL switch interval (Python's default is 5 ms): the worker's io
-    # thread posts granted reads and reports their end, and must not wait a whole interval for
-    # the GIL each time while the engine thread runs Python. Only ever lowered; 0 leaves it.
-    gil_switch_interval_s: float = 0.0005
-    # vLLM's default load-failure policy is "fail"; kvbaton's recompute guarantee needs
-    # "recompute", which the connector sets (on D, and on P when history restores are on)
-    # unless this is false.
-    set_recompute_policy: bool = True
-    # Test hooks (never needed in production): split each load into several sequential reads,
-    # pause before the 2nd and later reads, hold the first read, fail every Nth read.
-    debug_reads_per_load: int = 1
-    debug_pause_between_reads_s: float = 0.0
-    debug_hold_first_read_s: float = 0.0
-    debug_fail_every_nth_read: int = 0
+    gpu_history_bytes: Annotated[int, _doc(
+        "P's GPU history tier, in bytes per engine. 0 (or less than one engine block) turns history "
+        "off; the direct handoff is unaffected.", ge=0)] = 256 << 20
+    cpu_history_bytes: Annotated[int, _doc(
+        "P's CPU history tier, in bytes (pinned host memory). -1: the engine's KV cache size; 0: no "
+        "CPU tier.", ge=-1)] = -1
+    history_scope: Annotated[Literal["handoff", "all"], _doc(
+        'Which finished P requests leave their prompt in history: "handoff" (requests handed to a '
+        'decode engine) or "all" (plain requests on P too).')] = "handoff"
+    unclaimed_ttl_s: Annotated[float, _doc(
+        "P: a handoff ticket nobody claimed (and nobody heartbeats) is closed and its engine blocks "
+        "returned after this long.", gt=0)] = 120.0
+    claim_lease_s: Annotated[float, _doc(
+        "P: a claimed ticket whose claimer has been silent this long (no read, retry or heartbeat) is "
+        "closed; a read whose reader has been silent this long is ended as failed.", gt=0)] = 600.0
+    peer_timeout_s: Annotated[float, _doc(
+        "A call to a peer's sidecar (claim, read grant, heartbeat, release) or a transfer that gets "
+        "no answer by then has failed: a stopped or wedged peer never holds a claim or a read "
+        "forever.", gt=0)] = 10.0
+    event_log_dir: Annotated[str, _doc(
+        'Directory of the event logs (one file per engine, for `kvbaton replay` and `kvbaton '
+        'timings`); "" turns logging off. A relative path is taken from the engine\'s working '
+        'directory.')] = "kvbaton-logs"
+    control_host: Annotated[str, _doc(
+        "Address the engine's sidecar binds and advertises to peers.")] = "127.0.0.1"
+    control_port: Annotated[int, _doc("Port of the sidecar; 0 picks a free one.", ge=0, le=65535)] = 0
+    secret_file: Annotated[str, _doc(
+        "The deployment secret that authenticates every control frame comes from KVBATON_SECRET, else "
+        "this file (owner-only), else (loopback control_host only) a per-user file made on first "
+        "use.")] = ""
+    peer_networks: Annotated[str, _doc(
+        "The P control addresses a decode engine will contact (CIDR networks or exact host names, "
+        "comma-separated): a handoff naming any other address recomputes locally, with a "
+        "warning.")] = "127.0.0.0/8,::1/128"
+    test_hooks: Annotated[TestHooks, _doc(
+        f"Hooks for tests and benchmarks; refused unless the engine's environment has "
+        f"{TEST_HOOKS_ENV}=1 (see below).")] = msgspec.field(default_factory=TestHooks)
+
+    # -- derived --------------------------------------------------------------------------------
+
+    @property
+    def claim_wait_s(self) -> float:
+        hooked = self.test_hooks.claim_wait_s
+        return hooked if hooked is not None else PEER_WAITS_PER_TIMEOUT * self.peer_timeout_s
+
+    @property
+    def read_grant_wait_s(self) -> float:
+        return PEER_WAITS_PER_TIMEOUT * self.peer_timeout_s
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        hooked = self.test_hooks.heartbeat_interval_s
+        if hooked is not None:
+            return hooked
+        return min(self.unclaimed_ttl_s, self.claim_lease_s) / HEARTBEATS_PER_LIFETIME
+
+    @property
+    def history_lease_s(self) -> float:
+        hooked = self.test_hooks.history_lease_s
+        return hooked if hooked is not None else self.unclaimed_ttl_s
 
     def ledger_config(self, block_bytes: int, cpu_default_bytes: int) -> LedgerConfig:
         cpu = self.cpu_history_bytes if self.cpu_history_bytes >= 0 else cpu_default_bytes
@@ -139,67 +178,130 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             claim_wait_ns=int(self.claim_wait_s * SECOND_NS),
             read_grant_wait_ns=int(self.read_grant_wait_s * SECOND_NS),
             history_lease_ns=int(self.history_lease_s * SECOND_NS),
-            retention_deadline_ns=max(1, int(self.history_retention_deadline_s * SECOND_NS)),
+            retention_deadline_ns=max(1, int(self.test_hooks.history_retention_deadline_s * SECOND_NS)),
             gpu_history_bytes=self.gpu_history_bytes,
             cpu_history_bytes=cpu,
-            candidate_bytes_max=(self.history_retention_max_bytes if self.history_retention_max_bytes >= 0
-                                 else max(self.gpu_history_bytes, 0)),
+            # One retention may copy up to the whole GPU budget: a prompt that fits is kept whole
+            # on its first visit (older content moves to the CPU tier).
+            candidate_bytes_max=self.gpu_history_bytes,
             block_bytes=block_bytes,
         )
 
 
-_POSITIVE = ("unclaimed_ttl_s", "claim_lease_s", "claim_wait_s", "read_grant_wait_s",
-             "heartbeat_interval_s", "peer_call_timeout_s", "history_lease_s", "history_retention_deadline_s",
-             "debug_reads_per_load")
-_NON_NEGATIVE = ("gpu_history_bytes", "landing_min_runs_saved", "gil_switch_interval_s", "history_restore_wait_s", "handoff_read_wait_s", "control_port", "event_log_hash_every", "debug_pause_between_reads_s",
-                 "debug_hold_first_read_s", "debug_fail_every_nth_read")
+# What each derived value is, as the reference shows it: (name, formula, value, what it does).
+DERIVED = (
+    ("claim_wait_s", f"{PEER_WAITS_PER_TIMEOUT} × peer_timeout_s", lambda s: s.claim_wait_s,
+     "D: a load whose claim P has not answered by then recomputes locally."),
+    ("read_grant_wait_s", f"{PEER_WAITS_PER_TIMEOUT} × peer_timeout_s", lambda s: s.read_grant_wait_s,
+     "D: a load whose read P has not granted by then recomputes locally."),
+    ("heartbeat_interval_s", f"min(unclaimed_ttl_s, claim_lease_s) / {HEARTBEATS_PER_LIFETIME}",
+     lambda s: s.heartbeat_interval_s,
+     "D heartbeats each ticket it holds this often, from the request's arrival on (P and D share "
+     "their lifetimes)."),
+    ("history_lease_s", "unclaimed_ttl_s", lambda s: s.history_lease_s,
+     "P: a history restore lease not used by then expires and its tokens are recomputed."),
+    ("candidate_bytes_max", "gpu_history_bytes", lambda s: s.gpu_history_bytes,
+     "How much of one released prompt a retention may copy into history (its leading blocks)."),
+)
+
+CONSTANTS = (
+    ("PEER_WAITS_PER_TIMEOUT", PEER_WAITS_PER_TIMEOUT,
+     "A claim or read grant survives a retried peer call or two before it is given up."),
+    ("HEARTBEATS_PER_LIFETIME", HEARTBEATS_PER_LIFETIME,
+     "A few lost heartbeats never let a ticket that D still wants expire."),
+    ("RETENTION_DEADLINE_S", RETENTION_DEADLINE_S,
+     "P's engine gets a released ticket's blocks back on time; what history has not copied by then "
+     "is dropped and counted."),
+    ("EVENT_LOG_HASH_EVERY", EVENT_LOG_HASH_EVERY,
+     "Replay names a divergence within this many events while hashing stays a small share of the "
+     "log's cost."),
+    ("LANDING_MIN_RUNS_SAVED", LANDING_MIN_RUNS_SAVED,
+     "Landing a read must save more descriptors than its extra device scatter costs."),
+    ("GIL_SWITCH_INTERVAL_S", GIL_SWITCH_INTERVAL_S,
+     "A reading engine's io thread gets the GIL within a fraction of an engine step to post and "
+     "finish reads (only ever lowered)."),
+)
+
+AUTOMATIC = (
+    ("NIXL descriptor mode",
+     "Per read (descriptors built from each read's runs of adjacent blocks) for GPU caches, where "
+     "NIXL's cost is per descriptor; per-block lists prepared once for CPU caches."),
+    ("landing area",
+     f"{LANDING_BYTES_CUDA >> 20} MiB on an engine that reads handoffs into a CUDA KV cache, so a "
+     "read into scattered blocks is one descriptor per layer and source run. An engine that reads "
+     "into a CPU KV cache lands every read (two full-length prompts, "
+     f"{LANDING_BYTES_CPU_MIN >> 20} MiB to {LANDING_BYTES_CPU_MAX >> 30} GiB), so every read can "
+     "be failed at its bound without late bytes reaching engine blocks."),
+    ("cross-layer KV caches",
+     "Always asked for: vLLM gives one tensor whose blocks hold every layer where the version, "
+     "device and model allow it (a run of blocks is then one descriptor and one history copy), "
+     "per-layer caches elsewhere. P and D compare their layouts at the handshake."),
+    ("kv_load_failure_policy",
+     'Set to "recompute" on engines that load KV (D, and P with history): a failed handoff or '
+     "restore recomputes its tokens instead of failing the request. D then allocates a handoff's "
+     "blocks while its claim is still on the way to P (a refused claim marks them invalid)."),
+)
+
+# Keys that were settings once, and what took their place: an old config fails with directions.
+_HOOK = "use test_hooks.{} (tests and benchmarks only)"
+REPLACED = {
+    "xavier_gpu_cache_bytes": "use gpu_history_bytes",
+    "history_plain_requests": 'use history_scope ("all" keeps plain requests too)',
+    "peer_call_timeout_s": "use peer_timeout_s",
+    "claim_wait_s": f"derived now: {PEER_WAITS_PER_TIMEOUT} × peer_timeout_s",
+    "read_grant_wait_s": f"derived now: {PEER_WAITS_PER_TIMEOUT} × peer_timeout_s",
+    "heartbeat_interval_s": f"derived now: min(unclaimed_ttl_s, claim_lease_s) / {HEARTBEATS_PER_LIFETIME}",
+    "history_lease_s": "derived now: unclaimed_ttl_s",
+    "history_retention_deadline_s": f"a constant now: RETENTION_DEADLINE_S ({RETENTION_DEADLINE_S} s)",
+    "history_retention_max_bytes": "derived now: a retention may copy up to gpu_history_bytes",
+    "event_log_hash_every": f"a constant now: EVENT_LOG_HASH_EVERY ({EVENT_LOG_HASH_EVERY})",
+    "allocate_before_claim": "always on where vLLM recomputes failed loads",
+    "set_recompute_policy": 'always on: loading engines use kv_load_failure_policy "recompute"',
+    "history_restore_sync": "restores are always asynchronous (no gain in a GPU A/B, docs/RESULTS.md)",
+    "history_restore_wait_s": "restores are reported when polled (no gain in a GPU A/B, docs/RESULTS.md)",
+    "handoff_read_wait_s": "reads are reported when polled (no gain on a GPU, docs/RESULTS.md)",
+    "nixl_descriptor_mode": "chosen automatically (per read on GPU caches, prepared lists on CPU caches)",
+    "transport": _HOOK.format("transport"),
+    "landing_bytes": "chosen automatically; " + _HOOK.format("landing_bytes"),
+    "landing_min_runs_saved": "a constant now: LANDING_MIN_RUNS_SAVED; " + _HOOK.format("landing_min_runs_saved"),
+    "cross_layer_blocks": "always asked for; " + _HOOK.format("cross_layer_blocks"),
+    "gil_switch_interval_s": "a constant now: GIL_SWITCH_INTERVAL_S; " + _HOOK.format("gil_switch_interval_s"),
+    "debug_reads_per_load": _HOOK.format("reads_per_load"),
+    "debug_pause_between_reads_s": _HOOK.format("pause_between_reads_s"),
+    "debug_hold_first_read_s": _HOOK.format("hold_first_read_s"),
+    "debug_fail_every_nth_read": _HOOK.format("fail_every_nth_read"),
+}
+
+
+def hooks_allowed() -> bool:
+    return os.environ.get(TEST_HOOKS_ENV) == "1"
 
 
 def parse_settings(extra: dict[str, Any] | None) -> Settings:
+    if extra is not None and not isinstance(extra, dict):
+        raise SettingsError(f"kvbaton: kv_connector_extra_config must be a mapping, not {type(extra).__name__}")
     raw = dict(extra or {})
-    if "xavier_gpu_cache_bytes" in raw:
-        if "gpu_history_bytes" in raw:
-            raise SettingsError("kvbaton: give gpu_history_bytes or its alias xavier_gpu_cache_bytes, not both")
-        raw["gpu_history_bytes"] = raw.pop("xavier_gpu_cache_bytes")
     known = set(Settings.__struct_fields__)
     for key in raw:
+        if key in REPLACED:
+            raise SettingsError(f"kvbaton: kv_connector_extra_config key {key!r} was removed: "
+                                f"{REPLACED[key]}")
         if key not in known:
-            close = [k for k in known if k.split("_")[0] == key.split("_")[0]]
+            close = [k for k in known if k.split("_")[0] == str(key).split("_")[0]]
             hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
             raise SettingsError(f"kvbaton: unknown kv_connector_extra_config key {key!r}{hint}")
+    if "test_hooks" in raw and not hooks_allowed():
+        raise SettingsError(f"kvbaton: kv_connector_extra_config key 'test_hooks' is for tests and "
+                            f"benchmarks only; it is refused unless the engine's environment has "
+                            f"{TEST_HOOKS_ENV}=1")
     try:
         settings = msgspec.convert(raw, Settings, strict=False)
     except msgspec.ValidationError as exc:
-        raise SettingsError(f"kvbaton: bad kv_connector_extra_config value: {exc}") from None
-    for key in _POSITIVE:
-        if getattr(settings, key) <= 0:
-            raise SettingsError(f"kvbaton: kv_connector_extra_config {key!r} must be > 0 "
-                                f"(got {getattr(settings, key)!r})")
-    for key in _NON_NEGATIVE:
-        if getattr(settings, key) < 0:
-            raise SettingsError(f"kvbaton: kv_connector_extra_config {key!r} must be >= 0 "
-                                f"(got {getattr(settings, key)!r})")
-    if not 0.0 <= settings.history_restore_wait_s <= 0.1:  # (also refuses NaN)
-        raise SettingsError("kvbaton: kv_connector_extra_config 'history_restore_wait_s' must be between 0 "
-                            f"and 0.1 (seconds P's engine thread may wait per step; got {settings.history_restore_wait_s!r})")
-    if not 0.0 <= settings.handoff_read_wait_s <= 0.1:  # (also refuses NaN)
-        raise SettingsError("kvbaton: kv_connector_extra_config 'handoff_read_wait_s' must be between 0 "
-                            f"and 0.1 (seconds D's engine thread may wait per step; got {settings.handoff_read_wait_s!r})")
-    if settings.cpu_history_bytes < -1:
-        raise SettingsError("kvbaton: kv_connector_extra_config 'cpu_history_bytes' must be >= 0 "
-                            "(or -1 for the engine's KV cache size)")
-    if settings.history_retention_max_bytes < -1:
-        raise SettingsError("kvbaton: kv_connector_extra_config 'history_retention_max_bytes' must be >= 0 "
-                            "(or -1 for the GPU history budget)")
-    if settings.landing_bytes < -1:
-        raise SettingsError("kvbaton: kv_connector_extra_config 'landing_bytes' must be >= 0 "
-                            "(or -1 for the default: 256 MiB on a reading GPU engine)")
-    if settings.transport not in ("nixl", "local"):
-        raise SettingsError(f"kvbaton: kv_connector_extra_config 'transport' must be 'nixl' or "
-                            f"'local' (got {settings.transport!r})")
-    if settings.nixl_descriptor_mode not in ("auto", "prepped", "per_read"):
-        raise SettingsError(f"kvbaton: kv_connector_extra_config 'nixl_descriptor_mode' must be 'auto', "
-                            f"'prepped' or 'per_read' (got {settings.nixl_descriptor_mode!r})")
+        raise SettingsError(f"kvbaton: bad kv_connector_extra_config value: {_where(exc)}") from None
+    for name, value in _floats(settings):
+        if not math.isfinite(value):
+            raise SettingsError(f"kvbaton: kv_connector_extra_config {name!r} must be a finite number "
+                                f"(got {value!r})")
     if settings.event_log_dir:
         settings.event_log_dir = os.path.abspath(settings.event_log_dir)
     try:
@@ -207,6 +309,23 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
     except ValueError as exc:
         raise SettingsError(f"kvbaton: kv_connector_extra_config 'peer_networks': {exc}") from None
     return settings
+
+
+def _where(exc: msgspec.ValidationError) -> str:
+    """msgspec says `... - at `$.test_hooks.landing_bytes``: name the key the way a user wrote it."""
+    text = str(exc)
+    if " - at `$." in text:
+        what, _, where = text.partition(" - at `$.")
+        return f"{where.rstrip('`')!r}: {what}"
+    return text
+
+
+def _floats(settings: Settings):
+    for owner, prefix in ((settings, ""), (settings.test_hooks, "test_hooks.")):
+        for name in owner.__struct_fields__:
+            value = getattr(owner, name)
+            if isinstance(value, float):
+                yield prefix + name, value
 
 
 def parse_peer_networks(text: str) -> tuple[list, set[str]]:
@@ -223,3 +342,142 @@ def parse_peer_networks(text: str) -> tuple[list, set[str]]:
                 raise ValueError(f"{item!r} is neither a network (10.0.0.0/8) nor a host name") from None
             names.add(item.lower())
     return networks, names
+
+
+# -- the reference page -------------------------------------------------------------------------
+
+REFERENCE_PATH = Path(__file__).resolve().parents[2] / "docs" / "reference" / "SETTINGS.md"
+
+
+def _fields(struct) -> list[tuple[str, str, str, str]]:
+    """(name, type, default, description) of each field, from the struct's own declaration."""
+    info = msgspec.inspect.type_info(struct)
+    rows = []
+    for f in info.fields:
+        rows.append((f.name, _type_name(f.type), _default_text(f.default, f.default_factory),
+                     _describe(f.type)))
+    return rows
+
+
+def _type_name(t) -> str:
+    mi = msgspec.inspect
+    if isinstance(t, mi.Metadata):
+        t = t.type
+    if isinstance(t, mi.UnionType):
+        return " | ".join(_type_name(x) for x in t.types)
+    if isinstance(t, mi.LiteralType):
+        return " | ".join(f'"{v}"' for v in t.values)
+    return {mi.IntType: "int", mi.FloatType: "float", mi.BoolType: "bool", mi.StrType: "str",
+            mi.NoneType: "null"}.get(type(t), "mapping")
+
+
+def _describe(t) -> str:
+    mi = msgspec.inspect
+    text, bounds = "", []
+    if isinstance(t, mi.UnionType):  # an optional value: its own type carries the text
+        t = next((x for x in t.types if not isinstance(x, mi.NoneType)), t)
+    if isinstance(t, mi.Metadata):
+        text = (t.extra_json_schema or {}).get("description", "")
+        t = t.type
+    for attr, sign in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤")):
+        value = getattr(t, attr, None)
+        if value is not None:
+            bounds.append(f"{sign} {value}")
+    return text + (f" ({', '.join(bounds)})" if bounds else "")
+
+
+def _default_text(default, factory) -> str:
+    if factory is not msgspec.NODEFAULT:
+        return "{}"
+    if isinstance(default, bool):
+        return str(default).lower()
+    if default is None:
+        return "derived"
+    return f'"{default}"' if isinstance(default, str) else _num(default)
+
+
+def _table(rows, header) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return lines
+
+
+def settings_reference() -> str:
+    """The text of docs/reference/SETTINGS.md."""
+    defaults = Settings()
+    user = [(f"`{n}`", t, d, text) for n, t, d, text in _fields(Settings)]
+    derived = [(f"`{n}`", formula, _num(value(defaults)), text) for n, formula, value, text in DERIVED]
+    hooks = [(f"`{n}`", t, d, text) for n, t, d, text in _fields(TestHooks)]
+    out = [
+        "# Settings",
+        "",
+        "<!-- Generated by `python -m kvbaton.adapters.vllm.settings` from adapters/vllm/settings.py;"
+        " do not edit. -->",
+        "",
+        "kvbaton reads its settings from vLLM's `kv_connector_extra_config`. An unknown key, a removed"
+        " key or a bad value stops the engine at start with a message that names the key.",
+        "",
+        "## What a user sets",
+        "",
+        *_table(user, ("key", "type", "default", "what it does")),
+        "",
+        "## Derived",
+        "",
+        "Computed from the keys above; shown with their values under the defaults.",
+        "",
+        *_table(derived, ("value", "is", "default", "what it does")),
+        "",
+        "## Constants",
+        "",
+        *_table([(f"`{n}`", repr(v), why) for n, v, why in CONSTANTS], ("constant", "value", "why")),
+        "",
+        "## Chosen automatically",
+        "",
+        *_table(AUTOMATIC, ("what", "how")),
+        "",
+        "## Test hooks",
+        "",
+        f"`test_hooks` is a mapping for tests and benchmarks. An engine refuses it unless its"
+        f" environment has `{TEST_HOOKS_ENV}=1`; unknown keys inside it are refused too.",
+        "",
+        *_table(hooks, ("key", "type", "default", "what it does")),
+        "",
+        "## Removed keys",
+        "",
+        "A config that still names one of these fails at start and says what replaced it.",
+        "",
+        *_table([(f"`{k}`", v) for k, v in REPLACED.items()], ("key", "what replaced it")),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _num(value) -> str:
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value} ({value >> 20} MiB)"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return repr(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write (or with --check, compare) docs/reference/SETTINGS.md."""
+    args = sys.argv[1:] if argv is None else argv
+    text = settings_reference()
+    if args == ["--check"]:
+        current = REFERENCE_PATH.read_text() if REFERENCE_PATH.exists() else ""
+        if current != text:
+            print(f"{REFERENCE_PATH} is stale: run python -m kvbaton.adapters.vllm.settings", file=sys.stderr)
+            return 1
+        return 0
+    if args:
+        print("usage: python -m kvbaton.adapters.vllm.settings [--check]", file=sys.stderr)
+        return 2
+    REFERENCE_PATH.parent.mkdir(parents=True, exist_ok=True)
+    REFERENCE_PATH.write_text(text)
+    print(f"wrote {REFERENCE_PATH}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -35,9 +35,6 @@ class WorkerIo:
         self.inbox: collections.deque[m.Msg] = collections.deque()  # for the engine thread
         # read id -> (request, last read of its load): the engine thread polls these (pump)
         self.reads: dict[str, tuple[str, bool]] = {}
-        # Requests whose read failed to start (reported to the sidecar from here): the engine
-        # thread's pump takes them (handoff_read_wait_s stops waiting for them).
-        self.unposted: collections.deque[str] = collections.deque(maxlen=4096)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvbaton-worker-io", daemon=True)
 
@@ -101,5 +98,4 @@ class WorkerIo:
                 self.reads.pop(msg.read, None)
                 problem = str(exc)
         logger.warning("kvbaton worker: read %s for %s failed to start: %s", msg.read, msg.request, problem)
-        self.unposted.append(msg.request)  # first: the engine thread must learn of it even if send fails
         self.link.send(m.ReadDone(msg.request, msg.read, False, problem))

@@ -76,7 +76,7 @@ BLOCK_BYTES = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2  # one block, every l
 P_GPU_HISTORY_BYTES = 384 * BLOCK_BYTES if ON_CPU else None
 RETENTION_DEADLINE_S = 1.0  # a loaded machine may copy slowly: do not drop retentions here
 # KVBATON_GPU_CROSS_LAYER=0/1: the engines ask vLLM for per-layer or cross-layer KV caches
-# (`cross_layer_blocks`); unset, the default (cross-layer).
+# (`test_hooks.cross_layer_blocks`); unset, the connector's own choice (cross-layer).
 CROSS_LAYER = ({"cross_layer_blocks": os.environ["KVBATON_GPU_CROSS_LAYER"] == "1"}
                if os.environ.get("KVBATON_GPU_CROSS_LAYER") in ("0", "1") else {})  # else the default
 FILLER_LENGTH = 4432
@@ -113,9 +113,8 @@ def h(tmp_path_factory):
         extra["async_scheduling"] = os.environ["KVBATON_GPU_ASYNC_SCHEDULING"] == "1"
     common = dict(block_size=BLOCK, kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN,
                   log_dir=root, extra_engine_args=extra, env=_engine_env(device))
-    p_config = {"event_log_dir": str(events), "history_retention_deadline_s": RETENTION_DEADLINE_S,
-                # KVBATON_GPU_RESTORE_SYNC=1: P's restores run inside the step (history_restore_sync).
-                "history_restore_sync": os.environ.get("KVBATON_GPU_RESTORE_SYNC") == "1", **CROSS_LAYER}
+    p_config = {"event_log_dir": str(events),
+                "test_hooks": {"history_retention_deadline_s": RETENTION_DEADLINE_S, **CROSS_LAYER}}
     if P_GPU_HISTORY_BYTES is not None:
         p_config["gpu_history_bytes"] = P_GPU_HISTORY_BYTES
     p = EngineProcess("P", model, cpu_core=cores[0], **common, max_num_seqs=32,
@@ -124,10 +123,11 @@ def h(tmp_path_factory):
     d = EngineProcess("D", model, cpu_core=cores[1], **common, max_num_seqs=64,
                       num_gpu_blocks_override=D_BLOCKS,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
-                          "event_log_dir": str(events), "heartbeat_interval_s": 1.0, **CROSS_LAYER}})
+                          "event_log_dir": str(events),
+                          "test_hooks": {"heartbeat_interval_s": 1.0, **CROSS_LAYER}}})
     s = EngineProcess("S", model, cpu_core=cores[2], **common,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
-                          "event_log_dir": str(events), "gpu_history_bytes": 0, **CROSS_LAYER}})
+                          "event_log_dir": str(events), "gpu_history_bytes": 0, "test_hooks": {**CROSS_LAYER}}})
     engines = [p, d, s]
     t0 = time.monotonic()
     for engine in engines:
@@ -269,7 +269,7 @@ def ensure_first_visit(h) -> None:
 
 def ensure_spilled(h) -> None:
     """Push every document out of the GPU tier into the CPU tier: plain prompts that P retains
-    (`history_plain_requests` on), one at a time (a busy writer would drop the next), until the
+    (`history_scope` "all"), one at a time (a busy writer would drop the next), until the
     least recently used blocks, the documents', were all demoted."""
 
     ensure_first_visit(h)
@@ -278,7 +278,7 @@ def ensure_spilled(h) -> None:
     hist = settle_history(h.p)
     gpu_slots = hist["gpu_budget_bytes"] // hist["block_bytes"]
     max_fillers = math.ceil(gpu_slots / (FILLER_LENGTH // BLOCK)) + 4
-    old = h.p.run_in_engine(engine_hooks.set_connector_setting, "history_plain_requests", True)
+    old = h.p.run_in_engine(engine_hooks.set_connector_setting, "history_scope", "all")
     fillers = 0
     started = time.monotonic()
     try:
@@ -291,7 +291,7 @@ def ensure_spilled(h) -> None:
             fillers += 1
             settle_history(h.p)
     finally:
-        h.p.run_in_engine(engine_hooks.set_connector_setting, "history_plain_requests", old)
+        h.p.run_in_engine(engine_hooks.set_connector_setting, "history_scope", old)
     REPORT["spill"] = {"gpu_slots": gpu_slots, "fillers": fillers, "filler_tokens": FILLER_LENGTH,
                        "seconds": time.monotonic() - started, "history": settle_history(h.p)}
     assert_nothing_held(h)

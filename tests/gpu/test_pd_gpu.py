@@ -20,7 +20,7 @@ recomputing, handoff GB/s against GPU copies of the same bytes) into a JSON repo
 
 `KVBATON_GPU_LANDING` (all, the default here / auto / off) picks how D's reads use its landing
 area (every read packed then scattered on D's GPU / only when that saves descriptors / never).
-`KVBATON_GPU_CROSS_LAYER=0` has P and D ask vLLM for per-layer KV caches (`cross_layer_blocks`
+`KVBATON_GPU_CROSS_LAYER=0` has P and D ask vLLM for per-layer KV caches (`test_hooks.cross_layer_blocks`
 off; the default asks for one cross-layer cache).
 `KVBATON_GPU_CUDA_GRAPHS=1` has every engine replay CUDA graphs for decode-only steps (not eager).
 
@@ -58,7 +58,7 @@ pytest.importorskip("nixl")
 import numpy as np  # noqa: E402
 
 from kvbaton.control.messages import READ_PHASES  # noqa: E402
-from kvbaton.adapters.vllm.settings import Settings  # noqa: E402
+from kvbaton.adapters.vllm.settings import TestHooks  # noqa: E402
 
 from ..integration.engine_harness import EngineProcess, RemoteError  # noqa: E402
 from ..integration.log_checks import replay_engine_logs  # noqa: E402
@@ -156,17 +156,17 @@ def _topology_params():
     return params
 
 
-# D's landing area (transports/landing.py). "all" (default here): every read that fits lands
-# packed and is scattered by D's GPU, so the bit-exact tests prove that path; "auto": the
-# connector's default (land only when it saves descriptors); "off": straight reads only.
+# D's landing area (transports/landing.py), as test hooks. "all" (default here): every read that
+# fits lands packed and is scattered by D's GPU, so the bit-exact tests prove that path; "auto":
+# the connector's own choice (land only when it saves descriptors); "off": straight reads only.
 LANDING = os.environ.get("KVBATON_GPU_LANDING", "all")
 LANDING_SETTINGS = {"all": {"landing_bytes": 256 << 20, "landing_min_runs_saved": 0},
                     "auto": {}, "off": {"landing_bytes": 0}}[LANDING]
 # KVBATON_GPU_CROSS_LAYER=0/1: P and D ask vLLM for per-layer or cross-layer KV caches
-# (`cross_layer_blocks`); unset, the default (cross-layer).
+# (`test_hooks.cross_layer_blocks`); unset, the connector's own choice (cross-layer).
 CROSS_LAYER = ({"cross_layer_blocks": os.environ["KVBATON_GPU_CROSS_LAYER"] == "1"}
                if os.environ.get("KVBATON_GPU_CROSS_LAYER") in ("0", "1") else {})  # else the default
-CROSS_LAYER_ON = CROSS_LAYER.get("cross_layer_blocks", Settings().cross_layer_blocks)
+CROSS_LAYER_ON = CROSS_LAYER.get("cross_layer_blocks", TestHooks().cross_layer_blocks)
 # KVBATON_GPU_CUDA_GRAPHS=1: every engine (P, D and the reference) replays CUDA graphs for
 # decode-only steps, as bench/pd_compare.py runs them by default, instead of running eager. A
 # handoff's or restore's first step on P is then a graph replay too (one token).
@@ -213,12 +213,13 @@ def pd(request, tmp_path_factory):
     p = EngineProcess("P", model, cpu_core=cores[0], env=_engine_env(devices[0]), **common,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer",
                                           "kv_connector_extra_config": {"event_log_dir": str(events),
-                                                                        **CROSS_LAYER}})
+                                                                        "test_hooks": {**CROSS_LAYER}}})
     d = EngineProcess("D", model, cpu_core=cores[1], env=_engine_env(devices[1]), **common,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer",
                                           "kv_connector_extra_config": {
-                                              "event_log_dir": str(events), "heartbeat_interval_s": 1.0,
-                                              **LANDING_SETTINGS, **CROSS_LAYER}})
+                                              "event_log_dir": str(events), "test_hooks": {
+                                                  "heartbeat_interval_s": 1.0, **LANDING_SETTINGS,
+                                                  **CROSS_LAYER}}})
     s = EngineProcess("S", model, cpu_core=cores[2], env=_engine_env(devices[2]), **common)
     engines = [p, d, s]
     report = REPORT.setdefault(topology, {"topology": topology, "handoffs": [],
@@ -566,12 +567,12 @@ def test_first_handoff_right_after_engine_start(tmp_path, monkeypatch):
     p = EngineProcess("P", model, cpu_core=0 if ON_CPU else None, env=_engine_env(None if ON_CPU else "0"),
                       **common, kv_transfer_config={**connector, "kv_role": "kv_producer",
                                                     "kv_connector_extra_config": {"event_log_dir": str(events),
-                                                                        **CROSS_LAYER}})
+                                                                        "test_hooks": {**CROSS_LAYER}}})
     d = EngineProcess("D", model, cpu_core=1 if ON_CPU else None, env=_engine_env(None if ON_CPU else "0"),
                       **common, kv_transfer_config={**connector, "kv_role": "kv_consumer",
                                                     "kv_connector_extra_config": {
                                                         "event_log_dir": str(events),
-                                                        "claim_wait_s": RACE_TIMEOUT_S}})
+                                                        "test_hooks": {"claim_wait_s": RACE_TIMEOUT_S}}})
     try:
         for engine in (p, d):
             engine.launch()

@@ -168,6 +168,8 @@ class EngineProcess:
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
+            # Engines started here are test engines: their connector may take `test_hooks`.
+            "KVBATON_TEST_HOOKS": "1",
         }
         if cpu_core is not None:
             # NB: vLLM 0.32 applies VLLM_CPU_OMP_THREADS_BIND only in MultiprocExecutor

@@ -26,48 +26,6 @@ def read_blocks(ctx, block_ids):
             for tensor in worker.kv_caches.values() for block in block_ids]
 
 
-def set_setting_both_sides(ctx, key, value):
-    """Change one setting on the scheduler side and on the worker side (each parsed its own copy
-    of kv_connector_extra_config); returns the scheduler side's old value."""
-
-    old = set_connector_setting(ctx, key, value)
-    setattr(_worker_side().conn.settings, key, value)
-    return old
-
-
-def read_wait_stats(ctx):
-    """D's worker: how often get_finished waited for this step's loads, and how often it ran
-    into its bound (handoff_read_wait_s)."""
-
-    return dict(_worker_side().read_wait)
-
-
-def steps_from_allocation_to_first_token(ctx, request_id, prompt, kv_transfer_params, timeout_s=30.0):
-    """Submit a handed-off request and step the engine one step at a time: returns (the step in
-    which its blocks were allocated, the step whose output held its first token), counted from
-    the submission (None for the latter after `timeout_s`). An idle engine's step takes ~0.1 ms
-    on CPU: hundreds of steps can pass while a read is outstanding."""
-
-    import itertools
-    import time
-
-    child = ctx.child
-    internal = child.op_submit(request_id, list(prompt), 2, kv_transfer_params, True, None)
-    handoffs = ctx.scheduler.connector._scheduler.handoffs
-    allocated = None
-    deadline = time.monotonic() + timeout_s
-    for step in itertools.count(1):
-        if time.monotonic() > deadline:
-            break
-        child.do_step()
-        handoff = handoffs.get(internal)
-        if allocated is None and handoff is not None and handoff.consumed:
-            allocated = step
-        if child.submitted[request_id].get("t_first_token") is not None:
-            return allocated, step
-    return allocated, None
-
-
 def sidecar_address(ctx):
     return ctx.scheduler.connector._scheduler.sidecar.address
 
@@ -107,7 +65,7 @@ def submit_then_stall(ctx, request_id, prompt, max_tokens, kv_transfer_params, s
 
 def set_connector_setting(ctx, key, value):
     """Change one of the scheduler side's settings (those read per request, e.g.
-    `history_plain_requests`); returns the old value."""
+    `history_scope`); returns the old value."""
 
     settings = ctx.scheduler.connector.settings
     old = getattr(settings, key)

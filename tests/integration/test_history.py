@@ -51,20 +51,18 @@ MAX_TOKENS = 6
 _seeds = itertools.count(70_000)
 
 
-@pytest.fixture(scope="module", params=["async", "sync"])
-def hist(request, tmp_path_factory):
-    """`async`: P's restores park the request until their copies are reported done (the
-    default); `sync`: they run in the step that computes the rest (history_restore_sync)."""
-    root = tmp_path_factory.mktemp(f"history-{request.param}")
+@pytest.fixture(scope="module")
+def hist(tmp_path_factory):
+    root = tmp_path_factory.mktemp("history")
     model = build_tiny_model(root / "model")
     events = root / "events"
     small_cache = ENGINE_BLOCKS * BLOCK_BYTES
     p = EngineProcess("P", model, cpu_core=0, log_dir=root, kv_cache_memory_bytes=small_cache,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
                           "event_log_dir": str(events), "gpu_history_bytes": GPU_SLOTS * BLOCK_BYTES,
-                          "cpu_history_bytes": CPU_SLOTS * BLOCK_BYTES, "history_lease_s": LEASE_S,
-                          "history_retention_deadline_s": RETENTION_DEADLINE_S,
-                          "history_restore_sync": request.param == "sync"}})
+                          "cpu_history_bytes": CPU_SLOTS * BLOCK_BYTES,
+                          "test_hooks": {"history_lease_s": LEASE_S,
+                                         "history_retention_deadline_s": RETENTION_DEADLINE_S}}})
     d = EngineProcess("D", model, cpu_core=1, log_dir=root,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
                           "event_log_dir": str(events)}})
@@ -79,8 +77,7 @@ def hist(request, tmp_path_factory):
             engine.wait_ready(300)
         docs = [tiny_prompt(n, seed=500 + n) for n in DOC_LENGTHS]
         refs = [s.generate([doc], max_tokens=MAX_TOKENS)[0]["token_ids"] for doc in docs]
-        yield SimpleNamespace(p=p, d=d, s=s, events=events, docs=docs, refs=refs, saved={}, timings={},
-                              mode=request.param)
+        yield SimpleNamespace(p=p, d=d, s=s, events=events, docs=docs, refs=refs, saved={}, timings={})
     finally:
         for engine in engines:
             engine.stop()
@@ -208,8 +205,6 @@ def test_failed_restore_recomputes(hist):
 
 
 def test_abort_while_restoring_frees_blocks_after_the_copy(hist):
-    if hist.mode == "sync":
-        pytest.skip("a synchronous restore copies inside one engine step: nothing is parked to abort")
     p = hist.p
     doc = hist.docs[-2]
     flush(p)
@@ -272,8 +267,8 @@ def test_plain_requests_retain_history_when_asked(hist):
     settle_history(p)
     mid = state(p)["counters"]
     assert delta(before, mid, "tickets.issued") == 0 and delta(before, mid, "history.staged") == 0
-    old = p.run_in_engine(engine_hooks.set_connector_setting, "history_plain_requests", True)
-    assert old is False
+    old = p.run_in_engine(engine_hooks.set_connector_setting, "history_scope", "all")
+    assert old == "handoff"
     try:
         assert p.generate([doc], max_tokens=MAX_TOKENS)[0]["token_ids"] == ref
         settle_history(p)
@@ -286,7 +281,7 @@ def test_plain_requests_retain_history_when_asked(hist):
         final = state(p)["counters"]
         assert delta(after, final, "restores.hits.gpu") + delta(after, final, "restores.hits.cpu") == 5
     finally:
-        p.run_in_engine(engine_hooks.set_connector_setting, "history_plain_requests", False)
+        p.run_in_engine(engine_hooks.set_connector_setting, "history_scope", "handoff")
     assert_nothing_held(hist)
 
 

@@ -39,10 +39,11 @@ CLAIM_LEASE_S = 4  # P: a claim nobody speaks for ends this long after its last 
 HOLD_S = 3  # D2 holds each load this long between its claim and its read (a window to kill a host in)
 
 
-def engine_spec(hosts: Hosts, role: str, name: str, core: int, events: Path, **settings) -> EngineSpec:
+def engine_spec(hosts: Hosts, role: str, name: str, core: int, events: Path, hooks: dict | None = None,
+                **settings) -> EngineSpec:
     host = hosts.address(name)
     extra = {"control_host": host, "peer_networks": "198.18.0.0/15", "event_log_dir": str(events),
-             "heartbeat_interval_s": 1, **settings}
+             "test_hooks": {"heartbeat_interval_s": 1, **(hooks or {})}, **settings}
     env = {"KVBATON_SECRET": resolve_secret(), "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
     return EngineSpec(role, 8100 if role == "prefill" else 8200, free_port("127.0.0.1"), f"cpu:{core}", 64 << 20,
                       extra, host=host, prefix=hosts.prefix(name), env=env)
@@ -65,8 +66,9 @@ def _stack(root: Path, model_dir: Path, hosts: Hosts):
              engine_spec(hosts, "prefill", "p2", 1, events, claim_lease_s=CLAIM_LEASE_S),
              # Every read lands first (CPU engines have no landing area by default): a read past
              # its bound can then fail safely, the late bytes going to a retired slice.
-             engine_spec(hosts, "decode", "d", 1, events, landing_bytes=32 << 20, landing_min_runs_saved=0),
-             engine_spec(hosts, "decode", "d2", 0, events, debug_hold_first_read_s=HOLD_S)]
+             engine_spec(hosts, "decode", "d", 1, events,
+                         hooks={"landing_bytes": 32 << 20, "landing_min_runs_saved": 0}),
+             engine_spec(hosts, "decode", "d2", 0, events, hooks={"hold_first_read_s": HOLD_S})]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
                             extra_engine_args=[])

@@ -45,10 +45,11 @@ def pd(tmp_path_factory):
                           "claim_lease_s": CLAIM_LEASE_S}})
     d = EngineProcess("D", model, cpu_core=1, log_dir=root,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
-                          "event_log_dir": str(events), "heartbeat_interval_s": 1.0,
+                          "event_log_dir": str(events),
                           # Every read that fits goes through D's landing area (packed, then
                           # scattered), so these tests prove that path on real engines too.
-                          "landing_bytes": 32 << 20, "landing_min_runs_saved": 0}})
+                          "test_hooks": {"heartbeat_interval_s": 1.0, "landing_bytes": 32 << 20,
+                                         "landing_min_runs_saved": 0}}})
     s = EngineProcess("S", model, cpu_core=0, log_dir=root)
     engines = [p, d, s]
     for engine in engines:
@@ -292,66 +293,8 @@ def test_idle_prefill_engine_does_not_delay_the_handoff(pd):
     assert_nothing_held(pd)
 
 
-def test_read_wait_reports_a_load_in_the_step_that_allocated_it(pd):
-    # Every read is granted 30 ms after D allocates its blocks (a slow sidecar), far longer than
-    # an idle engine's step: without the wait vLLM hears of the read many steps later, with it
-    # in the very step that allocated the blocks, so the first token comes the step after. (The
-    # wait is set past the setting's 0.1 s limit, directly: a slow CI machine must not decide.)
-    pd.d.call_connector("debug_set", "debug_hold_post_s", 0.03)
-    steps = {}
-    try:
-        for wait_s, seed in ((0.0, 24), (2.0, 25)):
-            prompt = tiny_prompt(300, seed=seed)
-            params = prefill(pd, prompt)
-            pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", wait_s)
-            request = f"read-wait-{seed}-{uuid.uuid4().hex[:6]}"
-            steps[wait_s] = pd.d.run_in_engine(engine_hooks.steps_from_allocation_to_first_token,
-                                               request, prompt, params)
-            out = pd.d.results(60, [request])[request]
-            assert out["token_ids"] == reference(pd, prompt, max_tokens=2)
-    finally:
-        pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", 0.0)
-        pd.d.call_connector("debug_set", "debug_hold_post_s", 0)
-    allocated, first_token = steps[2.0]
-    assert first_token == allocated + 1, steps
-    allocated, first_token = steps[0.0]
-    assert first_token is not None and first_token >= allocated + 2, steps
-    assert_nothing_held(pd)
-
-
-def test_read_wait_ends_with_every_load_it_waits_for(pd):
-    # Concurrent handoffs, one read failing mid-way: each step's wait ends when its loads end
-    # (reported or failed), never at its bound, which is set far too long to pass unnoticed.
-    prompts = [tiny_prompt(150 + 40 * i, seed=40 + i) for i in range(5)]
-    params = [prefill(pd, prompt) for prompt in prompts]
-    before = counters(pd.d)
-    stats_before = pd.d.run_in_engine(engine_hooks.read_wait_stats)
-    pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", 5.0)
-    pd.d.call_connector("debug_set", "fail_next_reads", 1)
-    # Reads are posted 50 ms after their grant, so each is still in flight when the step that
-    # allocated it reaches get_finished: the wait runs whatever the machine's speed.
-    pd.d.call_connector("debug_set", "debug_hold_post_s", 0.05)
-    try:
-        ids = [f"rw-many-{i}-{uuid.uuid4().hex[:6]}" for i in range(len(prompts))]
-        for request, prompt, p in zip(ids, prompts, params):
-            pd.d.submit(request, prompt, max_tokens=4, kv_transfer_params=p)
-        results = pd.d.results(60, ids)
-    finally:
-        pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", 0.0)
-        pd.d.call_connector("debug_set", "fail_next_reads", 0)
-        pd.d.call_connector("debug_set", "debug_hold_post_s", 0)
-    for request, prompt in zip(ids, prompts):
-        assert results[request]["token_ids"] == reference(pd, prompt, max_tokens=4), request
-    assert delta(before, counters(pd.d), "loads.failed") == 1  # recomputed, same tokens
-    stats = pd.d.run_in_engine(engine_hooks.read_wait_stats)
-    assert stats["waits"] > stats_before["waits"]  # the wait did run
-    assert stats["deadline"] == stats_before["deadline"]  # and always ended with its loads
-    assert_nothing_held(pd)
-
-
-def test_read_wait_with_a_load_aborted_while_its_read_is_held(pd):
+def test_a_load_aborted_while_its_read_is_held(pd):
     pd.d.call_connector("debug_set", "debug_hold_post_s", 1.0)
-    pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", 0.05)
     try:
         prompt = tiny_prompt(260, seed=47)
         params = prefill(pd, prompt)
@@ -364,7 +307,6 @@ def test_read_wait_with_a_load_aborted_while_its_read_is_held(pd):
         pd.d.abort(request)
         time.sleep(1.5)
     finally:
-        pd.d.run_in_engine(engine_hooks.set_setting_both_sides, "handoff_read_wait_s", 0.0)
         pd.d.call_connector("debug_set", "debug_hold_post_s", 0)
     assert_nothing_held(pd)
 

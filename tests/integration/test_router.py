@@ -29,8 +29,9 @@ def stack(tmp_path_factory):
     model_dir = build_tiny_model(root / "model")
     specs = [
         EngineSpec("prefill", free_port(), free_port(), "cpu:0", 64 << 20, {"claim_lease_s": 5}),
-        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {"heartbeat_interval_s": 1}),
-        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {"heartbeat_interval_s": 1}),
+        # D shares P's ticket lifetimes, so its heartbeats (a twelfth of them) keep P's tickets.
+        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {"claim_lease_s": 5}),
+        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {"claim_lease_s": 5}),
     ]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",

@@ -119,7 +119,8 @@ def test_both_connectors_get_the_same_engine_arguments():
     from kvbaton.bench.pd_compare import Settings, System, engine_args_for
 
     gpu = Settings("1gpu", 16, 4608, 8 << 30, 0.4, 64, Path("/tmp"), Path("/tmp/model"), 1000, cuda_graphs=True)
-    native, kvbaton = System("native", "native"), System("kvbaton", "kvbaton", settings={"landing_bytes": 0})
+    native, kvbaton = System("native", "native"), System("kvbaton", "kvbaton",
+                                                                  settings={"test_hooks": {"landing_bytes": 0}})
     for role in ("prefill", "decode"):
         assert engine_args_for(gpu, native, role) == engine_args_for(gpu, kvbaton, role)
     parsed = parse_engine_args(engine_args_for(gpu, kvbaton, "decode"))

@@ -1,5 +1,5 @@
-"""The connector asks vLLM for a cross-layer KV cache unless `cross_layer_blocks` is turned off
-(it is on by default), and registers one given to it as a single blocks-first layer."""
+"""The connector asks vLLM for a cross-layer KV cache (always, unless the `cross_layer_blocks`
+test hook turns it off), and registers one given to it as a single blocks-first layer."""
 
 from __future__ import annotations
 
@@ -30,14 +30,15 @@ def bare_connector(settings: dict) -> KvbatonConnector:
 
 def test_cross_layer_blocks_are_asked_for_unless_turned_off():
     assert bare_connector({}).prefer_cross_layer_blocks is True  # the default
-    assert bare_connector({"cross_layer_blocks": False}).prefer_cross_layer_blocks is False
-    assert bare_connector({"cross_layer_blocks": True}).prefer_cross_layer_blocks is True
+    off = {"test_hooks": {"cross_layer_blocks": False}}
+    assert bare_connector(off).prefer_cross_layer_blocks is False
+    assert bare_connector({"test_hooks": {"cross_layer_blocks": True}}).prefer_cross_layer_blocks is True
     # vLLM may read the property before the settings exist (a half-built connector): no.
     assert object.__new__(KvbatonConnector).prefer_cross_layer_blocks is False
 
 
 def test_a_cross_layer_cache_registers_as_one_blocks_first_layer():
-    connector = bare_connector({"cross_layer_blocks": True})
+    connector = bare_connector({})
     cache = torch.zeros(8, 3, 2, 32, 2, 16)
     connector.register_cross_layers_kv_cache(cache, attn_backend=None)
     ((caches, block_dim),) = connector._worker.calls

@@ -175,12 +175,12 @@ def test_plan_sizes_slots_from_budgets():
     assert not history_plan(parse_settings({"gpu_history_bytes": 0}), Config(), True).enabled
     assert not history_plan(parse_settings({"gpu_history_bytes": 100}), Config(), True).enabled
     assert not history_plan(parse_settings({}), Config(), False).enabled
-    assert history_plan(parse_settings({"xavier_gpu_cache_bytes": 16384, "cpu_history_bytes": 0}),
+    assert history_plan(parse_settings({"gpu_history_bytes": 16384, "cpu_history_bytes": 0}),
                         Config(), True).cpu_slots == 0
 
 
-def test_a_retention_may_copy_the_whole_gpu_budget_by_default():
-    """One released prompt may fill the GPU tier (older content moves to CPU) unless capped."""
+def test_a_retention_may_copy_the_whole_gpu_budget():
+    """One released prompt may fill the GPU tier (older content moves to CPU), and no more."""
     from kvbaton.adapters.vllm.settings import SettingsError
     from kvbaton.core import effects as fx
     from kvbaton.core import events as ev
@@ -188,11 +188,11 @@ def test_a_retention_may_copy_the_whole_gpu_budget_by_default():
 
     block = 1 << 20
     assert parse_settings({}).ledger_config(block, 0).candidate_bytes_max == 256 << 20
-    capped = parse_settings({"history_retention_max_bytes": 4 * block})
+    capped = parse_settings({"gpu_history_bytes": 4 * block})
     assert capped.ledger_config(block, 0).candidate_bytes_max == 4 * block
-    with pytest.raises(SettingsError, match="history_retention_max_bytes"):
-        parse_settings({"history_retention_max_bytes": -2})
-    # A 100-block prompt (more than the core's former fixed 64 MiB) is staged whole.
+    with pytest.raises(SettingsError, match="'history_retention_max_bytes' was removed: .*gpu_history_bytes"):
+        parse_settings({"history_retention_max_bytes": 4 * block})
+    # A 100-block prompt fits the default budget and is staged whole; a 4-block budget keeps 4.
     for settings, kept in ((parse_settings({}), 100), (capped, 4)):
         ledger = Ledger(settings.ledger_config(block, 0))
         keys = tuple(f"k{i}" for i in range(100))
@@ -339,51 +339,6 @@ def test_restore_runner_reports_ends_and_keeps_read_slots_from_reuse():
     missing = runner.start(m.RestoreCopies("L2", "r2", (("a", "gpu", 11),)))
     assert missing is not None and not missing.ok
     assert RestoreRunner(None, "no memory").start(m.RestoreCopies("L3", "r3", ())).error == "no memory"
-
-
-def test_restore_runner_waits_a_bounded_time_for_restores_still_copying():
-    """history_restore_wait_s: a restore started since the last poll that waited, and ending
-    within the wait, is reported by this poll (a step earlier); one that does not is left in
-    flight after about the wait, and later polls do not wait for it again."""
-    from kvbaton.adapters.vllm.history import RestoreRunner
-
-    caches = make_caches()
-    store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=1)
-    runner = RestoreRunner(store)
-    store.stage([(3, "a")])
-    runner.debug(m.Debug("history_hold_restore_s", 0.2))  # the copy "takes" 200 ms
-    assert runner.start(m.RestoreCopies("L1", "r1", (("a", "gpu", 10),))) is None
-    # A step polls from start_load_kv without waiting (right after starting its restores), then
-    # from get_finished with the wait: the restore is still fresh for the second.
-    assert runner.poll() == []
-    started = time.perf_counter()
-    done = runner.poll(wait_s=1.0)
-    assert [(d.lease, d.ok, request) for d, request in done] == [("L1", True, "r1")]
-    assert time.perf_counter() - started < 0.9  # it ended within the wait, and the wait ended with it
-    from kvbaton.adapters.vllm.settings import SettingsError
-    assert parse_settings({}).history_restore_wait_s == 0.0  # off by default
-    for bad in (-0.001, 0.2, float("nan")):
-        with pytest.raises(SettingsError, match="history_restore_wait_s"):
-            parse_settings({"history_restore_wait_s": bad})
-    runner.debug(m.Debug("history_hold_restore_s", 5.0))
-    assert runner.start(m.RestoreCopies("L2", "r2", (("a", "gpu", 11),))) is None
-    started = time.perf_counter()
-    assert runner.poll(wait_s=0.03) == []
-    waited = time.perf_counter() - started
-    assert 0.03 <= waited < 1.0, waited  # bounded by the wait, far below the 5 s copy
-    # Left in flight, it is not waited for again: a slow copy must not stretch every step.
-    started = time.perf_counter()
-    assert runner.poll() == [] and runner.poll(wait_s=1.0) == []
-    assert time.perf_counter() - started < 0.5
-    runner.jobs[0][-1].ready_at = 0.0  # the copy "ends"
-    assert [d.lease for d, _ in runner.poll()] == ["L2"]
-    assert runner.fresh == set()  # nothing is remembered for restores that ended
-    # A restore started during the waiting poll's own pump (not among `waitable`) is not waited
-    # for: its copies are ordered after the forward just launched.
-    assert runner.start(m.RestoreCopies("L3", "r3", (("a", "gpu", 12),))) is None
-    started = time.perf_counter()
-    assert runner.poll(wait_s=1.0, waitable=set()) == []
-    assert time.perf_counter() - started < 0.5
 
 
 def test_batched_demotions_are_bit_exact_and_free_every_gpu_slot():

@@ -151,6 +151,8 @@ def render() -> str:
     out += table(manifest["targets"], runs, used, with_status=True)
     out += ["", "## Other figures", ""]
     out += table(manifest["other"], runs, used, with_status=False)
+    if manifest.get("notes"):  # one line each, under the figures they explain
+        out += [""] + manifest["notes"]
     out += ["", "## Runs", ""]
     for file, (key, run) in used.items():
         note = Path(run["extracted_from"]).name

@@ -241,7 +241,7 @@ class Authority(xo.Actor):
         elif kind is fx.LoadResolved:
             ctx = self.loads.get(effect.request)
             if ctx is not None and ctx.get("early"):
-                # The scheduler allocated before P answered (allocate_before_claim): the
+                # The scheduler allocated before P answered (D always does): the
                 # allocation enters the ledger now, right after the grant. A miss ends the load
                 # (LoadFinished follows) and the blocks it allocated must be recomputed.
                 ctx["early"] = False

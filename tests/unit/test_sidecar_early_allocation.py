@@ -1,4 +1,4 @@
-"""The sidecar's side of `allocate_before_claim`: what the worker is told on every path.
+"""The sidecar's side of allocating before the claim is answered: what the worker is told on every path.
 
 vLLM parks a request whose blocks were allocated for a load (WAITING_FOR_REMOTE_KVS) and needs
 exactly one finished_recving for it, with the blocks reported invalid first when nothing was

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU sessions' measurements, one letter per device call of under ten minutes, each in a call of
-# its own after the kit is installed (docs/BENCHMARKS.md, "Reproducing"). Carry `.whl`.
+# The GPU measurements, one letter per run of under ten minutes, each run on its own
+# once vLLM and NIXL are installed (the commands behind each figure: docs/RESULTS.md).
 # Everything lands in $OUT; the summaries below are read back from the files there. Each step's
 # BUDGET_S is its upper bound; a letter's bounds may add up past 600 s where the steps measured
 # well below them (C: ~450 s of steps at most in practice).
@@ -29,9 +29,8 @@
 #   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, NIXL reads alone
 #                                 # over NVLink (cross-layer), then 0.5B throughput
 #
-# A fresh machine's first engines start slowly (78 s against 30-40 s warm, sixth session): give
+# A freshly booted host's first engines start slowly (78 s against 30-40 s warm): give
 # the first call's budget room.
-# The order and the reasons: docs/BENCHMARKS.md, the latest session's "Next, in this order".
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/kvb-out}

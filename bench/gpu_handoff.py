@@ -6,7 +6,7 @@ same bytes in D's process. Prints one table per topology and leaves the JSON rep
 
     python bench/gpu_handoff.py [--length 4432] [--repeats 5] [--topologies 1gpu,2gpu]
 
-Needs CUDA, vLLM and NIXL (see docs/GPU.md for the kit and the exact device commands). Exits 2
+Needs CUDA, vLLM and NIXL (tests/gpu/run_on_device.sh shows the environment). Exits 2
 when the tests did not run (no CUDA: they skip).
 """
 

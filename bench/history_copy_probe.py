@@ -28,7 +28,7 @@ device-wide synchronize (which would wait for the forward), and restores are iss
 stream (from the default stream they would first wait for the other thread's forward).
 
 Why: in a 7B revisit with CUDA graphs a 250-block demotion (229 MB) took 53.7 ms P50 against 16.2
-ms eager (docs/BENCHMARKS.md, fourth session). This separates the store's own copy time from
+ms eager (docs/runs/2026-12-01-h200.md, `5f5a99b`). This separates the store's own copy time from
 the wait for a GPU shared by time slices. Runs on CPU too (a smoke run; no pinned memory, no
 streams).
 """

@@ -43,8 +43,8 @@ ratio "parity" when its [min, max] covers 1.0.
 Systems other than native and kvbaton A/B one choice of the connector through its test hooks
 (`test_hooks` in the connector settings; their engines get KVBATON_TEST_HOOKS=1).
 
-On the GPU machines run it through tests/gpu/run_on_device.sh-style setup (PYTHONPATH with the
-kit and the repo as `kvbaton`); docs/BENCHMARKS.md has the exact device commands and results.
+On a GPU host run it through bench/run_on_device.sh (the repo importable as `kvbaton`); the
+commands behind each published figure are in docs/RESULTS.md.
 """
 
 from __future__ import annotations

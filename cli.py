@@ -189,6 +189,13 @@ def cmd_fuzz(args) -> int:
     print("faults exercised:")
     for name, count in sorted(report.faults.items()):
         print(f"  {name:<28} {count}")
+    print("transitions exercised ((state, trigger) pairs; moves are (state, trigger, dest)):")
+    for machine, cov in report.coverage.items():
+        unreachable = f", {cov.unreachable} unreachable (sim/coverage.py)" if cov.unreachable else ""
+        print(f"  {machine:<14} {cov.exercised}/{cov.declared} pairs{unreachable}; "
+              f"{cov.moves_exercised}/{cov.moves_declared} moves")
+        if cov.missing:
+            print(f"    never exercised: {', '.join(cov.missing)}")
     for failure in report.failures:
         print(f"FAILED seed {failure['seed']} on {failure['node']}: {failure['first'][0]}")
         if "log" in failure:

@@ -206,10 +206,14 @@ class Ledger:
 
         return (self.tickets, self.loads, self.leases, self.history)
 
-    def track_moves(self) -> dict[str, collections.Counter]:
-        """Count every state move from now on, per machine: {machine: {(source, trigger, dest): n}}."""
+    def track_moves(self, into: dict[str, collections.Counter] | None = None) -> dict[str, collections.Counter]:
+        """Count every state move from now on, per machine: {machine: {(source, trigger, dest): n}}.
+        With `into`, moves add to those counters (one tally over many ledgers)."""
 
-        return {book.spec.name: book.track_moves() for book in self.books()}
+        into = {} if into is None else into
+        for book in self.books():
+            into[book.spec.name] = book.track_moves(into.get(book.spec.name))
+        return into
 
     def open_counts(self) -> dict[str, int]:
         return {

@@ -114,10 +114,13 @@ class Book:
         # (source, trigger, dest) -> times moved; None (the default) keeps the hot path bare.
         self.moves: Counter | None = None
 
-    def track_moves(self) -> Counter:
-        """Count every move from now on (the fuzzer's transition coverage)."""
+    def track_moves(self, into: Counter | None = None) -> Counter:
+        """Count every move from now on, into `into` when given (books of many ledgers can share
+        one counter): the simulator's transition coverage."""
 
-        if self.moves is None:
+        if into is not None:
+            self.moves = into
+        elif self.moves is None:
             self.moves = Counter()
         return self.moves
 

@@ -1,4 +1,5 @@
-"""`kvbaton fuzz`: many seeded swarm sequences, a per-fault census, and shrunk failing logs."""
+"""`kvbaton fuzz`: many seeded swarm sequences, a per-fault census, transition coverage per machine,
+and shrunk failing logs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..core.events import Event, Tick
 from ..core.ledger import Ledger, LedgerConfig
 from ..core.log import LogHeader, LogWriter, Record
 from ..core.replay import replay
+from .coverage import Coverage, MachineCoverage
 from .swarm import FAULTS, Swarm
 
 
@@ -22,6 +24,8 @@ class FuzzReport(msgspec.Struct):
     leaks: int = 0  # sequences that left something open after the drain
     faults: dict[str, int] = msgspec.field(default_factory=dict)
     failures: list[dict] = msgspec.field(default_factory=list)  # seed, node, first lines, log path
+    # Per machine: declared (state, trigger) pairs, how many the run moved through, what is missing.
+    coverage: dict[str, MachineCoverage] = msgspec.field(default_factory=dict)
 
 
 def _records(events: list[Event]) -> list[Record]:
@@ -83,9 +87,13 @@ def run_fuzz(seed: int = 1, sequences: int = 1000, steps: int = 300, out: str | 
              shrink_failures: bool = True) -> FuzzReport:
     report = FuzzReport()
     faults: Counter = Counter()
+    coverage = Coverage()
     for index in range(sequences):
         sequence_seed = seed * 1_000_003 + index
-        result = Swarm(sequence_seed, steps=steps, ledger_factory=ledger_factory).run()
+        swarm = Swarm(sequence_seed, steps=steps, ledger_factory=ledger_factory)
+        for node in swarm.nodes.values():
+            coverage.watch(node.ledger)
+        result = swarm.run()
         report.sequences += 1
         report.events += result.events
         faults.update(result.faults)
@@ -111,6 +119,7 @@ def run_fuzz(seed: int = 1, sequences: int = 1000, steps: int = 300, out: str | 
             progress(1)
     report.faults = {name: faults.get(name, 0) for name in FAULTS}
     report.faults["clock_jumped"] = faults.get("clock_jumped", 0)
+    report.coverage = coverage.report()
     return report
 
 

@@ -44,6 +44,7 @@ FAULTS = (
     "clock_jump",
     "lease_expiry",
     "restore_abort",
+    "abort_before_claim",
 )
 
 MS = 1_000_000
@@ -273,9 +274,16 @@ class Swarm:
             else:
                 self.at(self.delay(), self.allocate_restore, node, effect.lease, effect.request, len(effect.keys))
         elif kind is fx.RestoreBlocks:
-            self.at(self.delay(0.1, 2), self.local, node, ev.LeaseReadStarted, {"lease": effect.lease})
+            start = self.delay(0.1, 2)
+            if self.fault("restore_abort"):  # the request goes away before its copy starts
+                self.at(self.delay(0, 1), self.local, node, ev.LeaseReleased,
+                        {"lease": effect.lease, "request": self.lease_requests.get(effect.lease, ""), "epoch": 0})
+            elif self.fault("lease_expiry"):  # the copy starts only after the lease ran out
+                start += self.config.history_lease_ns + MS
+                self.at(start - self.delay(0.05, 0.5), self.local, node, ev.Tick, {})
+            self.at(start, self.local, node, ev.LeaseReadStarted, {"lease": effect.lease})
             ok = not self.fault("copy_failure")
-            self.at(self.delay(2, 20), self.local, node, ev.LeaseReadFinished, {"lease": effect.lease, "ok": ok})
+            self.at(start + self.delay(2, 20), self.local, node, ev.LeaseReadFinished, {"lease": effect.lease, "ok": ok})
         elif kind is fx.LeaseDone:
             for block in self.restore_blocks.pop(effect.lease, ()):
                 node.owner.pop(block, None)
@@ -305,6 +313,8 @@ class Swarm:
         if kind is fx.SendClaim:
             self.claims[(node.name, effect.ticket, effect.epoch)] = effect.request
             self.send(P_NAME, ev.ClaimRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
+            if self.fault("abort_before_claim"):  # the client goes away while P has not answered
+                self.at(self.delay(0, 3), self.local, node, ev.RequestAborted, {"request": effect.request})
         elif kind is fx.LoadResolved:
             if not effect.hit:
                 return

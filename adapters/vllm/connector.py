@@ -342,6 +342,7 @@ class SchedulerSide:
             debug_reads_per_load=s.test_hooks.reads_per_load,
             debug_pause_between_reads_s=s.test_hooks.pause_between_reads_s,
             debug_hold_first_read_s=s.test_hooks.hold_first_read_s,
+            debug_hold_post_s=s.test_hooks.hold_post_s,
         )
         # No secret, no engine: a routable control address without one refuses to start here,
         # with a message naming the setting (SecretError).

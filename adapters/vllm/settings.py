@@ -87,8 +87,12 @@ class TestHooks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         '"local" moves bytes with torch copies inside one process (single-process tests).')] = "nixl"
     reads_per_load: Annotated[int, _doc("Split each handoff load into this many sequential reads.", ge=1)] = 1
     pause_between_reads_s: Annotated[float, _doc("Pause before the 2nd and later reads of a load.", ge=0)] = 0.0
-    hold_first_read_s: Annotated[float, _doc("Hold each load's first read this long before posting it.",
-                                             ge=0)] = 0.0
+    hold_first_read_s: Annotated[float, _doc(
+        "Hold each load's first read this long after the claim is granted, before asking P for the "
+        "read (P sees a claim and no read).", ge=0)] = 0.0
+    hold_post_s: Annotated[float, _doc(
+        "Hold each read this long after P granted it, before posting it (P sees a read in flight).",
+        ge=0)] = 0.0
     fail_every_nth_read: Annotated[int, _doc("The transport fails every Nth read (0: none).", ge=0)] = 0
     cross_layer_blocks: Annotated[bool, _doc(
         "false: ask vLLM for per-layer KV caches instead of one cross-layer tensor (both sides must "

@@ -7,6 +7,7 @@ miss at once for its old tickets and hits for new ones."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -36,7 +37,10 @@ if _why_not:
 
 
 CLAIM_LEASE_S = 4  # P: a claim nobody speaks for ends this long after its last word
-HOLD_S = 3  # D2 holds each load this long between its claim and its read (a window to kill a host in)
+# D2 holds each load this long between its claim and asking for its read, and again between P's
+# grant of the read and posting it: a window to kill a host in with a claim held, then one with a
+# read in flight.
+HOLD_S = 3
 
 
 def engine_spec(hosts: Hosts, role: str, name: str, core: int, events: Path, hooks: dict | None = None,
@@ -64,11 +68,11 @@ def _stack(root: Path, model_dir: Path, hosts: Hosts):
     events = root / "events"
     specs = [engine_spec(hosts, "prefill", "p", 0, events, claim_lease_s=CLAIM_LEASE_S),
              engine_spec(hosts, "prefill", "p2", 1, events, claim_lease_s=CLAIM_LEASE_S),
-             # Every read lands first (CPU engines have no landing area by default): a read past
-             # its bound can then fail safely, the late bytes going to a retired slice.
-             engine_spec(hosts, "decode", "d", 1, events,
-                         hooks={"landing_bytes": 32 << 20, "landing_min_runs_saved": 0}),
-             engine_spec(hosts, "decode", "d2", 0, events, hooks={"hold_first_read_s": HOLD_S})]
+             # Default settings: a CPU decode engine lands every read, so a read past its bound
+             # fails safely (its late bytes go to a retired landing slice).
+             engine_spec(hosts, "decode", "d", 1, events),
+             engine_spec(hosts, "decode", "d2", 0, events,
+                         hooks={"hold_first_read_s": HOLD_S, "hold_post_s": HOLD_S})]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
                             extra_engine_args=[])
@@ -104,6 +108,32 @@ def _stack(root: Path, model_dir: Path, hosts: Hosts):
                 router.kill()
         router_log.close()
         deployment.stop()
+
+
+NOTEWORTHY = re.compile(r"kvbaton|Traceback|Error|ERROR|EngineCore (failed|died)|Killed")
+NOISE = re.compile(r"tcmalloc|libiomp|Triton is not installed|non-default args|NUMA binding")
+
+
+def log_digest(root: Path, lines_per_log: int = 60) -> str:
+    """What the engines, sidecars and router said that matters when a test fails here."""
+
+    parts = []
+    for path in sorted(root.rglob("*.log")):
+        text = path.read_text(errors="replace").splitlines()
+        picked = [line for line in text if NOTEWORTHY.search(line) and not NOISE.search(line)]
+        parts.append(f"==== {path.relative_to(root)} ({len(text)} lines, {len(picked)} shown at most "
+                     f"{lines_per_log})\n" + "\n".join(picked[-lines_per_log:]))
+    return "\n".join(parts)
+
+
+@pytest.fixture(autouse=True)
+def logs_on_failure(request, net):
+    """On a failure, print the logs' noteworthy lines (pytest shows them with the failure)."""
+
+    failed_before = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed_before:
+        print(log_digest(net[3]))
 
 
 def d_state(deployment) -> dict:
@@ -199,10 +229,12 @@ def decode_in_background(url: str, prompt: str, params: dict) -> tuple[threading
     return thread, box
 
 
-def wait_claimed(deployment, claimed_before: int, timeout_s: float = 30.0) -> None:
+def wait_counted(deployment, counter: str, before: int, timeout_s: float = 30.0) -> None:
+    """Until P's `counter` passes `before` (D2 claimed: "tickets.claimed"; P granted D2's read:
+    "reads.started")."""
     deadline = time.monotonic() + timeout_s
-    while p_state(deployment)["counters"].get("tickets.claimed", 0) <= claimed_before:
-        assert time.monotonic() < deadline, "D2 never claimed the ticket"
+    while p_state(deployment)["counters"].get(counter, 0) <= before:
+        assert time.monotonic() < deadline, f"P's {counter} never passed {before}"
         time.sleep(0.05)
 
 
@@ -229,7 +261,7 @@ def test_p_dies_after_a_claim_and_comes_back_at_the_same_address(net):
     assert old_params["kvbaton"]["control"].startswith(hosts.address("p"))
     claimed = p_state(deployment)["counters"].get("tickets.claimed", 0)
     thread, box = decode_in_background(d2_url, held_prompt, held_params)
-    wait_claimed(deployment, claimed)
+    wait_counted(deployment, "tickets.claimed", claimed)
     hosts.kill_all("p")  # P's host dies with the claim granted and the read not yet started
     thread.join(90)
     assert not thread.is_alive(), "D2's request hung after P died"
@@ -256,22 +288,26 @@ def test_p_dies_after_a_claim_and_comes_back_at_the_same_address(net):
     wait_closed(deployment)
 
 
-def test_d_dies_after_claiming_and_p_gets_its_blocks_back(net):
-    """D2's host dies holding a claim: nobody speaks for it, so P's idle lease ends it and P
-    returns the blocks (a recompute elsewhere is all it cost)."""
+def test_d_dies_mid_read_and_p_gets_its_blocks_back(net):
+    """D2's host dies with a read P granted still open: nobody speaks for it, so P ends the
+    silent reader's read as failed, its idle lease then ends the claim, and P returns the blocks
+    (a recompute elsewhere is all it cost)."""
 
     hosts, deployment, _url, _root = net
     prompt = words_for(tiny_prompt(180, seed=821))
     params = prefill_on_p(deployment, prompt)
     counters = p_state(deployment)["counters"]
-    claimed, expired = counters.get("tickets.claimed", 0), counters.get("tickets.closed.expired", 0)
+    started, expired = counters.get("reads.started", 0), counters.get("tickets.closed.expired", 0)
+    failed = counters.get("reads.finished.failed", 0)
     decode_in_background(deployment.decode_urls[1], prompt, params)
-    wait_claimed(deployment, claimed)
+    wait_counted(deployment, "reads.started", started)
+    assert p_state(deployment)["open"]["tickets"] == 1
     hosts.kill_all("d2")
-    deadline = time.monotonic() + CLAIM_LEASE_S + 15
+    deadline = time.monotonic() + 2 * CLAIM_LEASE_S + 15
     while p_state(deployment)["open"]["tickets"] and time.monotonic() < deadline:
         time.sleep(0.2)
     state = p_state(deployment)
     assert state["open"]["tickets"] == 0
+    assert state["counters"].get("reads.finished.failed", 0) == failed + 1
     assert state["counters"].get("tickets.closed.expired", 0) == expired + 1
     assert state["violations"] == []

@@ -21,6 +21,8 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     call_timeout_s: float = 10.0  # a call to a peer's sidecar that gets no answer by then failed
     tick_interval_s: float = 0.02
     parent_pid: int = 0
+    # Port of the Prometheus endpoint on the control address's host (GET /metrics); 0: none.
+    metrics_port: int = 0
     debug_reads_per_load: int = 1
     debug_pause_between_reads_s: float = 0.0
     debug_hold_first_read_s: float = 0.0

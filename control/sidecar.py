@@ -143,11 +143,31 @@ class Authority(xo.Actor):
         self._spawn(self._timer_loop())
         if cfg.role in ("consumer", "both"):
             self._spawn(self._heartbeat_loop())
+        await self._serve_metrics()
         if self.bound_address:
             self._send(self.to_scheduler, m.Ready(self.bound_address, os.getpid(), cfg.log_path, self.instance))
 
     async def __pre_destroy__(self) -> None:
         await self.shutdown()
+
+    async def _serve_metrics(self) -> None:
+        """The Prometheus endpoint (`metrics_port`), on the host the control address binds. A
+        port that cannot be bound is logged and the sidecar serves handoffs without it: metrics
+        must never cost the engine its handoffs."""
+
+        self.metrics_server = None
+        port = self.cfg.metrics_port
+        if not port:
+            return
+        host = self.cfg.address.rpartition(":")[0].strip("[]") or "127.0.0.1"
+        try:
+            from . import metrics
+
+            self.metrics_server = await metrics.serve(host, port, self.metrics_snapshot)
+        except Exception as exc:
+            logger.error("kvbaton sidecar of engine %s: cannot serve metrics on %s:%d (metrics_port): %s; "
+                         "handoffs go on without metrics", self.cfg.engine_id, host, port, exc)
+
 
     async def shutdown(self) -> None:
         if self.stopping:
@@ -155,6 +175,8 @@ class Authority(xo.Actor):
         self.stopping = True
         for task in list(self.tasks):
             task.cancel()
+        if getattr(self, "metrics_server", None) is not None:
+            self.metrics_server.close()
         if self.log is not None:
             self.log.close(self.ledger)
             self.log = None
@@ -894,6 +916,35 @@ class Authority(xo.Actor):
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
                 "transfer": dict(self.transfer), "history": self._history_state()}
+
+    def metrics_snapshot(self) -> dict:
+        """What the Prometheus endpoint shows (control/metrics.py): counts only, no ids. Cheaper
+        than debug_state (no state hash, no invariant check), since scrapes come every few seconds."""
+
+        def by_state(records) -> dict[str, int]:
+            states: dict[str, int] = {}
+            for record in records:
+                states[record.state] = states.get(record.state, 0) + 1
+            return states
+
+        history = self.ledger.history
+        cfg = self.ledger.config
+        tiers = by_state(history.blocks.values())
+        return {
+            "engine": self.cfg.engine_id, "role": self.cfg.role,
+            "tickets": by_state(self.ledger.tickets.tickets.values()),
+            "loads": by_state(self.ledger.loads.loads.values()),
+            "leases": by_state(self.ledger.leases.leases.values()),
+            "counters": dict(self.ledger.counters),
+            "refused": dict(self.refused + FRAME_REFUSALS),
+            "transfer": dict(self.transfer),
+            "history_io": dict(self.history_io),
+            "history": {"gpu_used_bytes": history.gpu_used, "cpu_used_bytes": history.cpu_used,
+                        "gpu_budget_bytes": cfg.gpu_history_bytes if history.enabled else 0,
+                        "cpu_budget_bytes": cfg.cpu_history_bytes if history.enabled else 0,
+                        "gpu_blocks": tiers.get("STAGING", 0) + tiers.get("GPU", 0),
+                        "cpu_blocks": tiers.get("DEMOTING", 0) + tiers.get("CPU", 0)},
+        }
 
     def _history_state(self) -> dict:
         """History tier usage from the ledger, the copier's own slot books, and copy measurements."""

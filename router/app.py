@@ -37,6 +37,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from .metrics import RoutingMetrics
+
 logger = logging.getLogger("kvbaton.router")
 
 
@@ -121,6 +123,7 @@ class Router:
                                       registry=self.registry,
                                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.registry.register(EngineSidecarCollector(self))
+        self.routing = RoutingMetrics(self.registry)
         self._states: dict[str, dict] = {}
         # The control-plane client's imports happen here, at startup: done lazily by the first
         # abandon or state refresh, they ran inside the event loop and stalled every request.
@@ -251,17 +254,27 @@ class Router:
             self.requests.labels(endpoint, "unknown_model").inc()
             return openai_error(404, f"The model `{model}` does not exist (served: {sorted(self.models)}).",
                                 param="model", code="model_not_found")
-        if body.get("n", 1) not in (1, None):
+        n = body.get("n", 1)
+        if n is None:
+            n = 1
+        if type(n) is not int or n < 1:
             self.requests.labels(endpoint, "bad_request").inc()
-            return openai_error(400, "n > 1 is not supported by the kvbaton router yet", param="n")
+            return openai_error(400, "'n' must be a positive integer", param="n")
         p_url = self.prefill_urls[next(self._next_p)]
         d_url = self.decode_urls[next(self._next_d)]
+        self.routing.routed("round_robin")
+        if n > 1:
+            self.routing.parallel(n)
         return await self._route(request, endpoint, body, p_url, d_url)
 
     async def _route(self, request: Request, endpoint: str, body: dict, p_url: str, d_url: str) -> Response:
         started = time.perf_counter()
         p_body = dict(body)
-        p_body.update({"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}})
+        # n > 1 is one prefill and one handoff: P computes the prompt once (n=1 there, so one
+        # ticket), D samples n times from it (its children share the one handoff, see
+        # PROTOCOL.md).
+        p_body.update({"max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        p_body.pop("best_of", None)
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
         p_body.pop("stream_options", None)

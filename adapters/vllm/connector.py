@@ -74,6 +74,10 @@ class Handoff:
     local_computed: int = 0
     consumed: bool = False
     reason: str = ""
+    # A sibling (see SchedulerSide._handoff): the request that reads the shared ticket, and when
+    # this one started waiting for it. None for a request that reads its own handoff.
+    reader: Any = None
+    waiting_since: float = 0.0
 
 
 class HandoffError(ValueError):
@@ -86,6 +90,10 @@ ASKED, RESERVED, ALLOCATED, DONE = "asked", "reserved", "allocated", "done"
 SIDECAR_READY_WAIT_S = 5.0
 # P gives up waiting for its own sidecar's answer to a restore after this long (then recomputes).
 RESTORE_REPLY_WAIT_S = 5.0
+# A sibling of an n > 1 request waits for the reader's load at most this long, then computes
+# what D's prefix cache lacks: the reader's load is bounded by the claim wait and the read bound
+# already, so this only matters if the scheduler never moves the reader on.
+SIBLING_WAIT_S = 120.0
 
 
 @dataclass
@@ -339,6 +347,7 @@ class SchedulerSide:
             ipc_dir=conn.ipc_dir, log_path=log_path, hash_every=EVENT_LOG_HASH_EVERY,
             heartbeat_interval_s=s.heartbeat_interval_s, call_timeout_s=s.peer_timeout_s,
             parent_pid=os.getpid(), layout=conn.layout, block_size=conn.block_size,
+            metrics_port=s.metrics_port,
             debug_reads_per_load=s.test_hooks.reads_per_load,
             debug_pause_between_reads_s=s.test_hooks.pause_between_reads_s,
             debug_hold_first_read_s=s.test_hooks.hold_first_read_s,
@@ -352,9 +361,10 @@ class SchedulerSide:
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self.sidecar_lost_logged = False
         self.unbound_logged = False
-        logger.info("kvbaton: engine %s (%s), control on %s (port %s), num_blocks %d, event log %s",
-                    conn.engine_id, role, s.control_host, s.control_port or "chosen at bind", num_blocks,
-                    log_path or "off")
+        logger.info("kvbaton: engine %s (%s), control on %s (port %s), num_blocks %d, event log %s, "
+                    "metrics %s", conn.engine_id, role, s.control_host, s.control_port or "chosen at bind",
+                    num_blocks, log_path or "off",
+                    f"on http://{s.control_host}:{s.metrics_port}/metrics" if s.metrics_port else "off")
         if plan.enabled:
             logger.info("kvbaton: history on: %d-byte blocks, GPU tier %d slots (%d bytes), CPU tier "
                         "%d slots (%d bytes), %s", plan.block_bytes, plan.gpu_slots, plan.gpu_bytes,
@@ -363,6 +373,8 @@ class SchedulerSide:
         elif conn.is_producer:
             logger.info("kvbaton: history off (%s)", plan.reason)
         self.handoffs: dict[str, Handoff] = {}
+        # D: the request reading each ticket on this engine, while it lives (see _handoff).
+        self.readers: dict[str, Any] = {}
         self.epochs = itertools.count(1)
         self.errors = 0
         # History (P): restore records, prompt keys per request, and the keys this engine has
@@ -444,19 +456,52 @@ class SchedulerSide:
             h = Handoff("", "", 0, 0, hit=False, consumed=True, reason=str(exc))
             self.handoffs[rid] = h
             return h
+        reader = self.readers.get(section["ticket"])
+        if reader is not None:
+            # A sibling: vLLM fans an n > 1 request out into n child requests that carry the same
+            # kv_transfer_params, so they name one ticket. A ticket is read once: the first child
+            # reads it, the others wait until its blocks are loaded and in D's prefix cache (vLLM
+            # caches a finished load's blocks before it schedules waiting requests), then take
+            # them from there and compute only the tail (the last partial block). A sibling never
+            # claims, so P sees one claim and one read per handoff whatever n is.
+            h = Handoff("", "", 0, 0, hit=False, consumed=True, reason="shares a handoff", reader=reader,
+                        waiting_since=time.monotonic())
+            self.handoffs[rid] = h
+            return h
         h = Handoff(section["ticket"], section["control"], num_tokens, next(self.epochs))
         self.handoffs[rid] = h
         logger.debug("kvbaton: request %s claims ticket %s from %s", rid, pc.short(h.ticket), h.control)
         if not self.sidecar.send(m.LoadFact(rid, h.ticket, h.control, h.epoch, num_tokens, digest,
                                             section.get("keepalive", ""), section.get("instance", ""))):
             h.ticket, h.hit, h.consumed, h.reason = "", False, True, "sidecar unreachable"
+        else:
+            self.readers[h.ticket] = request
         return h
+
+    def _reader_pending(self, rid: str, h: Handoff) -> bool:
+        """A sibling's reader has not left the waiting queue yet (its load is not over, or its
+        blocks are not cached yet). Once it runs, is preempted or finished, the sibling goes on."""
+
+        from vllm.v1.request import RequestStatus
+
+        if h.reader.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS):
+            return False
+        if time.monotonic() - h.waiting_since > SIBLING_WAIT_S:
+            logger.warning("kvbaton: request %s waited %.0f s for the load of request %s, which shares "
+                           "its handoff; computing it locally", rid, SIBLING_WAIT_S, h.reader.request_id)
+            return False
+        return True
 
     def on_new_request(self, request) -> None:
         self._handoff(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         h = self._handoff(request)
+        if h is not None and h.reader is not None:
+            if self._reader_pending(request.request_id, h):
+                return None, False  # not known yet: asked again next step, with a fresh cache lookup
+            h.reader = None  # D's prefix cache holds what the reader loaded; the rest is computed
+            return 0, False
         if h is None and self.history_on:
             return self._restore_match(request, num_computed_tokens)
         if h is None or h.consumed:
@@ -510,6 +555,8 @@ class SchedulerSide:
     def request_finished(self, request, block_ids):
         rid = request.request_id
         h = self.handoffs.pop(rid, None)
+        if h is not None and h.ticket and self.readers.get(h.ticket) is request:
+            del self.readers[h.ticket]
         from vllm.v1.request import RequestStatus
 
         aborted = request.status == RequestStatus.FINISHED_ABORTED
@@ -693,6 +740,7 @@ class SchedulerSide:
         state = call_authority_sync(self.sidecar.address or self.sidecar.bound_address(30.0), "debug_state")
         state["connector_errors"] = self.errors
         state["handoffs"] = len(self.handoffs)
+        state["readers"] = len(self.readers)
         state["restores"] = {s: sum(1 for r in self.restores.values() if r.state == s)
                              for s in (ASKED, RESERVED, ALLOCATED, DONE)}
         state["sidecar_alive"] = self.sidecar.alive()

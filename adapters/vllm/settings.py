@@ -139,6 +139,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     control_host: Annotated[str, _doc(
         "Address the engine's sidecar binds and advertises to peers.")] = "127.0.0.1"
     control_port: Annotated[int, _doc("Port of the sidecar; 0 picks a free one.", ge=0, le=65535)] = 0
+    metrics_port: Annotated[int, _doc(
+        "Port where the engine's sidecar serves kvbaton's Prometheus metrics (`GET /metrics`, "
+        "`kvbaton_*`: tickets, loads, handoff bytes and seconds, history hits, drops, restores, "
+        "refusals), on control_host; 0: not served. Unauthenticated and counts only: expose it to "
+        "the scraper's network only.", ge=0, le=65535)] = 0
     secret_file: Annotated[str, _doc(
         "The deployment secret that authenticates every control frame comes from KVBATON_SECRET, else "
         "this file (owner-only), else (loopback control_host only) a per-user file made on first "
@@ -306,6 +311,9 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
         if not math.isfinite(value):
             raise SettingsError(f"kvbaton: kv_connector_extra_config {name!r} must be a finite number "
                                 f"(got {value!r})")
+    if settings.metrics_port and settings.metrics_port == settings.control_port:
+        raise SettingsError(f"kvbaton: kv_connector_extra_config 'metrics_port' and 'control_port' are "
+                            f"both {settings.metrics_port}; the sidecar needs one port for each")
     if settings.event_log_dir:
         settings.event_log_dir = os.path.abspath(settings.event_log_dir)
     try:

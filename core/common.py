@@ -26,6 +26,13 @@ class Deadlines:
         if deadline_ns < NEVER:
             heapq.heappush(self._heap, (deadline_ns, kind, ident))
 
+    def next_ns(self) -> int:
+        """The earliest queued deadline (it may be stale), NEVER when none: a `Tick` before it
+        expires nothing."""
+
+        heap = self._heap
+        return heap[0][0] if heap else NEVER
+
     def pop_due(self, now_ns: int):
         heap = self._heap
         while heap and heap[0][0] <= now_ns:
@@ -43,5 +50,8 @@ class Counters(dict):
 
 
 def reject(counters: Counters, event_tag: str, subject: str, reason: str) -> Rejected:
+    """Refuse an event (`reason`: a `Reason`, or `Reason.X.detail(...)`), counted under the reason
+    without its detail (`rejected.closed` for "closed: expired")."""
+
     counters.add("rejected." + reason.split(":", 1)[0])
     return Rejected(event_tag, subject, reason)

@@ -19,7 +19,7 @@ class Rejected(Effect, tag="rej"):
 
     event: str
     subject: str
-    reason: str
+    reason: str  # a `core.reasons.Reason`, or one with detail (`Reason.head` recovers the member)
 
 
 # --- P side: tickets ---------------------------------------------------------------------------
@@ -31,7 +31,7 @@ class FreeEngineBlocks(Effect, tag="free"):
     ticket: str
     request: str
     blocks: tuple[int, ...]
-    reason: str
+    reason: str  # `core.reasons.Closed`
 
 
 class ReplyClaim(Effect, tag="rcl"):
@@ -41,7 +41,7 @@ class ReplyClaim(Effect, tag="rcl"):
     claimer: str
     epoch: int
     granted: bool
-    reason: str = ""
+    reason: str = ""  # refused: a `Reason` (possibly with detail); granted again: `Reason.RETRY`
     # On a grant, what the claimer may read: the ticket's blocks, its token count and digest.
     blocks: tuple[int, ...] = ()
     num_tokens: int = 0
@@ -55,7 +55,7 @@ class ReplyRead(Effect, tag="rrd"):
     claimer: str
     read: str
     granted: bool
-    reason: str = ""
+    reason: str = ""  # refused: a `core.reasons.Reason`, possibly with detail
 
 
 class StageHistory(Effect, tag="stg"):
@@ -80,7 +80,7 @@ class DropHistory(Effect, tag="drp"):
 
     key: str
     tier: str
-    reason: str
+    reason: str  # `core.reasons.Dropped`
 
 
 # --- P side: history restores ------------------------------------------------------------------
@@ -107,7 +107,7 @@ class LeaseDone(Effect, tag="ldn"):
     lease: str
     request: str
     ok: bool
-    reason: str
+    reason: str  # `core.reasons.LeaseOutcome`
 
 
 # --- D side: loads -----------------------------------------------------------------------------
@@ -127,7 +127,7 @@ class LoadResolved(Effect, tag="lrs"):
 
     request: str
     hit: bool
-    reason: str = ""
+    reason: str = ""  # a miss: P's refusal as it came, or a `Reason`/`LoadOutcome` said here
 
 
 class SendReadStart(Effect, tag="srs"):
@@ -182,7 +182,7 @@ class LoadFinished(Effect, tag="lfn"):
 
     request: str
     ok: bool
-    reason: str
+    reason: str  # `core.reasons.LoadOutcome`, possibly with detail
 
 
 AnyEffect = (

@@ -136,7 +136,7 @@ class ClaimRefused(Event, tag="cx"):
     request: str
     ticket: str
     epoch: int
-    reason: str
+    reason: str  # P's words (a `core.reasons.Reason`), or D's shell's when P never answered
 
 
 class LoadAllocated(Event, tag="la"):
@@ -162,7 +162,7 @@ class ReadRefused(Event, tag="rx"):
 
     request: str
     read: str
-    reason: str
+    reason: str  # as `ClaimRefused.reason`
 
 
 class LoadReadFinished(Event, tag="lr"):

@@ -173,9 +173,9 @@ class LeaseBook(Book):
     def expire_due(self, ident: str, deadline_ns: int, now: int, out: list[Effect]) -> None:
         """Deadline passed: RESERVED or ALLOCATED → EXPIRED (allocated blocks invalid: P recomputes them)."""
 
-        ls = self._due(ident, deadline_ns)
-        if ls is None:
-            return
+        ls = self.records.get(ident)
+        if ls is None or ls.deadline_ns != deadline_ns:
+            return  # a stale queue entry: the lease ended or its deadline moved
         if ls.state in (RESERVED, ALLOCATED):
             if ls.state == ALLOCATED:
                 out.append(ReportInvalidBlocks(ls.request, ls.blocks))

@@ -283,9 +283,9 @@ class LoadBook(Book):
         """Deadline passed: AWAITING_CLAIM → MISSED; CLAIMED → CANCELLED; ALLOCATED → FAILED (blocks
         invalid); each releases the ticket."""
 
-        ld = self._due(ident, deadline_ns)
-        if ld is None:
-            return
+        ld = self.records.get(ident)
+        if ld is None or ld.deadline_ns != deadline_ns:
+            return  # a stale queue entry: the load ended or its deadline moved
         if ld.state == AWAITING_CLAIM:
             out.append(self._release(ld))  # in case the grant is only late
             out.append(LoadResolved(ld.request, False, LoadOutcome.CLAIM_UNANSWERED))

@@ -1,10 +1,15 @@
-"""Machines declared once as data, checked cheaply on the hot path.
+"""Machines declared once as data, checked cheaply on the hot path, and the books that run them.
 
 Each machine module declares its states and transitions as a list of dicts in the shape the
 `transitions` library takes (`trigger`, `source`, `dest`). `MachineSpec` compiles that list into a
-plain `{(state, trigger): dests}` table: a dict lookup is about 0.2 µs where a `transitions`
-trigger costs 11–30 µs. The `transitions` machine itself is built only for tests (which prove the
-table and the library agree on every pair) and for `kvbaton replay --diagram`.
+plain `{(state, trigger): dests}` table, because `apply` runs on the engine's hot path and a dict
+lookup costs a small fraction of a `transitions` trigger. The `transitions` machine itself is built
+only for tests (which prove the table and the library agree on every pair) and for
+`kvbaton replay --diagram`.
+
+The table checks moves rather than choosing them: some triggers have several declared targets
+(a read ending in DRAINING may stay, retain or close), and the handler picks one by the record's
+data. `Book` is what the ticket, load, lease and history books share around that check.
 """
 
 from __future__ import annotations
@@ -151,14 +156,9 @@ class Book:
         record.deadline_ns = deadline_ns
         self.deadlines.push(deadline_ns, self.kind, getattr(record, self.key))
 
-    def _due(self, ident: str, deadline_ns: int):
-        """The record whose current deadline is `deadline_ns`, or None for a stale queue entry (the
-        deadline moved or the record ended). Each book's `expire_due` starts here."""
+    # Each book's `expire_due(ident, deadline_ns, now, out)` is called by `Tick` for every queue
+    # entry that fell due; it first drops a stale entry (the record ended, or its deadline moved).
 
-        record = self.records.get(ident)
-        if record is None or record.deadline_ns != deadline_ns:
-            return None
-        return record
 
     # -- invariants ------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ SPECS = {spec.name: spec for spec in (ticket.SPEC, load.SPEC, lease.SPEC, histor
 
 # (machine, state, trigger) -> why no handler ever makes that move.
 UNREACHABLE: dict[tuple[str, str, str], str] = {
-    ("history_block", "EVICTED", "seen_again"):
+    (history.SPEC.name, history.EVICTED, "seen_again"):
         "an evicted block's record leaves the store and its key goes on probation; a key admitted "
         "again is a new record that starts in PROBATION, so no record moves out of EVICTED",
 }

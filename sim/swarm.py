@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from ..core import effects as fx
 from ..core import events as ev
+from ..core import load as loads
 from ..core.audit import Auditor
 from ..core.ledger import SECOND_NS, Ledger, LedgerConfig
 
@@ -354,7 +355,7 @@ class Swarm:
 
     def allocate_load(self, node: Node, request: str) -> None:
         load = node.ledger.loads.loads.get(request)
-        if load is None or load.state != "CLAIMED" or not node.alive:
+        if load is None or load.state != loads.CLAIMED or not node.alive:
             return
         if self.fault("preempt_after_alloc"):
             blocks = node.allocate(request, load.num_blocks) or ()
@@ -452,7 +453,7 @@ class Swarm:
             if not d.alive:
                 continue
             for load in d.ledger.loads.loads.values():
-                if load.state in ("AWAITING_CLAIM", "CLAIMED", "ALLOCATED", "LOADING", "DRAINING"):
+                if load.state not in loads.SPEC.terminal:
                     self.send(P_NAME, ev.HeartbeatReceived, ticket=load.ticket, claimer=d.name)
         if not self.draining:
             self.at(self.config.unclaimed_ttl_ns // 3, self.heartbeat)

@@ -112,8 +112,8 @@ def test_bad_requests_get_openai_errors(stack):
     client = client_for(router)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="no-such-model", prompt="w5", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n > 1"):
-        client.completions.create(model=MODEL, prompt="w5", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="'n' must be a positive integer"):
+        client.completions.create(model=MODEL, prompt="w5", max_tokens=2, n=0)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=words_for(tiny_prompt(3000, seed=503)), max_tokens=2)
     assert httpx.get(f"http://127.0.0.1:{router.port}/health").status_code == 200

@@ -131,6 +131,18 @@ def test_streamed_n_samples_equal_the_unstreamed(stack):
     assert texts == [c.text for c in sorted(alone.choices, key=lambda c: c.index)]
 
 
+def test_chat_with_n_samples_on_one_handoff(stack):
+    deployment, router, p_port, d_port = stack
+    books = Books(deployment, p_port, d_port)
+    request = dict(model=MODEL, messages=[{"role": "user", "content": words_for(tiny_prompt(180, seed=714))}],
+                   max_tokens=6, temperature=1.0, seed=21, n=2)
+    routed = client(f"http://127.0.0.1:{router.port}").chat.completions.create(**request)
+    assert_one_handoff(books, books.settled())
+    alone = client(deployment.prefill_urls[0]).chat.completions.create(**request)
+    assert [c.message.content for c in sorted(routed.choices, key=lambda c: c.index)] == \
+        [c.message.content for c in sorted(alone.choices, key=lambda c: c.index)]
+
+
 def test_a_client_walking_away_mid_stream_leaves_nothing_behind(stack):
     deployment, router, p_port, d_port = stack
     prompt = words_for(tiny_prompt(400, seed=712))

@@ -140,7 +140,8 @@ def families(snap: dict) -> list:
     counter("kvbaton_restored_blocks", "Blocks restored from history (P), by tier", labels=("tier",),
             rows=[((t,), io.get(f"restored_{t}_blocks", 0)) for t in TIERS])
     counter("kvbaton_leases_reserved", "History restore leases reserved (P)", counters.get("leases.reserved", 0))
-    counter("kvbaton_leases_ended", "History restore leases ended (P), by outcome: released (used or given back), expired, cancelled",
+    counter("kvbaton_leases_ended", "History restore leases ended (P), by outcome: released (used or "
+            "given back), expired, cancelled",
             labels=("outcome",), rows=[((o,), counters.get(f"leases.{o}", 0)) for o in LEASE_OUTCOMES])
     gauge("kvbaton_leases", "Open history restore leases (P), by state", ("state",),
           by_state("leases", LEASE_STATES))

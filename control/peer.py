@@ -101,7 +101,15 @@ class State(PeerCall, tag="state"):
     """Counters, open records and tier usage, for the router's metrics and for tests."""
 
 
-AnyPeerCall = Union[Claim, ReadStart, ReadEnd, Release, Heartbeat, Abandon, Metadata, State]
+class Residency(PeerCall, tag="residency"):
+    """What this engine's history holds, as KV events numbered after `since` (-1: a snapshot),
+    for the router's cache-aware routing (see `residency.py`)."""
+
+    since: Annotated[int, msgspec.Meta(ge=-1, le=2**62)] = -1
+    instance: Instance = ""  # the sidecar instance `since` counts in ("" when none yet)
+
+
+AnyPeerCall = Union[Claim, ReadStart, ReadEnd, Release, Heartbeat, Abandon, Metadata, State, Residency]
 
 
 class Answer(msgspec.Struct, frozen=True):
@@ -134,12 +142,23 @@ class StateAnswer(msgspec.Struct, frozen=True):
     state: dict
 
 
+class ResidencyAnswer(msgspec.Struct, frozen=True):
+    """`events`: a KV event batch in vLLM's shape (msgpack); `reset`: it is a snapshot, replacing
+    what the asker knew; `seq`: the number of its last event; `instance`: the sidecar's epoch."""
+
+    instance: str
+    seq: int
+    reset: bool
+    events: bytes
+
+
 ENCODER = msgspec.msgpack.Encoder()
 CALL_DECODER = msgspec.msgpack.Decoder(AnyPeerCall)
 ANSWER_DECODERS = {
     Claim: msgspec.msgpack.Decoder(ClaimAnswer),
     Metadata: msgspec.msgpack.Decoder(MetadataAnswer),
     State: msgspec.msgpack.Decoder(StateAnswer),
+    Residency: msgspec.msgpack.Decoder(ResidencyAnswer),
 }
 _PLAIN_ANSWER = msgspec.msgpack.Decoder(Answer)
 

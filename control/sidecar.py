@@ -50,6 +50,7 @@ from ..core.reasons import LoadOutcome, Reason
 from . import messages as m
 from . import peer as pc
 from .client import bounded
+from .residency import ResidencyLog
 from .config import SidecarConfig, SidecarLaunch, ipc_paths
 from .guard import (RateLimitedLog, capability_digest, guard_pool, install_frame_key, peer_address,
                     watch_refused_frames)
@@ -76,6 +77,7 @@ class Authority(xo.Actor):
         self.refused: collections.Counter = collections.Counter()
         self.refusal_log = RateLimitedLog(logger)
         self.ledger = Ledger(self.cfg.ledger)
+        self.residency = ResidencyLog(self.cfg.block_size)
         self.log: LogWriter | None = None
         self.metadata: bytes | None = None
         self.layout_fingerprint = ""
@@ -206,6 +208,7 @@ class Authority(xo.Actor):
         effects = self.ledger.apply(event)
         if self.log is not None:
             self.log.append(event, self.ledger)
+        self._track_residency(event, effects)
         # An admission's demotions go to the copier as one message (see m.DemoteCopies). With a
         # full CPU tier the core interleaves them with the CPU-tier drops that make their room
         # (drop, demote, drop, demote, ...): the drops go out at once, the demotions after them,
@@ -231,6 +234,30 @@ class Authority(xo.Actor):
             finally:
                 self.applying_followups = False
         return effects
+
+    def _track_residency(self, event: ev.Event, effects: list[fx.Effect]) -> None:
+        """Announce the history blocks this event moved between tiers (see residency.py)."""
+
+        touched: list[str] = []
+        kind = type(event)
+        if kind is ev.HistoryPublished:
+            touched.extend(self.residency.staging.pop(event.ticket, ()))
+        elif kind is ev.HistoryDemoted:
+            touched.append(event.key)
+        for effect in effects:
+            ekind = type(effect)
+            if ekind is fx.StageHistory:
+                staging = self.residency.staging
+                staging[effect.ticket] = tuple(key for _block, key in effect.copies)
+                if len(staging) > 4096:  # one writer at a time: more means published tickets were lost
+                    staging.pop(next(iter(staging)))
+            elif ekind is fx.DemoteHistory or ekind is fx.DropHistory:
+                touched.append(effect.key)
+        if touched:
+            blocks = self.ledger.history.blocks
+            for key in touched:
+                blk = blocks.get(key)
+                self.residency.update(key, blk.state if blk is not None else None)
 
     def _now(self) -> int:
         return time.monotonic_ns()
@@ -906,6 +933,11 @@ class Authority(xo.Actor):
             return pc.MetadataAnswer(self.cfg.engine_id, self.metadata, self.instance)
         if kind is pc.State:
             return pc.StateAnswer(self.debug_state())
+        if kind is pc.Residency:
+            # A count from another instance of this sidecar means nothing here: a snapshot.
+            since = request.since if request.instance == self.instance else -1
+            reset, seq, events = self.residency.answer(since)
+            return pc.ResidencyAnswer(self.instance, seq, reset, events)
         raise TypeError(f"no handler for {kind.__name__}")
 
     def debug_state(self) -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import itertools
 import json
 import logging
 import time
@@ -38,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from .metrics import RoutingMetrics
+from .routing import CacheRouting, Pick, RoutingCollector, RoutingConfig
 
 logger = logging.getLogger("kvbaton.router")
 
@@ -94,13 +94,12 @@ class BadRequest(Exception):
 class Router:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, timeout_s: float = 600.0,
                  models: list[str] | None = None, api_key: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                 routing: RoutingConfig | None = None) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode engine URL")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in decode_urls]
-        self._next_p = itertools.cycle(range(len(self.prefill_urls)))
-        self._next_d = itertools.cycle(range(len(self.decode_urls)))
         self.timeout_s = timeout_s
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
@@ -124,6 +123,10 @@ class Router:
                                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.registry.register(EngineSidecarCollector(self))
         self.routing = RoutingMetrics(self.registry)
+        # Which engines serve a request (cache-aware, or round robin with routing="round-robin").
+        self.placement = CacheRouting(routing or RoutingConfig(mode="round-robin"), self.prefill_urls,
+                                      self.decode_urls)
+        self.registry.register(RoutingCollector(self.placement))
         self._states: dict[str, dict] = {}
         # The control-plane client's imports happen here, at startup: done lazily by the first
         # abandon or state refresh, they ran inside the event loop and stalled every request.
@@ -260,45 +263,24 @@ class Router:
         if type(n) is not int or n < 1:
             self.requests.labels(endpoint, "bad_request").inc()
             return openai_error(400, "'n' must be a positive integer", param="n")
-        p_url = self.prefill_urls[next(self._next_p)]
-        d_url = self.decode_urls[next(self._next_d)]
-        self.routing.routed("round_robin")
+        pick = await self.placement.pick(endpoint, body)
+        self.routing.routed(None if pick.p_url is None else pick.how, disaggregated=pick.p_url is not None)
         if n > 1:
             self.routing.parallel(n)
-        return await self._route(request, endpoint, body, p_url, d_url)
+        return await self._route(request, endpoint, body, pick.p_url, pick.d_url, pick)
 
-    async def _route(self, request: Request, endpoint: str, body: dict, p_url: str, d_url: str) -> Response:
+    async def _route(self, request: Request, endpoint: str, body: dict, p_url: str | None, d_url: str,
+                     pick: Pick | None = None) -> Response:
         started = time.perf_counter()
-        p_body = dict(body)
-        # n > 1 is one prefill and one handoff: P computes the prompt once (n=1 there, so one
-        # ticket), D samples n times from it (its children share the one handoff, see
-        # PROTOCOL.md).
-        p_body.update({"max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True}})
-        p_body.pop("best_of", None)
-        if "max_completion_tokens" in p_body:
-            p_body["max_completion_tokens"] = 1
-        p_body.pop("stream_options", None)
-        p_body["request_id"] = f"kvb-{uuid.uuid4().hex}"
-        try:
-            p_reply = await self.client.post(f"{p_url}{endpoint}", json=p_body)
-        except httpx.HTTPError as exc:
-            self.requests.labels(endpoint, "prefill_unreachable").inc()
-            logger.warning("prefill engine %s failed: %r", p_url, exc)
-            return openai_error(502, "the prefill engine is unreachable", kind="upstream_error")
-        if p_reply.status_code != 200:
-            self.requests.labels(endpoint, f"prefill_{p_reply.status_code}").inc()
-            return upstream_error(p_reply.status_code, p_reply.content, "prefill", p_url)
-        self.prefill_time.observe(time.perf_counter() - started)
-        try:
-            params = p_reply.json().get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            params = None
-        if not isinstance(params, dict):
-            params = None
-        section = (params or {}).get("kvbaton")
-        if isinstance(section, dict) and section.get("engine") and section.get("control"):
-            self.controls[str(section["engine"])] = str(section["control"])
+        params = None
         d_body = dict(body)
+        if p_url is not None:
+            prefilled = await self._prefill(endpoint, body, p_url, started, pick)
+            if isinstance(prefilled, Response):
+                return prefilled
+            params = prefilled
+        # (p_url None: D alone, it holds most of the prompt; no handoff, nothing to abandon.)
+        section = (params or {}).get("kvbaton")
         if params:
             forwarded = dict(params)
             if isinstance(section, dict):  # the abandon capability stays with the router
@@ -314,7 +296,8 @@ class Router:
         d_reply = None
         for attempt, url in enumerate(self._decode_order(d_url)):
             try:
-                d_reply = await self.client.post(f"{url}{endpoint}", json=d_body)
+                with self.placement.busy(url):
+                    d_reply = await self.client.post(f"{url}{endpoint}", json=d_body)
                 break
             except httpx.TransportError as exc:
                 # D is down. The handoff is still good for another D: unclaimed, it is claimed
@@ -329,8 +312,52 @@ class Router:
             await self.abandon(params, "decode_failed")
             self.requests.labels(endpoint, f"decode_{d_reply.status_code}").inc()
             return upstream_error(d_reply.status_code, d_reply.content, "decode", url)
+        if p_url is None and pick is not None:
+            with contextlib.suppress(ValueError):
+                self.placement.check_tokens(pick, d_reply.json())
         self.requests.labels(endpoint, "ok").inc()
         return Response(d_reply.content, status_code=d_reply.status_code, media_type="application/json")
+
+    async def _prefill(self, endpoint: str, body: dict, p_url: str, started: float,
+                       pick: Pick | None) -> dict | None | Response:
+        """P computes the prompt (max_tokens=1) and answers with the handoff: its
+        kv_transfer_params (None when it gave none), or the error Response for the client."""
+
+        p_body = dict(body)
+        # n > 1 is one prefill and one handoff: P computes the prompt once (n=1 there, so one
+        # ticket), D samples n times from it (its children share the one handoff, see
+        # PROTOCOL.md).
+        p_body.update({"max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        p_body.pop("best_of", None)
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        p_body.pop("stream_options", None)
+        p_body["request_id"] = f"kvb-{uuid.uuid4().hex}"
+        try:
+            with self.placement.busy(p_url):
+                p_reply = await self.client.post(f"{p_url}{endpoint}", json=p_body)
+        except httpx.HTTPError as exc:
+            self.requests.labels(endpoint, "prefill_unreachable").inc()
+            logger.warning("prefill engine %s failed: %r", p_url, exc)
+            return openai_error(502, "the prefill engine is unreachable", kind="upstream_error")
+        if p_reply.status_code != 200:
+            self.requests.labels(endpoint, f"prefill_{p_reply.status_code}").inc()
+            return upstream_error(p_reply.status_code, p_reply.content, "prefill", p_url)
+        self.prefill_time.observe(time.perf_counter() - started)
+        try:
+            reply_json = p_reply.json()
+            params = reply_json.get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            reply_json, params = None, None
+        if pick is not None:
+            self.placement.check_tokens(pick, reply_json)
+        if not isinstance(params, dict):
+            params = None
+        section = (params or {}).get("kvbaton")
+        if isinstance(section, dict) and section.get("engine") and section.get("control"):
+            self.controls[str(section["engine"])] = str(section["control"])
+            self.placement.watch_history(p_url, str(section["control"]))
+        return params
 
     def _decode_order(self, first: str) -> list[str]:
         index = self.decode_urls.index(first)
@@ -344,19 +371,20 @@ class Router:
         try:
             for attempt, url in enumerate(order):
                 try:
-                    async with self.client.stream("POST", f"{url}{endpoint}", json=d_body) as reply:
-                        if reply.status_code != 200:
-                            outcome = f"decode_{reply.status_code}"
-                            await self.abandon(params, "decode_failed")
-                            payload = await reply.aread()
-                            error = upstream_error(reply.status_code, payload, "decode", url)
-                            yield b"data: " + error.body + b"\n\n"
-                            return
-                        async for chunk in reply.aiter_bytes():
-                            if not sent:
-                                self.ttft.observe(time.perf_counter() - started)
-                                sent = True
-                            yield chunk
+                    with self.placement.busy(url):
+                        async with self.client.stream("POST", f"{url}{endpoint}", json=d_body) as reply:
+                            if reply.status_code != 200:
+                                outcome = f"decode_{reply.status_code}"
+                                await self.abandon(params, "decode_failed")
+                                payload = await reply.aread()
+                                error = upstream_error(reply.status_code, payload, "decode", url)
+                                yield b"data: " + error.body + b"\n\n"
+                                return
+                            async for chunk in reply.aiter_bytes():
+                                if not sent:
+                                    self.ttft.observe(time.perf_counter() - started)
+                                    sent = True
+                                yield chunk
                     return
                 except httpx.TransportError as exc:
                     if not sent and attempt < len(order) - 1:
@@ -406,6 +434,7 @@ class Router:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
     async def close(self) -> None:
+        await self.placement.stop()
         await self.client.aclose()
 
 
@@ -445,6 +474,7 @@ def upstream_error(status: int, content: bytes, role: str, url: str) -> JSONResp
 def build_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        await router.placement.start()  # the KV event feeds run on the server's loop
         yield
         await router.close()
 

@@ -48,6 +48,9 @@ class EngineSpec:
     host: str = "127.0.0.1"
     prefix: list = field(default_factory=list)
     env: dict = field(default_factory=dict)
+    # Where the engine publishes vLLM's KV events ("" when it does not): set by the Deployment
+    # for engines it starts, given by the operator for attached ones.
+    kv_events: str = ""
 
 
 @dataclass
@@ -78,7 +81,11 @@ class Deployment:
     def __init__(self, model: str, *, tokenizer: str | None, served_model_name: str, log_dir: Path,
                  specs: list[EngineSpec], block_size: int, max_model_len: int, load_format: str | None,
                  extra_engine_args: list[str], attach_prefill: list[str] | None = None,
-                 attach_decode: list[str] | None = None) -> None:
+                 attach_decode: list[str] | None = None, routing=None,
+                 attach_prefill_events: list[str] | None = None,
+                 attach_decode_events: list[str] | None = None) -> None:
+        from .routing import RoutingConfig
+
         self.model = model
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -91,6 +98,12 @@ class Deployment:
         self.attach_prefill = attach_prefill or []
         self.attach_decode = attach_decode or []
         self.engines: list[Engine] = []
+        # How the router places requests (routing.py); its block size is the engines'.
+        self.routing = routing or RoutingConfig()
+        self.routing.block_size = block_size
+        self.attach_prefill_events = _aligned(attach_prefill_events, self.attach_prefill, "--prefill-events")
+        self.attach_decode_events = _aligned(attach_decode_events, self.attach_decode, "--decode-events")
+        self._events_dir: str | None = None
 
     @property
     def event_log_dir(self) -> Path:
@@ -109,6 +122,12 @@ class Deployment:
                "--kv-transfer-config", json.dumps(kv_config)]
         if self.tokenizer:
             cmd += ["--tokenizer", self.tokenizer]
+        # The router hashes prompts as the engines do: the algorithm is pinned here, the seed is
+        # PYTHONHASHSEED (set below when the router has one, else vLLM's fixed default on both).
+        cmd += ["--prefix-caching-hash-algo", self.routing.hash_algo]
+        if spec.kv_events:
+            cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                      "endpoint": spec.kv_events, "topic": "kv"})]
         if self.load_format:
             cmd += ["--load-format", self.load_format]
         env = dict(os.environ)
@@ -120,15 +139,29 @@ class Deployment:
             env["CUDA_VISIBLE_DEVICES"] = index or "0"
             env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         cmd += self.extra_engine_args
+        if self.routing.hash_seed is not None:
+            env["PYTHONHASHSEED"] = self.routing.hash_seed
         env.update(spec.env)
         return list(spec.prefix) + cmd, env
 
     def start(self, progress=print, timeout_s: float = 600.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for url in self.attach_prefill:
-            self.engines.append(Engine(EngineSpec("prefill", 0, 0, "attached", 0), url.rstrip("/"), None, Path("/dev/null")))
-        for url in self.attach_decode:
-            self.engines.append(Engine(EngineSpec("decode", 0, 0, "attached", 0), url.rstrip("/"), None, Path("/dev/null")))
+        for url, events in zip(self.attach_prefill, self.attach_prefill_events):
+            self.engines.append(Engine(EngineSpec("prefill", 0, 0, "attached", 0, kv_events=events),
+                                       url.rstrip("/"), None, Path("/dev/null")))
+        for url, events in zip(self.attach_decode, self.attach_decode_events):
+            self.engines.append(Engine(EngineSpec("decode", 0, 0, "attached", 0, kv_events=events),
+                                       url.rstrip("/"), None, Path("/dev/null")))
+        if self.routing.mode == "cache-aware" and self.specs:
+            # vLLM's KV events carry prompt tokens: they go over Unix sockets in a directory only
+            # this user can open (mkdtemp: 0700), never a TCP port. A short path: sockets' names
+            # are limited to ~100 bytes.
+            import tempfile
+
+            self._events_dir = tempfile.mkdtemp(prefix="kvbaton-events-")
+            for spec in self.specs:
+                if not spec.kv_events and spec.host == "127.0.0.1" and not spec.prefix:
+                    spec.kv_events = f"ipc://{self._events_dir}/{spec.role[0]}{spec.port}"
         for spec in self.specs:
             cmd, env = self._command(spec)
             where = "" if spec.host == "127.0.0.1" else f"{spec.host}-"  # engines on other hosts may share a port
@@ -174,6 +207,19 @@ class Deployment:
     def decode_urls(self) -> list[str]:
         return [e.url for e in self.engines if e.spec.role == "decode"]
 
+    def kv_events(self) -> dict[str, str]:
+        """Engine URL -> the endpoint of its vLLM KV events (engines that publish them)."""
+
+        return {e.url: e.spec.kv_events for e in self.engines if e.spec.kv_events}
+
+    def routing_config(self):
+        """The router's routing settings for these engines."""
+
+        import dataclasses
+
+        return dataclasses.replace(self.routing, tokenizer=self.routing.tokenizer or self.tokenizer or self.model,
+                                   kv_events=self.kv_events(), controls=self.controls("prefill"))
+
     def controls(self, role: str | None = None) -> dict[str, str]:
         return {e.url: e.control for e in self.engines if e.process is not None and (role is None or e.spec.role == role)}
 
@@ -181,6 +227,9 @@ class Deployment:
         # Signal every engine's process group, also where the API server itself already died:
         # its EngineCore, workers and sidecar live on in the group until told.
         started = [engine for engine in self.engines if engine.process is not None]
+        if self._events_dir is not None:
+            shutil.rmtree(self._events_dir, ignore_errors=True)
+            self._events_dir = None
         if not started:  # attached to engines started elsewhere: they are not ours to stop
             return
         for engine in started:
@@ -201,6 +250,19 @@ class Deployment:
             except ProcessLookupError:
                 pass
             engine.process.wait()
+
+
+def _aligned(events: list[str] | None, urls: list[str], flag: str) -> list[str]:
+    """One KV events endpoint per attached engine, in the order of their URLs ("" for none)."""
+
+    events = list(events or [])
+    if len(events) > len(urls):
+        raise ValueError(f"{flag} was given {len(events)} times for {len(urls)} engine URL(s): "
+                         f"one endpoint per URL, in the same order")
+    for endpoint in events:
+        if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{flag} {endpoint!r} is not a ZeroMQ endpoint (tcp://HOST:PORT or ipc://PATH)")
+    return events + [""] * (len(urls) - len(events))
 
 
 def _find_prctl():
@@ -256,7 +318,7 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
 
     router = Router(deployment.prefill_urls, deployment.decode_urls, models=[deployment.served_model_name],
                     api_key=api_key, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                    max_in_flight=max_in_flight or DEFAULT_MAX_IN_FLIGHT)
+                    max_in_flight=max_in_flight or DEFAULT_MAX_IN_FLIGHT, routing=deployment.routing_config())
     config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we own the signals
@@ -275,6 +337,22 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="decode engines to start")
     parser.add_argument("--prefill-url", action="append", default=[], help="attach to a running P engine")
     parser.add_argument("--decode-url", action="append", default=[], help="attach to a running D engine")
+    parser.add_argument("--prefill-events", action="append", default=[],
+                        help="the vLLM KV events endpoint of each --prefill-url, in the same order "
+                             "(tcp://HOST:PORT or ipc://PATH; '' for none)")
+    parser.add_argument("--decode-events", action="append", default=[],
+                        help="the vLLM KV events endpoint of each --decode-url, in the same order")
+    parser.add_argument("--routing", choices=["cache-aware", "round-robin"], default="cache-aware",
+                        help="cache-aware: the P (and D) holding the longest prefix, weighed against load")
+    parser.add_argument("--disaggregate-below", type=float, default=0.5,
+                        help="send a request to D alone when D holds at least this fraction of its prompt "
+                             "(above 1: always P then D)")
+    parser.add_argument("--routing-load-weight", type=float, default=0.1,
+                        help="share of a prompt's cached prefix that one request in flight ahead outweighs")
+    parser.add_argument("--kv-hash-algo", choices=["sha256", "sha256_cbor"], default="sha256",
+                        help="vLLM's --prefix-caching-hash-algo, the same on every engine and the router")
+    parser.add_argument("--kv-hash-seed", default=None,
+                        help="PYTHONHASHSEED of every engine (default: this process's, else vLLM's fixed seed)")
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     parser.add_argument("--kv-cache-bytes", type=int, default=64 << 20, help="KV cache per engine")
     parser.add_argument("--prefill-kv-cache-bytes", type=int, default=None)
@@ -313,10 +391,16 @@ def deployment_from_args(args) -> Deployment:
                                              args.prefill_kv_cache_bytes, args.gpu_history_bytes,
                                              args.engine_port_base)
     served = args.served_model_name or (Path(model).name if args.model else "tiny")
+    from .routing import RoutingConfig
+
+    routing = RoutingConfig(mode=args.routing, block_size=block_size, hash_algo=args.kv_hash_algo,
+                            hash_seed=args.kv_hash_seed, disaggregate_below=args.disaggregate_below,
+                            load_weight=args.routing_load_weight)
     return Deployment(model, tokenizer=tokenizer, served_model_name=served, log_dir=log_dir, specs=specs, block_size=block_size,
                       max_model_len=args.max_model_len, load_format=load_format,
                       extra_engine_args=list(args.engine_arg), attach_prefill=args.prefill_url,
-                      attach_decode=args.decode_url)
+                      attach_decode=args.decode_url, routing=routing, attach_prefill_events=args.prefill_events,
+                      attach_decode_events=args.decode_events)
 
 
 def run_serve(args) -> int:
@@ -334,7 +418,11 @@ def run_serve(args) -> int:
     except SecretError as exc:
         progress(str(exc))
         return 2
-    deployment = deployment_from_args(args)
+    try:
+        deployment = deployment_from_args(args)
+    except ValueError as exc:  # routing settings or attach endpoints that make no sense
+        progress(str(exc))
+        return 2
     deployment.secret_file = os.path.abspath(args.secret_file) if args.secret_file else ""
     stop = asyncio.Event()
 

@@ -78,7 +78,8 @@ def test_one_handoff_moves_the_ticket_and_handoff_counters_of_p_and_d(stack):
     assert open_records(p_after) == 0 and open_records(d_after) == 0
 
     router_text = scrape(f"http://127.0.0.1:{router.port}/metrics")
-    assert total(router_text, "kvbaton_router_routed_total", prefill="round_robin", disaggregated="true") >= 1
+    # Counted whatever the routing policy chose P by (round robin, cache, load, fallback).
+    assert total(router_text, "kvbaton_router_routed_total", disaggregated="true") >= 1
 
 
 def test_the_endpoint_answers_metrics_only_and_in_prometheus_form(stack):

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import os
 import pickle
 from collections.abc import Callable, Iterable
 from typing import Annotated, Union
 
 import msgspec
+
+logger = logging.getLogger("kvbaton.router.kv_index")
 
 # A batch larger than this is refused before it is decoded. A BlockStored for a 128k-token prompt
 # (its token ids as msgpack) is under 1 MiB.
@@ -63,9 +66,10 @@ class BlockStored(msgspec.Struct, tag=True):
     lora_id: int | None = None
     medium: Name | None = None
     lora_name: Name | None = None
-    # Extra hash inputs (LoRA, multimodal, cache salt): kept undecoded; a block hashed with any
-    # is one the router never computes, so the event is skipped.
-    extra_keys: msgspec.Raw | None = None
+    # Extra hash inputs (LoRA, multimodal, cache salt), one entry per block, null where none:
+    # kept undecoded (a Raw cannot sit in a union, so nil is its default); a block hashed with
+    # any is one the router never computes, so the event is skipped.
+    extra_keys: msgspec.Raw = msgspec.Raw(b"\xc0")
     group_idx: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
     ownership: Name | None = None
 
@@ -199,6 +203,7 @@ class KvIndex:
         self.refused: collections.Counter = collections.Counter()  # (source, reason) -> count
         self.evicted = 0  # entries forgotten for the bound
         self.hash_agreement: dict[str, bool] = {}  # engine -> root chains recomputed and equal
+        self.last_refusal: dict[tuple[str, str], str] = {}  # (source, reason) -> what was wrong
 
     def engine(self, name: str) -> dict[int, int]:
         return self.blocks.setdefault(name, {})
@@ -212,7 +217,7 @@ class KvIndex:
         try:
             batch = decode_batch(payload)
         except EventRefused as refused:
-            self.refused[(source, refused.reason)] += 1
+            self._refused(engine, source, refused)
             return 0
         return self.apply(engine, batch.events, source)
 
@@ -223,8 +228,18 @@ class KvIndex:
                 self._apply_one(engine, event, source)
                 applied += 1
             except EventRefused as refused:
-                self.refused[(source, refused.reason)] += 1
+                self._refused(engine, source, refused)
         return applied
+
+    def _refused(self, engine: str, source: str, refused: EventRefused) -> None:
+        key = (source, refused.reason)
+        self.refused[key] += 1
+        self.last_refusal[key] = refused.detail
+        if self.refused[key] in (1, 1000, 1000000):  # the first of a kind, then rarely
+            hint = (" (set the same --prefix-caching-hash-algo and PYTHONHASHSEED on every engine and "
+                    "the router)" if refused.reason == "hash_mismatch" else "")
+            logger.warning("refused %s KV events from %s (%s, %d so far): %s%s", source, engine, refused.reason,
+                           self.refused[key], refused.detail, hint)
 
     def _tier(self, event, source: str) -> int:
         if event.ownership == HISTORY_OWNER:
@@ -325,8 +340,8 @@ class KvIndex:
         return len(self.blocks.get(engine, ()))
 
 
-def _has_extra_keys(raw: msgspec.Raw | None) -> bool:
-    if raw is None:
+def _has_extra_keys(raw: msgspec.Raw) -> bool:
+    if bytes(raw) == b"\xc0":
         return False
     try:
         return any(k is not None for k in (_NO_EXTRA_KEYS.decode(raw) or ()))

@@ -102,11 +102,12 @@ def test_events_that_make_no_sense_are_counted_and_the_rest_applied(index):
         stored(hashes, tokens, lora_name="adapter"),  # hashed with keys the router never computes
         stored(hashes, tokens, group_idx=1),  # another KV cache group
         stored(hashes, tokens, ownership="kvbaton.history"),  # history claimed on vLLM's stream
-        stored(hashes, tokens),  # the one good event
+        stored(hashes, tokens, extra_keys=[["salt"], None]),  # a cache salt on the first block
+        stored(hashes, tokens, extra_keys=[None, None]),  # the one good event (no extra keys: nulls)
     ))
     assert applied == 1
     assert {reason: n for (_, reason), n in index.refused.items()} == {
-        "block_size": 1, "invalid": 1, "hash_mismatch": 1, "unroutable": 1, "other_group": 1, "wrong_source": 1}
+        "block_size": 1, "invalid": 1, "hash_mismatch": 1, "unroutable": 2, "other_group": 1, "wrong_source": 1}
     assert index.prefix("p0", hashes)[0] == 2
     assert index.hash_agreement == {"p0": True}
 

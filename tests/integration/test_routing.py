@@ -1,0 +1,215 @@
+"""Cache-aware routing in front of real `vllm serve` engines on CPU: two P with history on and
+small prefix caches, one D.
+
+* A hot set of documents is prefilled, pushed out of both P's prefix caches by other prompts, and
+  revisited: with cache-aware routing every revisit goes to the P whose history holds it and is
+  restored; with round robin the revisits that land on the other P are recomputed. Outputs equal
+  one engine's in both.
+* A two-turn conversation: the second turn goes to D alone, which holds the first.
+* The router's index is fed by every engine, agrees with their block hashes, and refused nothing.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl._api")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
+from kvbaton.control.client import call_authority_sync  # noqa: E402
+from kvbaton.router.demo import RouterThread  # noqa: E402
+from kvbaton.router.serve import Deployment, EngineSpec, free_port  # noqa: E402
+
+pytestmark = pytest.mark.integration
+MODEL = "tiny"
+BLOCK = 32
+BLOCK_BYTES = 16384  # the tiny model: 2 layers x 2 KV heads x 32 tokens x 2 x 64 x bf16
+P_BLOCKS = 96  # P's own prefix cache: three flush prompts push a document out
+HISTORY = {"gpu_history_bytes": 16 * BLOCK_BYTES, "cpu_history_bytes": 128 * BLOCK_BYTES}
+DOCS, DOC_TOKENS, MAX_TOKENS = 6, 300, 4
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root: Path = tmp_path_factory.mktemp("routing")
+    model_dir = build_tiny_model(root / "model")
+    specs = [
+        EngineSpec("prefill", free_port(), free_port(), "cpu:0", P_BLOCKS * BLOCK_BYTES, dict(HISTORY)),
+        EngineSpec("prefill", free_port(), free_port(), "cpu:1", P_BLOCKS * BLOCK_BYTES, dict(HISTORY)),
+        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {}),
+    ]
+    deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
+                            log_dir=root, specs=specs, block_size=BLOCK, max_model_len=1024,
+                            load_format="dummy", extra_engine_args=[])
+    try:
+        deployment.start(lambda text: None, timeout_s=500)
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+class Routed:
+    """A router over the fleet with the given routing settings, for one test."""
+
+    def __init__(self, deployment, **settings) -> None:
+        self.deployment = deployment
+        self.saved = deployment.routing
+        import dataclasses
+
+        deployment.routing = dataclasses.replace(deployment.routing, **settings)
+        self.thread = RouterThread(deployment, free_port())
+
+    def __enter__(self):
+        self.thread.start(timeout_s=120)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.thread.port}/v1", api_key="test",
+                                    max_retries=0, timeout=120)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.thread.stop()
+        self.deployment.routing = self.saved
+
+    def complete(self, prompt: str) -> str:
+        try:
+            return self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                  temperature=0, timeout=90).choices[0].text
+        except openai.APITimeoutError:
+            self.thread.dump_tasks("after a request timed out")
+            raise
+
+    def metrics(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.thread.port}/metrics", timeout=10).text
+
+    def metric(self, name: str, **labels) -> float:
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def wait_index(self, engine: str, at_least: int, timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.metric("kvbaton_router_index_blocks", engine=engine) < at_least:
+            assert time.monotonic() < deadline, self.metrics()
+            time.sleep(0.2)
+
+
+def reference(deployment, prompt: str) -> str:
+    """One engine alone (D, no handoff): a P's own prefix cache is left as the routing made it."""
+
+    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key="test", max_retries=0, timeout=120)
+    return direct.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+
+
+def history_hits(deployment, names=("restores.hits.gpu", "restores.hits.cpu")) -> dict[str, int]:
+    """Blocks each P restored from its history so far (or another sum of its counters)."""
+
+    hits = {}
+    for url, control in deployment.controls("prefill").items():
+        counters = call_authority_sync(control, "debug_state")["counters"]
+        hits[url] = int(sum(counters.get(name, 0) for name in names))
+    return hits
+
+
+def history_counters(deployment) -> dict:
+    return {url: {k: v for k, v in call_authority_sync(c, "debug_state")["counters"].items()
+                  if k.startswith(("history.", "restores.", "leases."))}
+            for url, c in deployment.controls("prefill").items()}
+
+
+def flush_prefix_caches(deployment, seed: int) -> None:
+    """Push the documents out of every P's own prefix cache, straight to each P (not routed)."""
+
+    for url in deployment.prefill_urls:
+        direct = openai.OpenAI(base_url=f"{url}/v1", api_key="test", max_retries=0, timeout=120)
+        for i in range(4):
+            direct.completions.create(model=MODEL, prompt=words_for(tiny_prompt(900, seed=seed + i)),
+                                      max_tokens=1, temperature=0)
+
+
+def revisit_hot_set(deployment, routed: Routed, seed: int) -> tuple[int, int, list[bool]]:
+    """First visits, pressure, revisits in a shuffled order; (history hits on revisits, blocks
+    history kept from the first visits, output equal to one engine's per request). (A retention
+    that overruns its deadline on a busy machine keeps nothing: hits are compared with what
+    history kept, not with every block.)"""
+
+    docs = [words_for(tiny_prompt(DOC_TOKENS, seed=seed + i)) for i in range(DOCS)]
+    refs = [reference(deployment, doc) for doc in docs]
+    kept_before = history_hits(deployment, ("history.published",))
+    equal = [routed.complete(doc) == ref for doc, ref in zip(docs, refs)]
+    time.sleep(1.5)  # retention copies end and history residency reaches the router
+    kept_after = history_hits(deployment, ("history.published",))
+    kept = sum(kept_after[u] - kept_before[u] for u in kept_after)
+    flush_prefix_caches(deployment, seed + 1000)
+    time.sleep(1.0)
+    before = history_hits(deployment)
+    order = list(range(DOCS))
+    random.Random(seed).shuffle(order)
+    equal += [routed.complete(docs[i]) == refs[i] for i in order]
+    after = history_hits(deployment)
+    hits = sum(after[u] - before[u] for u in after)
+    return hits, kept, equal
+
+
+def test_revisits_hit_history_on_the_p_that_holds_them(fleet):
+    with Routed(fleet, mode="cache-aware", disaggregate_below=2.0) as routed:
+        hits, kept, equal = revisit_hot_set(fleet, routed, seed=81_000)
+        assert all(equal), equal
+        assert kept >= DOCS * (DOC_TOKENS // BLOCK) // 2, history_counters(fleet)
+        assert hits == kept, (f"{hits} of {kept} blocks kept in history restored on revisits",
+                              history_counters(fleet), routed.metrics())
+        # Each revisit of a document history kept went to its P for that reason.
+        assert routed.metric("kvbaton_router_routed_total", prefill="cache") == kept // (DOC_TOKENS // BLOCK)
+        # Every engine's events reached the index, hashed as the router hashes.
+        assert routed.metric("kvbaton_router_hash_agreement") == 3, routed.metrics()
+        assert routed.metric("kvbaton_router_kv_events_refused") == 0, routed.metrics()
+        assert routed.metric("kvbaton_router_kv_events_total", source="history", kind="stored") > 0
+
+
+def test_round_robin_revisits_miss_the_history_on_the_other_p(fleet):
+    with Routed(fleet, mode="round-robin") as routed:
+        hits, kept, equal = revisit_hot_set(fleet, routed, seed=82_000)
+        assert all(equal), equal
+        # The shuffled revisits land on the other P for 2 or 4 of the 6 documents.
+        assert hits < kept, (f"{hits} of {kept} blocks kept in history restored", history_counters(fleet))
+        assert routed.metric("kvbaton_router_routed_total", prefill="round_robin") == 2 * DOCS
+
+
+def test_second_turn_goes_to_decode_alone(fleet):
+    with Routed(fleet, mode="cache-aware", disaggregate_below=0.5) as routed:
+        d_url = fleet.decode_urls[0]
+        turn1 = words_for(tiny_prompt(320, seed=83_000))
+        answer1 = routed.complete(turn1)
+        assert answer1 == reference(fleet, turn1)
+        routed.wait_index(d_url, 320 // BLOCK)
+        tickets = {u: call_authority_sync(c, "debug_state")["counters"].get("tickets.issued", 0)
+                   for u, c in fleet.controls("prefill").items()}
+        before = routed.metric("kvbaton_router_routed_total", prefill="none", disaggregated="false")
+        turn2 = turn1 + answer1 + " " + words_for(tiny_prompt(60, seed=83_001))
+        assert routed.complete(turn2) == reference(fleet, turn2)
+        assert routed.metric("kvbaton_router_routed_total", prefill="none", disaggregated="false") == before + 1
+        after = {u: call_authority_sync(c, "debug_state")["counters"].get("tickets.issued", 0)
+                 for u, c in fleet.controls("prefill").items()}
+        assert after == tickets  # no P touched the second turn
+        # A new conversation still goes P then D.
+        fresh = words_for(tiny_prompt(320, seed=83_002))
+        assert routed.complete(fresh) == reference(fleet, fresh)
+        assert routed.metric("kvbaton_router_routed_total", prefill="none", disaggregated="false") == before + 1
+
+
+def test_router_metrics_name_the_routing_counters(fleet):
+    with Routed(fleet, mode="cache-aware") as routed:
+        text = routed.metrics()
+        for name in ("kvbaton_router_routed_total", "kvbaton_router_index_blocks",
+                     "kvbaton_router_prompt_token_mismatches_total"):
+            assert re.search(rf"^{name}", text, re.M), name

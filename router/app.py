@@ -2,12 +2,14 @@
 
 For each completion or chat request: send it to a prefill engine (P) with `max_tokens=1` and
 `kv_transfer_params={"do_remote_decode": true}`, take the handoff P returns, send the original
-request to a decode engine (D) with it, and return (or stream) D's answer. Round robin over P and
-D engines. When D fails, the client goes away or the request times out after P answered, the
+request to a decode engine (D) with it, and return (or stream) D's answer. Which P and D, and
+whether P is needed at all (D alone when it already holds most of the prompt), is `routing.py`'s
+choice: by where the prompt's KV lives, weighed against load, or round robin. When D fails, the client goes away or the request times out after P answered, the
 router abandons the ticket on P's sidecar so P's blocks come back at once (a claimed ticket belongs
 to D, which releases it itself).
 
-The router keeps no state but requests in flight. `/metrics` serves Prometheus metrics: the
+The router keeps no state but requests in flight and its routing index (rebuilt from the
+engines' events). `/metrics` serves Prometheus metrics: the
 router's own and each known P sidecar's open tickets and counters (refreshed at most every few
 seconds, so scrapes cannot load the sidecars).
 

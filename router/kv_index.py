@@ -26,6 +26,7 @@ import logging
 import os
 import pickle
 from collections.abc import Callable, Iterable
+from enum import StrEnum
 from typing import Annotated, Union
 
 import msgspec
@@ -99,6 +100,20 @@ _NO_EXTRA_KEYS = msgspec.msgpack.Decoder(list[None] | None)
 ENCODER = msgspec.msgpack.Encoder()
 
 
+class Refusal(StrEnum):
+    """Why a batch or event was dropped: the words counted in `kvbaton_router_kv_events_refused`."""
+
+    MALFORMED = "malformed"  # not msgpack, or not bytes
+    OVERSIZED = "oversized"  # over MAX_BATCH_BYTES, never decoded
+    INVALID = "invalid"  # not the schema, or numbers that make no sense
+    WRONG_SOURCE = "wrong_source"  # history on a prefix-cache stream or the reverse
+    OTHER_GROUP = "other_group"  # a KV cache group other than the first
+    UNROUTABLE = "unroutable"  # hashed with LoRA, multimodal or salt keys
+    BLOCK_SIZE = "block_size"  # another block size than the router's
+    HASH_MISMATCH = "hash_mismatch"  # the engine hashes blocks differently
+    FRAMING = "framing"  # a ZeroMQ message that is not (topic, 8-byte number, payload)
+
+
 class EventRefused(Exception):
     """A batch or event the index will not use; `reason` names the counter."""
 
@@ -112,15 +127,15 @@ def decode_batch(payload: object) -> KvEventBatch:
     """The typed batch in `payload`, or EventRefused: bounded before decoding, schema-checked."""
 
     if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise EventRefused("malformed", f"payload is a {type(payload).__name__}")
+        raise EventRefused(Refusal.MALFORMED, f"payload is a {type(payload).__name__}")
     if len(payload) > MAX_BATCH_BYTES:
-        raise EventRefused("oversized", f"{len(payload)} bytes (bound {MAX_BATCH_BYTES})")
+        raise EventRefused(Refusal.OVERSIZED, f"{len(payload)} bytes (bound {MAX_BATCH_BYTES})")
     try:
         return BATCH_DECODER.decode(payload)
     except msgspec.ValidationError as exc:
-        raise EventRefused("invalid", str(exc)[:200]) from None
+        raise EventRefused(Refusal.INVALID, str(exc)[:200]) from None
     except msgspec.DecodeError as exc:
-        raise EventRefused("malformed", str(exc)[:200]) from None
+        raise EventRefused(Refusal.MALFORMED, str(exc)[:200]) from None
 
 
 def external_hash(value) -> int:
@@ -237,21 +252,21 @@ class KvIndex:
         self.last_refusal[key] = refused.detail
         if self.refused[key] in (1, 1000, 1000000):  # the first of a kind, then rarely
             hint = (" (set the same --prefix-caching-hash-algo and PYTHONHASHSEED on every engine and "
-                    "the router)" if refused.reason == "hash_mismatch" else "")
+                    "the router)" if refused.reason is Refusal.HASH_MISMATCH else "")
             logger.warning("refused %s KV events from %s (%s, %d so far): %s%s", source, engine, refused.reason,
                            self.refused[key], refused.detail, hint)
 
     def _tier(self, event, source: str) -> int:
         if event.ownership == HISTORY_OWNER:
             if source != "history":  # only a sidecar speaks for history
-                raise EventRefused("wrong_source", "history event on a prefix-cache stream")
+                raise EventRefused(Refusal.WRONG_SOURCE, "history event on a prefix-cache stream")
             if event.medium == "GPU":
                 return HISTORY_GPU
             if event.medium == "CPU":
                 return HISTORY_CPU
-            raise EventRefused("invalid", f"history tier {event.medium!r}")
+            raise EventRefused(Refusal.INVALID, f"history tier {event.medium!r}")
         if source == "history":
-            raise EventRefused("wrong_source", "prefix-cache event on a history stream")
+            raise EventRefused(Refusal.WRONG_SOURCE, "prefix-cache event on a history stream")
         return CACHE
 
     def _apply_one(self, engine: str, event, source: str) -> None:
@@ -264,7 +279,7 @@ class KvIndex:
             self.accepted[(source, "cleared")] += 1
             return
         if event.group_idx not in (None, 0):
-            raise EventRefused("other_group", f"KV cache group {event.group_idx}")
+            raise EventRefused(Refusal.OTHER_GROUP, f"KV cache group {event.group_idx}")
         tier = self._tier(event, source)
         held = self.engine(engine)
         if kind is BlockRemoved:
@@ -274,20 +289,20 @@ class KvIndex:
             return
         # BlockStored
         if event.lora_id is not None or event.lora_name or _has_extra_keys(event.extra_keys):
-            raise EventRefused("unroutable", "hashed with LoRA, multimodal or salt keys")
+            raise EventRefused(Refusal.UNROUTABLE, "hashed with LoRA, multimodal or salt keys")
         n = len(event.block_hashes)
         if source != "history":
             if event.block_size != self.block_size:
-                raise EventRefused("block_size", f"{event.block_size} (router: {self.block_size})")
+                raise EventRefused(Refusal.BLOCK_SIZE, f"{event.block_size} (router: {self.block_size})")
             if len(event.token_ids) != n * self.block_size:
-                raise EventRefused("invalid", f"{len(event.token_ids)} tokens for {n} blocks")
+                raise EventRefused(Refusal.INVALID, f"{len(event.token_ids)} tokens for {n} blocks")
             if event.parent_block_hash is None and self.hasher is not None:
                 # A chain from the root can be recomputed: it proves the engine hashes as we do.
                 ours = self.hasher.block_hashes(event.token_ids)
                 agrees = ours == [external_hash(h) for h in event.block_hashes]
                 self.hash_agreement[engine] = agrees
                 if not agrees:
-                    raise EventRefused("hash_mismatch", "the engine hashes blocks differently")
+                    raise EventRefused(Refusal.HASH_MISMATCH, "the engine hashes blocks differently")
         for value in event.block_hashes:
             key = external_hash(value)
             bits = held.pop(key, 0)  # re-inserted: the most recent entries are kept longest

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .kv_index import (CACHE, HISTORY_CPU, HISTORY_GPU, MAX_BATCH_BYTES, Choice, KvIndex, PrefixHasher,
-                       choose)
+                       Refusal, choose)
 
 logger = logging.getLogger("kvbaton.router.routing")
 
@@ -167,7 +167,7 @@ class CacheRouting:
                 frames = await sock.recv_multipart()
                 try:
                     if len(frames) != 3 or len(frames[0]) > 256 or len(frames[1]) != 8:
-                        self.index.refused[("vllm", "framing")] += 1
+                        self.index.refused[("vllm", Refusal.FRAMING)] += 1
                         continue
                     seq = int.from_bytes(frames[1], "big", signed=True)
                     if last_seq is not None and seq <= last_seq:

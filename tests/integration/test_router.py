@@ -157,8 +157,8 @@ def test_decode_engine_killed_mid_request(stack):
 
     deployment, router = stack
     victim = next(e for e in deployment.engines if e.spec.role == "decode" and e.url == deployment.decode_urls[1])
-    prompt = words_for(tiny_prompt(300, seed=505))
-    # Requests alternate between the two D engines; stream on the victim.
+    # A fresh prompt each attempt: no engine holds any of it, so the router alternates between the
+    # two D engines (a prompt one D holds would go back to it); stream on the victim.
     client = client_for(router)
 
     def running_on_victim() -> float:
@@ -169,7 +169,8 @@ def test_decode_engine_killed_mid_request(stack):
         return float(found.group(1)) if found else 0.0
 
     broke = False
-    for _attempt in range(4):
+    for attempt in range(4):
+        prompt = words_for(tiny_prompt(300, seed=505 + 1000 * attempt))
         # Ours is on the victim when its count went up (an earlier test's aborted stream may
         # still be counted there for a moment).
         before = running_on_victim()

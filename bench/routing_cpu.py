@@ -14,7 +14,7 @@ model (dummy weights), then in interleaved rounds:
 Prints each round and the medians [min, max] of the ratios; `--json PATH` writes a figures file
 for bench/results.py.
 
-    flock /tmp/kvbaton-engines.lock python bench/routing_cpu.py --rounds 3 --json out.json
+    python bench/routing_cpu.py --rounds 3 --json out.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Handoff latency and bandwidth on GPU engines (vLLM 0.24, the lent H200s): a thin driver around
+"""Handoff latency and bandwidth on GPU engines (vLLM 0.24, H200): a thin driver around
 `tests/gpu/test_pd_gpu.py::test_latency_and_bandwidth`, which starts P, D and S engines (the
 Qwen2.5-0.5B-shaped dummy model), measures D's latency with a handoff against D recomputing a
 fresh prompt of the same length, and the handoff GB/s D's sidecar saw against GPU copies of the

@@ -22,7 +22,7 @@ demotion rows how long the copier spent before its fence (issuing).
 the default stream over and over (Python launching each layer's kernels, then a blocking read of
 one value, as P's engine thread does beside the copier). Under 7B throughput load P's demotions
 took 39 ms a batch, 32 ms of it before the fence, and the slow ones ended near the end of P's
-forward (seventh session; a correlation, not a proof); a second process keeping the GPU busy
+forward (a correlation, not a proof); a second process keeping the GPU busy
 (--busy) never showed that. In this mode every copy is timed by its own fence, never a
 device-wide synchronize (which would wait for the forward), and restores are issued from a side
 stream (from the default stream they would first wait for the other thread's forward).

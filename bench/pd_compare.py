@@ -1013,7 +1013,7 @@ def history_io_line(io: dict) -> str:
 
     batches = io.get("demote_batches", 0)
     # Issuing is the copier thread's time before its fence (CUDA calls, run bookkeeping); the
-    # fence is the wait for the GPU. Under 7B load the issuing was most of a batch (seventh session).
+    # fence is the wait for the GPU. Under 7B load the issuing was most of a batch.
     issue_s = io.get("demote_seconds", 0.0) - io.get("demote_fence_seconds", 0.0)
     fence = (f" (issue {max(0.0, issue_s) / batches * 1e3:.2f} ms, "
              f"fence {io.get('demote_fence_seconds', 0.0) / batches * 1e3:.2f} ms, "
@@ -1037,7 +1037,7 @@ def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str],
         system = systems[name]
         if uncapped and name != "native-plus":
             results[name] = run_system(system, s, uncapped, plan, extra)
-        # The churn control runs for the two main systems only (device time is scarce).
+        # The churn control runs for the two main systems only, to keep a run short.
         capped_here = [x for x in capped if x != "churn" or name in ("native", "kvbaton")]
         if capped_here:
             capped_system = replace(system, num_blocks=cap)

@@ -132,9 +132,8 @@ def log_digest(root: Path, lines_per_log: int = 60) -> str:
 def logs_on_failure(request, net):
     """On a failure, print the logs' noteworthy lines (pytest shows them with the failure)."""
 
-    failed_before = request.session.testsfailed
     yield
-    if request.session.testsfailed > failed_before:
+    if getattr(request.node, "call_raised", False):
         print(log_digest(net[3]))
 
 

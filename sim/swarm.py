@@ -296,13 +296,16 @@ class Swarm:
         if blocks is None:
             self.local(node, ev.LeaseReleased, {"lease": lease, "request": request, "epoch": 0})
             return
-        self.restore_blocks[lease] = blocks
         self.local(node, ev.LeaseAllocated, {"lease": lease, "blocks": blocks})
         record = node.ledger.leases.leases.get(lease)
-        if record is None or record.blocks != blocks:  # refused (expired meanwhile): free at once
-            for block in self.restore_blocks.pop(lease, ()):
+        if record is None or record.blocks != blocks:
+            # Refused (expired meanwhile, or a duplicate of an allocation the lease already
+            # holds): these blocks are free at once; the lease keeps whatever it already had.
+            for block in blocks:
                 node.owner.pop(block, None)
                 node.free.add(block)
+        else:
+            self.restore_blocks[lease] = blocks
 
     def local(self, node: Node, event_type, fields: dict) -> None:
         self.apply(node, event_type(at_ns=self.now, **fields))

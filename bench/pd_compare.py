@@ -1290,7 +1290,7 @@ def main(argv: list[str] | None = None) -> int:
         "kvbaton": System("kvbaton", "kvbaton", timed=timed),
         "kvbaton-nohist": System("kvbaton-nohist", "kvbaton", history=False, timed=timed),
         "native-plus": System("native-plus", "native", p_extra_blocks=history_blocks, timed=timed),
-        # D keeps Python's 5 ms GIL switch interval (the A/B for GIL_SWITCH_INTERVAL_S).
+        # P and D keep Python's 5 ms GIL switch interval (the A/B for GIL_SWITCH_INTERVAL_S).
         "kvbaton-gil5": System("kvbaton-gil5", "kvbaton", settings={"test_hooks": {"gil_switch_interval_s": 0}},
                                timed=timed),
         # D reads straight into its engine blocks, however scattered (the A/B for the landing area).

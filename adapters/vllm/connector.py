@@ -836,9 +836,11 @@ class WorkerSide:
         # Decisions for the worker arrive on the io thread (reads start at once); the engine
         # thread only sends, on its own socket.
         interval = hooks.gil_switch_interval_s
-        if self.conn.is_consumer and 0 < interval < sys.getswitchinterval():
-            # The io thread must get the GIL within a fraction of an engine step when a read is
-            # granted or ends (see GIL_SWITCH_INTERVAL_S).
+        if (self.conn.is_consumer or self.conn.history.enabled) and 0 < interval < sys.getswitchinterval():
+            # A reader's io thread must get the GIL within a fraction of an engine step when a
+            # read is granted or ends; a prefill engine's history copier needs it between the
+            # copies of a batch (every torch copy call gives it up and must take it back from
+            # the busy engine thread). See GIL_SWITCH_INTERVAL_S.
             sys.setswitchinterval(interval)
         self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers)
         self.link = Link(self.conn.ipc_dir, None)

@@ -54,9 +54,10 @@ LANDING_BYTES_CUDA = 256 << 20
 # engine's blocks and is only flagged at its bound.
 LANDING_BYTES_CPU_MIN = 64 << 20
 LANDING_BYTES_CPU_MAX = 1 << 30
-# The engine process's GIL switch interval on a reading engine (Python's default is 5 ms): the
-# worker's io thread posts granted reads and reports their end, and must get the GIL within a
-# fraction of an engine step. Only ever lowered.
+# The engine process's GIL switch interval on a reading engine and on a prefill engine that keeps
+# history (Python's default is 5 ms): the worker's io thread posts granted reads and reports their
+# end, and P's history copier takes the GIL back after every copy call of a batch; both must get it
+# within a fraction of an engine step from the busy engine thread. Only ever lowered.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -103,7 +104,7 @@ class TestHooks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "Land a read when that saves at least this many runs (0: every read that fits).",
         ge=0)] = LANDING_MIN_RUNS_SAVED
     gil_switch_interval_s: Annotated[float, _doc(
-        "The reading engine's GIL switch interval; 0 leaves Python's own.", ge=0)] = GIL_SWITCH_INTERVAL_S
+        "The GIL switch interval of a reading engine and of a prefill engine with history; 0 leaves Python's own.", ge=0)] = GIL_SWITCH_INTERVAL_S
     # None: the derived value (see DERIVED).
     heartbeat_interval_s: Annotated[float, _doc("Overrides the derived heartbeat interval.", gt=0)] | None = None
     claim_wait_s: Annotated[float, _doc("Overrides the derived claim wait.", gt=0)] | None = None
@@ -227,8 +228,9 @@ CONSTANTS = (
     ("LANDING_MIN_RUNS_SAVED", LANDING_MIN_RUNS_SAVED,
      "Landing a read must save more descriptors than its extra device scatter costs."),
     ("GIL_SWITCH_INTERVAL_S", GIL_SWITCH_INTERVAL_S,
-     "A reading engine's io thread gets the GIL within a fraction of an engine step to post and "
-     "finish reads (only ever lowered)."),
+     "A reading engine's io thread (to post and finish reads) and a prefill engine's history "
+     "copier (between the copy calls of a batch) get the GIL within a fraction of an engine step "
+     "(only ever lowered)."),
 )
 
 AUTOMATIC = (

@@ -72,6 +72,8 @@ def load_figure(row: dict, runs: dict) -> tuple[dict, dict, str]:
     if "figures" in data:  # a figures file
         series = data["figures"][row["figure"]]
         run = {k: data[k] for k in ("commit", "date", "machine", "hardware", "command", "extracted_from")}
+        if row.get("value"):  # one system's own figure, per round
+            return spread(series[row["system"]]), run, "value"
         if "series" in row:
             return dict(series[row["series"]]), run, "ratio"
         num, den = series[row["num"]], series[row["den"]]

@@ -226,7 +226,7 @@ def cmd_demo(args) -> int:
     from .control.client import keep_xoscar_light
 
     keep_xoscar_light()  # this process runs the router and never needs torch (engines are children)
-    from .router.demo import run_demo
+    from .deploy.demo import run_demo
 
     return run_demo(args)
 
@@ -235,7 +235,7 @@ def cmd_serve(args) -> int:
     from .control.client import keep_xoscar_light
 
     keep_xoscar_light()  # as for the demo: the engines run in child processes
-    from .router.serve import run_serve
+    from .deploy.serve import run_serve
 
     return run_serve(args)
 
@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="start P and D engines and the router")
-    from .router.serve import add_serve_arguments
+    from .deploy.serve import add_serve_arguments
 
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)

@@ -34,8 +34,8 @@ import httpx
 
 from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for
 from kvbaton.control.client import call_authority_sync
-from kvbaton.router.demo import RouterThread
-from kvbaton.router.serve import Deployment, EngineSpec, free_port
+from kvbaton.deploy.demo import RouterThread
+from kvbaton.deploy.serve import Deployment, EngineSpec, free_port
 
 MODEL = "tiny"
 BLOCK = 32

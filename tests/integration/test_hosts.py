@@ -24,7 +24,7 @@ httpx = pytest.importorskip("httpx")
 from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
 from kvbaton.control.client import call_authority_sync, free_port  # noqa: E402
 from kvbaton.control.guard import resolve_secret  # noqa: E402
-from kvbaton.router.serve import Deployment, EngineSpec  # noqa: E402
+from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
 
 from .hosts import Hosts, can_make_hosts  # noqa: E402
 

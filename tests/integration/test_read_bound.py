@@ -22,7 +22,7 @@ psutil = pytest.importorskip("psutil")
 
 from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
 from kvbaton.control.client import call_authority_sync, free_port  # noqa: E402
-from kvbaton.router.serve import Deployment, EngineSpec  # noqa: E402
+from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"

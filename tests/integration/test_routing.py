@@ -25,8 +25,8 @@ httpx = pytest.importorskip("httpx")
 
 from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
 from kvbaton.control.client import call_authority_sync  # noqa: E402
-from kvbaton.router.demo import RouterThread  # noqa: E402
-from kvbaton.router.serve import Deployment, EngineSpec, free_port  # noqa: E402
+from kvbaton.deploy.demo import RouterThread  # noqa: E402
+from kvbaton.deploy.serve import Deployment, EngineSpec, free_port  # noqa: E402
 
 # A known failure, kept running so that a fix shows as XPASS.
 FREEZE = pytest.mark.xfail(strict=False, reason="a decode engine's worker can freeze inside an engine step while it first reads from a prefill engine over UCX/TCP (vLLM ends the engine when its execute_model call passes 300 s); cause not yet fixed, see docs/reference/FAILURES.md")

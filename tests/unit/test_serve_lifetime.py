@@ -13,7 +13,7 @@ import time
 
 PARENT = textwrap.dedent("""
     import subprocess, sys, time
-    from kvbaton.router.serve import _die_with_parent
+    from kvbaton.deploy.serve import _die_with_parent
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                              start_new_session=True, preexec_fn=_die_with_parent)
     print(child.pid, flush=True)

@@ -11,7 +11,7 @@ import stat
 import pytest
 
 from kvbaton.router.routing import RoutingConfig
-from kvbaton.router.serve import Deployment, EngineSpec, add_serve_arguments, deployment_from_args
+from kvbaton.deploy.serve import Deployment, EngineSpec, add_serve_arguments, deployment_from_args
 
 
 def deployment(tmp_path, **kwargs) -> Deployment:

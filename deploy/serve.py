@@ -84,7 +84,7 @@ class Deployment:
                  attach_decode: list[str] | None = None, routing=None,
                  attach_prefill_events: list[str] | None = None,
                  attach_decode_events: list[str] | None = None) -> None:
-        from .routing import RoutingConfig
+        from ..router.routing import RoutingConfig
 
         self.model = model
         self.tokenizer = tokenizer
@@ -314,7 +314,7 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
                      max_in_flight: int | None = None) -> None:
     import uvicorn
 
-    from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, Router, build_app
+    from ..router.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, Router, build_app
 
     router = Router(deployment.prefill_urls, deployment.decode_urls, models=[deployment.served_model_name],
                     api_key=api_key, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
@@ -391,7 +391,7 @@ def deployment_from_args(args) -> Deployment:
                                              args.prefill_kv_cache_bytes, args.gpu_history_bytes,
                                              args.engine_port_base)
     served = args.served_model_name or (Path(model).name if args.model else "tiny")
-    from .routing import RoutingConfig
+    from ..router.routing import RoutingConfig
 
     routing = RoutingConfig(mode=args.routing, block_size=block_size, hash_algo=args.kv_hash_algo,
                             hash_seed=args.kv_hash_seed, disaggregate_below=args.disaggregate_below,

@@ -87,8 +87,6 @@ class Authority(xo.Actor):
         # NIXL peers announced to the worker, by (control address, engine id, instance) as P's
         # grants and metadata answers named them (never as a client's request named them).
         self.peers_announced: set[tuple[str, str, str]] = set()
-        # P side: when each claimer was last heard from (reads in flight end if it falls silent).
-        self.last_heard: dict[str, int] = {}
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False
         # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.
@@ -526,25 +524,12 @@ class Authority(xo.Actor):
 
     async def _timer_loop(self) -> None:
         interval = self.cfg.tick_interval_s
-        lease = self.cfg.ledger.claim_lease_ns
         while True:
             await asyncio.sleep(interval)
             now = self._now()
-            heap = self.ledger.deadlines._heap
-            if heap and heap[0][0] <= now:
+            # Every deadline is the core's, a silent reader's included (`reader_silence_ns`).
+            if self.ledger.deadlines.next_ns() <= now:
                 self._apply(ev.Tick(now))
-            # A reader that fell silent for a whole lease will not end its reads: P's transport
-            # would never tell us, so the reads end here as failed and the ticket can close.
-            readers = set()
-            for ticket in list(self.ledger.tickets.tickets.values()):
-                if ticket.state != "CLOSED" and ticket.claimer:
-                    readers.add(ticket.claimer)
-                if ticket.reads and now - self.last_heard.get(ticket.claimer, now) > lease:
-                    for read in list(ticket.reads):
-                        self._apply(ev.ReadFinished(now, ticket.ticket, read, False, ticket.claimer,
-                                                    ticket.epoch))
-            if len(self.last_heard) > len(readers):  # only claimers of open tickets are tracked
-                self.last_heard = {c: t for c, t in self.last_heard.items() if c in readers}
             if self.log is not None:
                 self.log.flush()
             # The engine started us: once it is gone we are re-parented (a dead but unreaped
@@ -834,12 +819,6 @@ class Authority(xo.Actor):
                                      f"by {getattr(request, 'claimer', '?')!r}")
         return refused
 
-    def _heard(self, claimer: str, now: int) -> None:
-        """A reader spoke (only claimers of open tickets are tracked: see the timer's sweep)."""
-
-        if claimer in self.last_heard or len(self.last_heard) < 4 * len(self.ledger.tickets.tickets) + 64:
-            self.last_heard[claimer] = now
-
     def _note_peer(self, address: str, instance: str, claimer: str, now: int) -> None:
         """Decode engine `claimer` at `address` speaks as `instance`. When the same engine spoke
         from the same address as another instance before, that one restarted: its claims and
@@ -888,7 +867,6 @@ class Authority(xo.Actor):
                     self.refusal_log.warning("unknown_ticket", "claim of unknown ticket %s by %r from %s",
                                              pc.short(request.ticket), request.claimer, peer_address.get())
                 return pc.ClaimAnswer(False, reply.reason, instance=self.instance)
-            self._heard(request.claimer, now)
             return pc.ClaimAnswer(True, reply.reason, self.cfg.engine_id, self.cfg.layout, reply.blocks,
                                   reply.num_tokens, reply.digest, self.instance)
         if kind is pc.ReadStart:
@@ -896,8 +874,6 @@ class Authority(xo.Actor):
                                                  request.read))
             self._refused_by_ledger(effects, request)
             reply = self._reply(effects, fx.ReplyRead)
-            if reply is not None and reply.granted:
-                self._heard(request.claimer, now)
             return pc.Answer(bool(reply and reply.granted), reply.reason if reply else "no reply")
         if kind is pc.ReadEnd:
             effects = self._apply(ev.ReadFinished(now, request.ticket, request.read, request.ok,
@@ -905,7 +881,6 @@ class Authority(xo.Actor):
             refused = self._refused_by_ledger(effects, request)
             if refused is not None and refused.reason == Reason.NOT_CLAIMER:
                 return pc.Answer(False, refused.reason)
-            self._heard(request.claimer, now)
             if request.release:
                 self._apply(ev.ReleaseRequested(now, request.ticket, request.claimer, request.epoch))
             return pc.Answer(refused is None, refused.reason if refused is not None else "")
@@ -920,8 +895,6 @@ class Authority(xo.Actor):
                 proof = capability_digest(entry.keepalive) if entry.keepalive else ""
                 effects = self._apply(ev.HeartbeatReceived(now, entry.ticket, request.claimer, proof))
                 refused += self._refused_by_ledger(effects, request) is not None
-            if refused < len(request.tickets):  # it holds some ticket here: a reader still alive
-                self._heard(request.claimer, now)
             return pc.Answer(refused == 0, f"{refused} refused" if refused else "")
         if kind is pc.Abandon:
             effects = self._apply(ev.AbandonRequested(now, request.ticket,

@@ -6,7 +6,8 @@ its own books from the event stream and the effects the ledger emitted, so such 
 
 * blocks returned twice, or returned for a ticket never issued (double free);
 * a read granted on blocks already returned (use after return);
-* blocks returned while a granted read is still in flight;
+* blocks returned while a granted read is still in flight (unless its reader had been silent on
+  the ticket for `reader_silence_ns`: then a `Tick` may end its reads);
 * a release or read accepted from someone who is not the current claimer;
 * at quiescence (`leaks()`), tickets whose blocks were never returned, loads never finished,
   leases never ended.
@@ -19,7 +20,10 @@ from . import events as ev
 
 
 class Auditor:
-    def __init__(self) -> None:
+    def __init__(self, reader_silence_ns: int = 0) -> None:
+        self.reader_silence_ns = reader_silence_ns
+        self.now = 0
+        self.heard: dict[str, int] = {}  # ticket -> when its claimer last spoke on it (accepted)
         self.held: dict[str, tuple[str, int]] = {}  # ticket -> (request, block count) not returned
         self.returned: set[str] = set()
         self.reads: dict[str, set[str]] = {}  # ticket -> granted reads not yet finished
@@ -37,6 +41,14 @@ class Auditor:
         before = len(self.violations)
         rejected = any(type(e) is fx.Rejected for e in effects)
         kind = type(event)
+        self.now = max(self.now, event.at_ns)
+        if kind in _CLAIMER_WORDS and not rejected:
+            self.heard[event.ticket] = self.now
+        elif kind is ev.Tick and self.reader_silence_ns > 0:
+            # Reads whose reader was silent this long may end now, without its word.
+            for ticket, reads in self.reads.items():
+                if reads and self.now - self.heard.get(ticket, 0) >= self.reader_silence_ns:
+                    reads.clear()
         if kind is ev.TicketIssued and not rejected:
             if event.ticket in self.held or event.ticket in self.returned:
                 self._flag(seq, f"ticket {event.ticket} issued twice")
@@ -76,6 +88,7 @@ class Auditor:
                     self._flag(seq, f"ticket {effect.ticket}: blocks returned with reads in flight "
                                     f"{sorted(self.reads[effect.ticket])}")
                 self.held.pop(effect.ticket, None)
+                self.heard.pop(effect.ticket, None)
                 self.returned.add(effect.ticket)
             elif etype is fx.LoadFinished:
                 if effect.request not in self.open_loads:
@@ -107,3 +120,8 @@ class Auditor:
         found += [f"load {r}: never finished" for r in sorted(self.open_loads)]
         found += [f"lease {ls}: never ended" for ls in sorted(self.open_leases)]
         return found
+
+
+# Events by which a ticket's claimer speaks on it.
+_CLAIMER_WORDS = (ev.ClaimRequested, ev.HeartbeatReceived, ev.ReadStarted, ev.ReadFinished,
+                  ev.ReleaseRequested)

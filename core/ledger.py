@@ -45,6 +45,13 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
     read_grant_wait_ns: int = 30 * SECOND_NS
     history_lease_ns: int = 120 * SECOND_NS
     retention_deadline_ns: int = 10_000_000  # soft deadline for one retention's copies (10 ms)
+    # A ticket whose claimer has reads in flight but has not been heard on it (a heartbeat, a claim
+    # retry, a read's start or end, its release) for this long: `Tick` ends those reads as failed,
+    # since a reader that went away never will (its reads are one-sided: P's transport sees
+    # nothing). A live reader heartbeats far more often, and fails its own read at its read bound
+    # long before. 0: reads in flight never end without their reader (logs written before the
+    # rule replay as they ran).
+    reader_silence_ns: int = 0
     gpu_history_bytes: int = 256 << 20
     cpu_history_bytes: int = 0
     block_bytes: int = 0  # bytes of one engine block over all layers; 0 until the shell knows

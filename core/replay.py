@@ -50,7 +50,7 @@ def replay(
     `last_clean_seq` names the first broken event. The auditor watches every event."""
 
     ledger = ledger_factory(header.config)
-    auditor = Auditor()
+    auditor = Auditor(ledger.config.reader_silence_ns)
     compare_hashes = header.hash_version == STATE_HASH_VERSION
     events = violating = 0
     first_violation = first_divergence = None

@@ -19,8 +19,10 @@ connector reports as `finished_sending`), exactly once, when it closes: each acc
   holds the request push that deadline out, so a long D queue does not waste the prefill.
 * A claim names the claimer and its epoch; only that (claimer, epoch) may read or release. A
   retried claim from the same pair refreshes the idle lease (`claim_lease_ns`).
-* A read in flight pins the blocks: READING and DRAINING have no deadline. Between reads the
-  ticket is CLAIMED again and its idle lease runs, so a decode engine that dies is noticed.
+* A read in flight pins the blocks: READING and DRAINING expire only when their reader falls
+  silent (`reader_silence_ns` without a word from the claimer on this ticket): its reads then end
+  as failed, as if it had said so. Between reads the ticket is CLAIMED again and its idle lease
+  runs, so a decode engine that dies is noticed.
 * The router may abandon only an unclaimed ticket: once claimed it belongs to the decode engine.
   Abandoning takes the router's capability (P minted it with the ticket; the event carries the
   digest of what the caller presented), and so does keeping an unclaimed ticket alive, which the
@@ -79,6 +81,9 @@ SPEC = MachineSpec(
         {"trigger": "expire", "source": [ISSUED, CLAIMED], "dest": CLOSED},
         {"trigger": "publish", "source": RETAINING, "dest": CLOSED},
         {"trigger": "retention_timeout", "source": RETAINING, "dest": CLOSED},
+        {"trigger": "reader_silent", "source": READING, "dest": CLAIMED},
+        {"trigger": "reader_silent", "source": DRAINING, "dest": RETAINING},
+        {"trigger": "reader_silent", "source": DRAINING, "dest": CLOSED},
     ],
 )
 
@@ -120,6 +125,17 @@ class TicketBook(Book):
         super().__init__(config, counters, deadlines)
         self.history = history
         self.tickets: dict[str, Ticket] = self.records
+        if config.reader_silence_ns > 0:  # reads in flight end when their reader falls silent
+            self.timed = self.timed | self.untimed
+            self.untimed = frozenset()
+
+    def _heard(self, t: Ticket, now: int) -> None:
+        """The claimer spoke on a ticket with reads in flight: its silence deadline restarts."""
+
+        if self.config.reader_silence_ns > 0:
+            self._set_deadline(t, now + self.config.reader_silence_ns)
+        else:
+            t.deadline_ns = NEVER
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -195,6 +211,8 @@ class TicketBook(Book):
                 self._move(t, "claim", t.state)
             if t.state == CLAIMED:
                 self._set_deadline(t, now + self.config.claim_lease_ns)
+            else:
+                self._heard(t, now)
             return [self._grant(t, e, Reason.RETRY)]
         reason = Reason.CLAIMED_BY_ANOTHER if t.state in (CLAIMED, READING) else self._state_refusal(t)
         self.counters.add("claims.refused")
@@ -225,6 +243,8 @@ class TicketBook(Book):
             self._move(t, "heartbeat", t.state)
         if t.state == CLAIMED:
             self._set_deadline(t, now + self.config.claim_lease_ns)
+        elif t.state in (READING, DRAINING):
+            self._heard(t, now)
         return []
 
     def read_start(self, e: ReadStarted, now: int) -> list[Effect]:
@@ -248,7 +268,7 @@ class TicketBook(Book):
         if e.read not in t.reads:
             t.reads.append(e.read)
         self._move(t, "read_start", READING)
-        t.deadline_ns = NEVER
+        self._heard(t, now)
         self.counters.add("reads.started")
         return [ReplyRead(e.ticket, e.claimer, e.read, True)]
 
@@ -268,6 +288,7 @@ class TicketBook(Book):
         out: list[Effect] = []
         if t.reads:
             self._move(t, "read_end", t.state)
+            self._heard(t, now)
         elif t.state == READING:
             self._move(t, "read_end", CLAIMED)
             self._set_deadline(t, now + self.config.claim_lease_ns)
@@ -291,6 +312,7 @@ class TicketBook(Book):
         out: list[Effect] = []
         if t.state == READING:
             self._move(t, "release", DRAINING)
+            self._heard(t, now)
         else:
             self._released(t, "release", now, out)
         return out
@@ -326,7 +348,8 @@ class TicketBook(Book):
 
     def expire_due(self, ident: str, deadline_ns: int, now: int, out: list[Effect]) -> None:
         """Deadline passed: ISSUED or CLAIMED → CLOSED(expired); RETAINING → CLOSED(released), copies
-        dropped; any other state has no deadline."""
+        dropped; READING → CLAIMED (lease restarts) and DRAINING → RETAINING or CLOSED, their reads
+        ended as failed (the reader fell silent); CLOSED has no deadline."""
 
         t = self.records.get(ident)
         if t is None or t.deadline_ns != deadline_ns:
@@ -337,6 +360,16 @@ class TicketBook(Book):
             self.history.finish_staging(t.ticket, t.staged, False, Dropped.DEADLINE, out)
             t.staged = []
             self._close(t, "retention_timeout", Closed.RELEASED, out)
+        elif t.state in (READING, DRAINING):
+            self.counters.add("reads.finished.failed", len(t.reads))
+            self.counters.add("reads.ended.reader_silent", len(t.reads))
+            t.done_reads.extend(t.reads)
+            t.reads = []
+            if t.state == READING:
+                self._move(t, "reader_silent", CLAIMED)
+                self._set_deadline(t, now + self.config.claim_lease_ns)
+            else:
+                self._released(t, "reader_silent", now, out)
 
     # -- invariants ------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from ..core import effects as fx
 from ..core import events as ev
 from ..core import load as loads
 from ..core.audit import Auditor
+from ..core.common import NEVER
 from ..core.ledger import SECOND_NS, Ledger, LedgerConfig
 
 FAULTS = (
@@ -46,6 +47,7 @@ FAULTS = (
     "lease_expiry",
     "restore_abort",
     "abort_before_claim",
+    "lost_read_end",
 )
 
 MS = 1_000_000
@@ -75,6 +77,10 @@ def sim_config(rng: random.Random, tier_full: bool) -> LedgerConfig:
         # Short, so sequences prune closed records and late answers meet records already gone
         # (derived, not drawn: the random stream of older seeds stays the same).
         closed_retention_ns=min(claim_wait_ns, read_grant_wait_ns),
+        # Far longer than a clock jump (the largest timeout plus 1 ms, a few in a row at most)
+        # plus a heartbeat interval: a live reader is always heard in time, and a dead one's reads
+        # end by this rule (at the latest in the drain).
+        reader_silence_ns=60_000 * MS,
         history_lease_ns=rng.choice([50, 300, 1000]) * MS,
         retention_deadline_ns=rng.choice([5, 20, 100]) * MS,
         gpu_history_bytes=gpu_blocks * block_bytes,
@@ -91,7 +97,7 @@ class Node:
     def __init__(self, name: str, ledger: Ledger, pool_blocks: int) -> None:
         self.name = name
         self.ledger = ledger
-        self.auditor = Auditor()
+        self.auditor = Auditor(ledger.config.reader_silence_ns)
         self.log: list[ev.Event] = []
         self.alive = True
         self.free = set(range(pool_blocks))
@@ -344,8 +350,19 @@ class Swarm:
                 self.at(self.delay(0.05, 2), self.local, node, ev.RequestAborted, {"request": effect.request})
             ok = not self.fault("transport_error")
             self.at(self.delay(0.2, 10), self.finish_read, node, effect.request, effect.read, ok)
+            death = self.profile["decode_death"]
+            if death and not self.draining and self.rng.random() < death * 0.2 \
+                    and sum(d.alive for d in self.ds.values()) > 1:
+                # D dies with this read in flight: only P's silent-reader rule can end it.
+                self.result.faults["decode_death"] += 1
+                self.kill(node)
         elif kind is fx.SendReadEnd:
-            self.send(P_NAME, ev.ReadFinished, ticket=effect.ticket, read=effect.read, ok=effect.ok)
+            if self.fault("lost_read_end"):
+                # The message is lost and never retried: P's silent-reader rule must end the read
+                # (D has nothing more to say on this ticket once it released it).
+                pass
+            else:
+                self.send(P_NAME, ev.ReadFinished, ticket=effect.ticket, read=effect.read, ok=effect.ok)
             if effect.release:
                 self.send(P_NAME, ev.ReleaseRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
         elif kind is fx.SendRelease:
@@ -488,17 +505,10 @@ class Swarm:
         self.at(self.delay(1, 40), self.chaos)
 
     def kill(self, d: Node) -> None:
-        """D dies: its messages stop. P's transport notices reads that were in flight end."""
+        """D dies: its messages stop. Its reads in flight on P end when P's core finds it silent
+        (`reader_silence_ns`): P's transport never learns of one-sided reads."""
 
         d.alive = False
-        for (name, read), request in list(self.reads.items()):
-            if name != d.name:
-                continue
-            ticket, _ = self.read_ticket.get((name, read), ("", ""))
-            record = self.p.ledger.tickets.tickets.get(ticket)
-            if record is not None and read in record.reads:
-                self.at(self.delay(1, 20), self.send_later, P_NAME, ev.ReadFinished,
-                        {"ticket": ticket, "read": read, "ok": False})
 
     # -- run -------------------------------------------------------------------------------------
 
@@ -536,7 +546,10 @@ class Swarm:
             self.now = far
             for node in self.nodes.values():
                 self.apply(node, ev.Tick(at_ns=far))
-            if not self.agenda:
+            # A Tick can set a deadline of its own (a silent reader's ticket gets its idle lease
+            # back): drained means nothing scheduled and no deadline left to fire.
+            if not self.agenda and all(node.ledger.deadlines.next_ns() >= NEVER
+                                       for node in self.nodes.values() if node.alive):
                 break
         self.check_quiescent()
 

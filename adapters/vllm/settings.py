@@ -185,6 +185,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return LedgerConfig(
             unclaimed_ttl_ns=int(self.unclaimed_ttl_s * SECOND_NS),
             claim_lease_ns=int(self.claim_lease_s * SECOND_NS),
+            # A reader silent for a whole idle lease has gone: its reads end (see LedgerConfig).
+            reader_silence_ns=int(self.claim_lease_s * SECOND_NS),
             claim_wait_ns=int(self.claim_wait_s * SECOND_NS),
             read_grant_wait_ns=int(self.read_grant_wait_s * SECOND_NS),
             history_lease_ns=int(self.history_lease_s * SECOND_NS),

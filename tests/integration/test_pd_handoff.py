@@ -389,7 +389,7 @@ def test_engine_logs_replay_without_violations(pd):
 
 
 def test_decode_killed_after_claiming_lets_p_reclaim(pd):
-    """Last: it kills D. P's sidecar notices the silent reader, ends its read and the idle lease
+    """Last: it kills D. P's core finds the reader silent (reader_silence_ns), ends its read and the idle lease
     expires, so P gets its blocks back without D."""
 
     pd.d.call_connector("debug_set", "debug_hold_post_s", 60)

@@ -230,3 +230,77 @@ def test_an_open_ticket_is_never_pruned():
     p.apply(ev.AbandonRequested(3, "gone"))
     p.apply(ev.Tick(50 * SECOND_NS))
     assert "open" in p.tickets.tickets and "gone" not in p.tickets.tickets
+
+
+# -- a silent reader: its reads end by Tick ------------------------------------------------------
+
+SILENCE = 50 * SECOND_NS
+
+
+def reading(silence=SILENCE):
+    p = Ledger(LedgerConfig(reader_silence_ns=silence, claim_lease_ns=100 * SECOND_NS))
+    issue(p)
+    assert p.apply(ev.ClaimRequested(1, "t1", "D", 1))[0].granted
+    assert p.apply(ev.ReadStarted(2, "t1", "D", 1, "x"))[0].granted
+    return p
+
+
+def test_a_reader_silent_on_its_ticket_loses_its_reads_and_then_its_claim():
+    p = reading()
+    assert p.apply(ev.Tick(2 + SILENCE - 1)) == []
+    assert p.tickets.tickets["t1"].state == "READING"
+    assert p.apply(ev.Tick(2 + SILENCE)) == []  # the read ends, the claim stays (its lease restarts)
+    t = p.tickets.tickets["t1"]
+    assert (t.state, t.reads) == ("CLAIMED", [])
+    assert p.counters["reads.ended.reader_silent"] == 1 and p.counters["reads.finished.failed"] == 1
+    # Its word arriving late changes nothing: the read is over.
+    late = p.apply(ev.ReadFinished(2 + SILENCE + 5, "t1", "x", True, "D", 1))
+    assert kinds(late) == ["Rejected"]
+    assert kinds(p.apply(ev.ReadStarted(2 + SILENCE + 6, "t1", "D", 1, "x"))) == ["ReplyRead", "Rejected"]
+    out = p.apply(ev.Tick(2 + SILENCE + 100 * SECOND_NS))
+    assert kinds(out) == ["FreeEngineBlocks"] and out[0].reason == "expired"
+    assert p.check_invariants() == []
+
+
+def test_heartbeats_and_other_reads_keep_a_reader_heard():
+    p = reading()
+    for second in range(40, 400, 40):
+        assert p.apply(ev.HeartbeatReceived(second * SECOND_NS, "t1", "D")) == []
+        assert p.apply(ev.Tick(second * SECOND_NS + SILENCE - 1)) == []
+    assert p.tickets.tickets["t1"].reads == ["x"]
+    # A second read's start and end also count as the reader's word.
+    assert p.apply(ev.ReadStarted(400 * SECOND_NS, "t1", "D", 1, "y"))[0].granted
+    assert p.apply(ev.ReadFinished(440 * SECOND_NS, "t1", "y", True, "D", 1)) == []
+    assert p.apply(ev.Tick(440 * SECOND_NS + SILENCE - 1)) == []
+    assert p.tickets.tickets["t1"].reads == ["x"]
+
+
+def test_a_released_ticket_whose_last_read_never_ends_returns_its_blocks_after_the_silence():
+    p = reading()
+    assert p.apply(ev.ReleaseRequested(10, "t1", "D", 1)) == []
+    assert p.tickets.tickets["t1"].state == "DRAINING"
+    out = p.apply(ev.Tick(10 + SILENCE))
+    assert kinds(out) == ["FreeEngineBlocks"] and out[0].reason == "released"
+    assert p.check_invariants() == []
+
+
+def test_without_the_rule_a_read_in_flight_never_ends_by_time():
+    p = reading(silence=0)
+    assert p.apply(ev.Tick(10**15)) == []
+    assert p.tickets.tickets["t1"].state == "READING" and p.check_invariants() == []
+
+
+def test_the_auditor_allows_a_silent_readers_reads_to_end_only_after_the_silence():
+    from kvbaton.core.audit import Auditor
+
+    strict, ruled = Auditor(), Auditor(reader_silence_ns=SILENCE)
+    p = Ledger(LedgerConfig(reader_silence_ns=SILENCE))
+    events = [ev.TicketIssued(0, "t1", "r-t1", (1, 2), ()), ev.ClaimRequested(1, "t1", "D", 1),
+              ev.ReadStarted(2, "t1", "D", 1, "x"), ev.ReleaseRequested(3, "t1", "D", 1),
+              ev.Tick(3 + SILENCE)]
+    for seq, event in enumerate(events, 1):
+        effects = p.apply(event)
+        strict.observe(seq, event, effects)
+        ruled.observe(seq, event, effects)
+    assert ruled.violations == []
+    assert strict.violations and "reads in flight" in strict.violations[0]

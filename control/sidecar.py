@@ -46,7 +46,7 @@ from ..core import effects as fx
 from ..core import events as ev
 from ..core.ledger import Ledger, LedgerConfig
 from ..core.log import LogHeader, LogRecordError, LogWriter
-from ..core.reasons import LoadOutcome, Reason
+from ..core.reasons import Reason
 from . import messages as m
 from . import peer as pc
 from .client import bounded
@@ -276,30 +276,8 @@ class Authority(xo.Actor):
         kind = type(effect)
         if kind is fx.FreeEngineBlocks:
             self._send(self.to_worker, m.FinishedSending(effect.request))
-            ticket = self.ledger.tickets.tickets.get(effect.ticket)
-            if ticket is not None and ticket.keys and self.ledger.history.enabled:
-                # The prompt passed through P: its keys history did not keep are now "seen", so
-                # when they come back they may displace retained content (probation). Observed
-                # after the ticket's own admission, never before it.
-                resident = self.ledger.history.blocks
-                unseen = tuple(key for key in ticket.keys if key not in resident)
-                if unseen:
-                    self.followups.append(ev.HistoryObserved(self._now(), unseen))
         elif kind is fx.LoadResolved:
             ctx = self.loads.get(effect.request)
-            if ctx is not None and ctx.get("early"):
-                # The scheduler allocated before P answered (D always does): the
-                # allocation enters the ledger now, right after the grant. A miss ends the load
-                # (LoadFinished follows) and the blocks it allocated must be recomputed.
-                ctx["early"] = False
-                if effect.hit:
-                    ctx["reads"] = max(1, self.cfg.debug_reads_per_load)  # fixed for this load
-                    self.followups.append(ev.LoadAllocated(self._now(), effect.request, ctx["dst"],
-                                                           ctx["reads"]))
-                else:
-                    # Invalid for every reason but an abort (vLLM ignores an aborted request's
-                    # blocks): the parked request must never run on blocks nobody loaded.
-                    ctx["invalid_on_finish"] = effect.reason != LoadOutcome.ABORTED
             granted = ctx.get("num_tokens", 0) if (ctx is not None and effect.hit) else 0
             self._send(self.to_scheduler, m.Resolved(effect.request, effect.hit, effect.reason, granted))
         elif kind is fx.SendClaim:
@@ -320,8 +298,6 @@ class Authority(xo.Actor):
             if ctx is not None and ctx.get("dst"):
                 # Only an allocated (async) load is parked in WAITING_FOR_REMOTE_KVS: vLLM waits
                 # for exactly one finished_recving for it, and asserts on any other.
-                if ctx.get("invalid_on_finish"):
-                    self._send(self.to_worker, m.InvalidBlocks(effect.request, tuple(ctx["dst"])))
                 self._send(self.to_worker, m.FinishedRecving(effect.request))
             self.loads.pop(effect.request, None)
         elif kind is fx.StageHistory:
@@ -448,14 +424,8 @@ class Authority(xo.Actor):
         elif kind is m.AllocatedFact:
             ctx = self.loads.get(msg.request)
             if ctx is not None:
+                # Often before P answered the claim: the ledger holds it until then (ALLOCATED_EARLY).
                 ctx["first"], ctx["dst"] = msg.first, msg.dst_blocks
-                load = self.ledger.loads.loads.get(msg.request)
-                if load is not None and load.state == "AWAITING_CLAIM":
-                    # Allocated before P answered the claim: held here until the answer (see
-                    # LoadResolved), so the ledger still sees claim, then allocation.
-                    ctx["early"] = True
-                    return
-            if ctx is not None:
                 ctx["reads"] = max(1, self.cfg.debug_reads_per_load)  # fixed for this load
             effects = self._apply(ev.LoadAllocated(now, msg.request, msg.dst_blocks,
                                                    ctx["reads"] if ctx is not None else 1))

@@ -15,6 +15,13 @@ unanswered one is a miss and the request recomputes locally (a miss, not an erro
         MISSED                   CANCELLED                 ▼                      ▼ last read
                                                          FAILED ◀── read failed ── DONE
     LOADING ──abort/preempt──▶ DRAINING ──read ends──▶ CANCELLED
+    AWAITING_CLAIM ──allocated──▶ ALLOCATED_EARLY ──granted──▶ ALLOCATED (first read asked)
+                                        │ refused/timeout: MISSED; abort/preempt: CANCELLED
+
+* vLLM's scheduler allocates a remote request's blocks before P has answered the claim (it parks
+  the request meanwhile): the allocation is held in ALLOCATED_EARLY and becomes the first read
+  when the grant comes. A miss then reports the parked blocks invalid (they hold nothing), except
+  after an abort, whose blocks vLLM discards anyway.
 
 * Allocation consumes the handoff: a load is single use, so a preempted request finds it
   consumed and recomputes; it never reads a ticket twice.
@@ -56,6 +63,7 @@ from .reasons import LoadOutcome, Reason
 AWAITING_CLAIM = "AWAITING_CLAIM"
 CLAIMED = "CLAIMED"
 ALLOCATED = "ALLOCATED"
+ALLOCATED_EARLY = "ALLOCATED_EARLY"
 LOADING = "LOADING"
 DRAINING = "DRAINING"
 DONE = "DONE"
@@ -65,12 +73,19 @@ CANCELLED = "CANCELLED"
 
 SPEC = MachineSpec(
     "load",
-    states=[AWAITING_CLAIM, CLAIMED, ALLOCATED, LOADING, DRAINING, DONE, MISSED, FAILED, CANCELLED],
+    states=[AWAITING_CLAIM, ALLOCATED_EARLY, CLAIMED, ALLOCATED, LOADING, DRAINING, DONE, MISSED, FAILED,
+            CANCELLED],
     initial=AWAITING_CLAIM,
     terminal=[DONE, MISSED, FAILED, CANCELLED],
     transitions=[
         {"trigger": "granted", "source": AWAITING_CLAIM, "dest": CLAIMED},
         {"trigger": "refused", "source": AWAITING_CLAIM, "dest": MISSED},
+        {"trigger": "allocated", "source": AWAITING_CLAIM, "dest": ALLOCATED_EARLY},
+        {"trigger": "granted", "source": ALLOCATED_EARLY, "dest": ALLOCATED},
+        {"trigger": "granted", "source": ALLOCATED_EARLY, "dest": DONE},
+        {"trigger": "refused", "source": ALLOCATED_EARLY, "dest": MISSED},
+        {"trigger": "expire", "source": ALLOCATED_EARLY, "dest": MISSED},
+        {"trigger": "cancel", "source": ALLOCATED_EARLY, "dest": CANCELLED},
         {"trigger": "allocated", "source": CLAIMED, "dest": ALLOCATED},
         {"trigger": "allocated", "source": CLAIMED, "dest": DONE},
         {"trigger": "read_granted", "source": ALLOCATED, "dest": LOADING},
@@ -114,7 +129,7 @@ class LoadBook(Book):
     noun = "load"
     key = "request"
     kind = KIND_LOAD
-    timed = frozenset({AWAITING_CLAIM, CLAIMED, ALLOCATED})
+    timed = frozenset({AWAITING_CLAIM, ALLOCATED_EARLY, CLAIMED, ALLOCATED})
     untimed = frozenset({LOADING, DRAINING})
 
     def __init__(self, config, deadlines: Deadlines, counters: Counters) -> None:
@@ -158,12 +173,17 @@ class LoadBook(Book):
         return [SendClaim(e.request, e.ticket, e.source, e.epoch)]
 
     def granted(self, e: ClaimGranted, now: int) -> list[Effect]:
-        """From AWAITING_CLAIM (same ticket and epoch) → CLAIMED, a hit; past it, Rejected(LATE_GRANT)
-        and the ticket released; else Rejected(UNKNOWN_LOAD)."""
+        """From AWAITING_CLAIM (same ticket and epoch) → CLAIMED, a hit; from ALLOCATED_EARLY → a hit,
+        then as `allocated` from CLAIMED (ALLOCATED, first read asked; no blocks: DONE); past them,
+        Rejected(LATE_GRANT) and the ticket released; else Rejected(UNKNOWN_LOAD)."""
 
         ld = self.loads.get(e.request)
         if ld is None or ld.ticket != e.ticket or ld.epoch != e.epoch:
             return [reject(self.counters, "cg", e.request, Reason.UNKNOWN_LOAD)]
+        if ld.state == ALLOCATED_EARLY:
+            out: list[Effect] = [LoadResolved(e.request, True)]
+            out += self._start_reads(ld, "granted", ld.reads_left, now)
+            return out
         if ld.state != AWAITING_CLAIM:
             # A grant that arrives after we gave up (abort, claim timeout) would hold P's blocks
             # for a whole idle lease: give the ticket straight back.
@@ -173,35 +193,48 @@ class LoadBook(Book):
         return [LoadResolved(e.request, True)]
 
     def refused(self, e: ClaimRefused, now: int) -> list[Effect]:
-        """From AWAITING_CLAIM (same ticket and epoch) → MISSED; else Rejected(UNKNOWN_LOAD |
-        LATE_REFUSAL)."""
+        """From AWAITING_CLAIM or ALLOCATED_EARLY (same ticket and epoch) → MISSED (parked blocks
+        invalid); else Rejected(UNKNOWN_LOAD | LATE_REFUSAL)."""
 
         ld = self.loads.get(e.request)
         if ld is None or ld.ticket != e.ticket or ld.epoch != e.epoch:
             return [reject(self.counters, "cx", e.request, Reason.UNKNOWN_LOAD)]
-        if ld.state != AWAITING_CLAIM:
+        if ld.state not in (AWAITING_CLAIM, ALLOCATED_EARLY):
             return [reject(self.counters, "cx", e.request, Reason.LATE_REFUSAL)]
         out: list[Effect] = [LoadResolved(e.request, False, e.reason)]
+        if ld.state == ALLOCATED_EARLY and ld.blocks:
+            out.append(ReportInvalidBlocks(ld.request, ld.blocks))
         self._end(ld, "refused", MISSED, LoadOutcome.CLAIM_REFUSED.detail(e.reason), out)
         return out
 
     def allocated(self, e: LoadAllocated, now: int) -> list[Effect]:
-        """From CLAIMED → ALLOCATED, first read asked (no blocks: DONE, a local hit); else
-        Rejected(UNKNOWN_LOAD | NOT_CLAIMED | CONSUMED)."""
+        """From CLAIMED → ALLOCATED, first read asked (no blocks: DONE, a local hit); from
+        AWAITING_CLAIM → ALLOCATED_EARLY (held until P answers); else Rejected(UNKNOWN_LOAD |
+        CONSUMED)."""
 
         ld = self.loads.get(e.request)
         if ld is None:
             return [reject(self.counters, "la", e.request, Reason.UNKNOWN_LOAD)]
+        if ld.state == AWAITING_CLAIM:
+            self._move(ld, "allocated", ALLOCATED_EARLY)  # its claim deadline still runs
+            ld.blocks = tuple(e.blocks)
+            ld.reads_left = max(1, e.reads)
+            return []
         if ld.state != CLAIMED:
-            return [reject(self.counters, "la", e.request, Reason.CONSUMED if ld.state != AWAITING_CLAIM
-                           else Reason.NOT_CLAIMED)]
+            return [reject(self.counters, "la", e.request, Reason.CONSUMED)]
         ld.blocks = tuple(e.blocks)
-        if not e.blocks:  # everything was a local prefix-cache hit: nothing to read
+        return self._start_reads(ld, "allocated", e.reads, now)
+
+    def _start_reads(self, ld: Load, trigger: str, reads: int, now: int) -> list[Effect]:
+        """Claimed and allocated: → ALLOCATED with the first read asked, or DONE when nothing is to be
+        read (everything was a local prefix-cache hit)."""
+
+        if not ld.blocks:
             out: list[Effect] = [self._release(ld)]
-            self._end(ld, "allocated", DONE, LoadOutcome.LOCAL_HIT, out)
+            self._end(ld, trigger, DONE, LoadOutcome.LOCAL_HIT, out)
             return out
-        self._move(ld, "allocated", ALLOCATED)
-        ld.reads_left = max(1, e.reads)
+        self._move(ld, trigger, ALLOCATED)
+        ld.reads_left = max(1, reads)
         return [self._next_read(ld, now)]
 
     def read_granted(self, e: ReadGranted, now: int) -> list[Effect]:
@@ -260,8 +293,9 @@ class LoadBook(Book):
         return out
 
     def cancelled(self, e: RequestPreempted | RequestAborted, now: int) -> list[Effect]:
-        """From AWAITING_CLAIM, CLAIMED or ALLOCATED → CANCELLED, ticket released; LOADING → DRAINING;
-        else Rejected(UNKNOWN_LOAD | CONSUMED)."""
+        """From AWAITING_CLAIM, ALLOCATED_EARLY (a preempted one's blocks invalid), CLAIMED or
+        ALLOCATED → CANCELLED, ticket released; LOADING → DRAINING; else Rejected(UNKNOWN_LOAD |
+        CONSUMED)."""
 
         ld = self.loads.get(e.request)
         tag = "rp" if isinstance(e, RequestPreempted) else "ra"
@@ -274,21 +308,25 @@ class LoadBook(Book):
             return []
         reason = LoadOutcome.PREEMPTED if tag == "rp" else LoadOutcome.ABORTED
         out: list[Effect] = [self._release(ld)]
-        if ld.state == AWAITING_CLAIM:
+        if ld.state in (AWAITING_CLAIM, ALLOCATED_EARLY):
             out.append(LoadResolved(ld.request, False, reason))
+        if ld.state == ALLOCATED_EARLY and ld.blocks and tag == "rp":
+            out.append(ReportInvalidBlocks(ld.request, ld.blocks))  # an aborted request's are discarded
         self._end(ld, "cancel", CANCELLED, reason, out)
         return out
 
     def expire_due(self, ident: str, deadline_ns: int, now: int, out: list[Effect]) -> None:
-        """Deadline passed: AWAITING_CLAIM → MISSED; CLAIMED → CANCELLED; ALLOCATED → FAILED (blocks
-        invalid); each releases the ticket."""
+        """Deadline passed: AWAITING_CLAIM → MISSED; ALLOCATED_EARLY → MISSED (blocks invalid); CLAIMED
+        → CANCELLED; ALLOCATED → FAILED (blocks invalid); each releases the ticket."""
 
         ld = self.records.get(ident)
         if ld is None or ld.deadline_ns != deadline_ns:
             return  # a stale queue entry: the load ended or its deadline moved
-        if ld.state == AWAITING_CLAIM:
+        if ld.state in (AWAITING_CLAIM, ALLOCATED_EARLY):
             out.append(self._release(ld))  # in case the grant is only late
             out.append(LoadResolved(ld.request, False, LoadOutcome.CLAIM_UNANSWERED))
+            if ld.state == ALLOCATED_EARLY and ld.blocks:
+                out.append(ReportInvalidBlocks(ld.request, ld.blocks))
             self._end(ld, "expire", MISSED, LoadOutcome.CLAIM_UNANSWERED, out)
         elif ld.state == CLAIMED:
             out.append(self._release(ld))

@@ -145,6 +145,11 @@ class TicketBook(Book):
         t.returned = True
         self.counters.add("tickets.closed." + reason)
         out.append(FreeEngineBlocks(t.ticket, t.request, t.blocks, reason))
+        if t.keys and self.history.enabled:
+            # The prompt passed through P: the keys history did not keep are now "seen", so when
+            # they come back they may displace retained content (probation). After the ticket's
+            # own admission (a retention closes only once its copies ended), never before it.
+            self.history.observe(t.keys)
 
     def _released(self, t: Ticket, trigger: str, now: int, out: list[Effect]) -> None:
         """The claimer is done: retain the prefix in history if the policy keeps any of it."""

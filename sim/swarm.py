@@ -48,6 +48,7 @@ FAULTS = (
     "restore_abort",
     "abort_before_claim",
     "lost_read_end",
+    "allocate_before_grant",
 )
 
 MS = 1_000_000
@@ -325,6 +326,8 @@ class Swarm:
             self.send(P_NAME, ev.ClaimRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
             if self.fault("abort_before_claim"):  # the client goes away while P has not answered
                 self.at(self.delay(0, 3), self.local, node, ev.RequestAborted, {"request": effect.request})
+            if self.fault("allocate_before_grant"):  # vLLM's scheduler does not wait for P
+                self.at(self.delay(0, 2), self.allocate_early, node, effect.request)
         elif kind is fx.LoadResolved:
             if not effect.hit:
                 return
@@ -387,6 +390,19 @@ class Swarm:
         blocks = node.allocate(request, load.num_blocks)
         if blocks is None:  # D is full: the scheduler retries later, the claim lease runs
             self.at(self.delay(5, 100), self.allocate_load, node, request)
+            return
+        local_hit = self.rng.random() < 0.05
+        self.local(node, ev.LoadAllocated, {"request": request, "blocks": () if local_hit else blocks,
+                                            "reads": self.rng.randint(1, 3)})
+
+    def allocate_early(self, node: Node, request: str) -> None:
+        """The scheduler allocates before P answered the claim (the load holds it until then)."""
+
+        load = node.ledger.loads.loads.get(request)
+        if load is None or load.state != loads.AWAITING_CLAIM or not node.alive:
+            return
+        blocks = node.allocate(request, load.num_blocks)
+        if blocks is None:  # D is full: it allocates after the grant instead
             return
         local_hit = self.rng.random() < 0.05
         self.local(node, ev.LoadAllocated, {"request": request, "blocks": () if local_hit else blocks,

@@ -304,3 +304,59 @@ def test_the_auditor_allows_a_silent_readers_reads_to_end_only_after_the_silence
         ruled.observe(seq, event, effects)
     assert ruled.violations == []
     assert strict.violations and "reads in flight" in strict.violations[0]
+
+
+# -- a load allocated before P answers its claim ---------------------------------------------------
+
+def early(blocks=(7, 8)):
+    d = Ledger()
+    assert kinds(d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2))) == ["SendClaim"]
+    assert d.apply(ev.LoadAllocated(1, "r", blocks, 2)) == []  # held until P answers
+    assert d.loads.loads["r"].state == "ALLOCATED_EARLY"
+    return d
+
+
+def test_an_early_allocation_becomes_the_first_read_when_the_grant_comes():
+    d = early()
+    out = d.apply(ev.ClaimGranted(2, "r", "t", 1))
+    assert kinds(out) == ["LoadResolved", "SendReadStart"] and out[0].hit
+    ld = d.loads.loads["r"]
+    assert (ld.state, ld.blocks, ld.reads_left) == ("ALLOCATED", (7, 8), 2)
+    assert d.check_invariants() == []
+
+
+def test_an_early_local_hit_ends_done_at_the_grant():
+    d = early(blocks=())
+    out = d.apply(ev.ClaimGranted(2, "r", "t", 1))
+    assert kinds(out) == ["LoadResolved", "SendRelease", "LoadFinished"] and out[-1].ok
+
+
+def test_a_refused_claim_reports_the_parked_blocks_invalid():
+    d = early()
+    out = d.apply(ev.ClaimRefused(2, "r", "t", 1, "closed"))
+    assert kinds(out) == ["LoadResolved", "ReportInvalidBlocks", "LoadFinished"]
+    assert out[1].blocks == (7, 8) and not out[0].hit and not out[-1].ok
+
+
+def test_an_unanswered_claim_reports_the_parked_blocks_invalid():
+    d = early()
+    out = d.apply(ev.Tick(31 * SECOND_NS))
+    assert kinds(out) == ["SendRelease", "LoadResolved", "ReportInvalidBlocks", "LoadFinished"]
+
+
+def test_a_preempted_early_load_reports_its_blocks_and_an_aborted_one_does_not():
+    d = early()
+    assert "ReportInvalidBlocks" in kinds(d.apply(ev.RequestPreempted(2, "r")))
+    d = early()
+    assert kinds(d.apply(ev.RequestAborted(2, "r"))) == ["SendRelease", "LoadResolved", "LoadFinished"]
+
+
+def test_a_closing_ticket_puts_its_unkept_keys_on_probation_in_the_same_event():
+    p = Ledger(LedgerConfig(block_bytes=100, gpu_history_bytes=1000))
+    issue(p, keys=("a", "b"))
+    assert kinds(p.apply(ev.Tick(121 * SECOND_NS))) == ["FreeEngineBlocks"]
+    assert list(p.history.probation) == ["a", "b"]
+    off = Ledger(LedgerConfig(block_bytes=100, gpu_history_bytes=0))  # history off: nothing kept
+    issue(off, keys=("a", "b"))
+    off.apply(ev.Tick(121 * SECOND_NS))
+    assert not off.history.enabled and list(off.history.probation) == []

@@ -247,7 +247,7 @@ class Authority(xo.Actor):
             if ekind is fx.StageHistory:
                 staging = self.residency.staging
                 staging[effect.ticket] = tuple(key for _block, key in effect.copies)
-                if len(staging) > 4096:  # one writer at a time: more means published tickets were lost
+                if len(staging) > 4096:  # a few writers at a time: more means published tickets were lost
                     staging.pop(next(iter(staging)))
             elif ekind is fx.DemoteHistory or ekind is fx.DropHistory:
                 touched.append(effect.key)
@@ -942,7 +942,7 @@ class Authority(xo.Actor):
             "by_state": by_state,
             "pinned_blocks": sum(1 for blk in history.blocks.values() if blk.pins),
             "probation": len(history.probation),
-            "writer": history.writer,
+            "writers": list(history.writers),
             "hits": {"gpu": counters.get("restores.hits.gpu", 0), "cpu": counters.get("restores.hits.cpu", 0)},
             "copier": dict(self.slot_stats),
             "io": dict(self.history_io),

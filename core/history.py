@@ -22,8 +22,11 @@ Policy, all deterministic:
   so the store stays prefix-closed by construction. Displacing retained content (an eviction)
   requires the new key to have been seen before (probation); demoting into free CPU room does not.
 * A touch refreshes a chain tail first, so prefix heads stay newer than their tails.
-* One writer at a time; a retention copies at most `candidate_bytes_max`; a staged copy that does
-  not finish by the ticket's soft deadline is dropped. Every key not kept is counted by reason.
+* At most `retention_writers_max` retentions copy at once (the copier runs them in order); one
+  that arrives while that many copy is dropped as busy. A retention copies at most
+  `candidate_bytes_max`, and only keys whose parent is no other retention's staging key (so a
+  failed copy never orphans another chain); a staged copy that does not finish by the ticket's
+  soft deadline is dropped. Every key not kept is counted by reason.
 * Pinned blocks (a restore lease holds them) are never demoted or evicted.
 
 Byte accounting: STAGING and GPU blocks use the GPU budget; DEMOTING and CPU blocks use the CPU
@@ -98,7 +101,7 @@ class HistoryStore(Book):
         self.probation: OrderedDict[str, None] = OrderedDict()
         self.gpu_used = 0
         self.cpu_used = 0
-        self.writer = ""  # the ticket currently retaining, "" when none
+        self.writers: list[str] = []  # the tickets whose retentions are copying, oldest first
 
     @property
     def enabled(self) -> bool:
@@ -206,12 +209,13 @@ class HistoryStore(Book):
 
     def admit(self, ticket: str, keys, blocks, out: list[Effect]) -> list[tuple[int, str]]:
         """A released ticket's keys: the leading ones that fit → new blocks PROBATION → STAGING (this
-        ticket the writer), the rest counted dropped by reason; none while another writer copies."""
+        ticket a writer), the rest counted dropped by reason; none while `retention_writers_max`
+        retentions copy."""
 
         if not self.enabled or not keys:
             return []
-        if self.writer:
-            # Another retention is copying (one writer at a time). The leading keys already
+        if len(self.writers) >= self.config.retention_writers_max:
+            # As many retentions as may are copying. The leading keys already
             # resident were just used again: refresh them, as an admitted retention would, or a
             # prefix that stays hot in the engine's own cache under load ages out of history.
             # Only the keys that would have needed a copy are dropped.
@@ -227,6 +231,7 @@ class HistoryStore(Book):
         copies: list[tuple[int, str]] = []
         candidate_bytes = 0
         stop_reason: Dropped | str = ""
+        kept_elsewhere = 0  # 1 when the stop is a key another retention is copying (not dropped)
         index = 0
         for index, key in enumerate(keys):
             parent = keys[index - 1] if index else ""
@@ -234,6 +239,11 @@ class HistoryStore(Book):
             if blk is not None:
                 if blk.parent != parent:
                     stop_reason = Dropped.REJECTED  # the same key under another parent: not a chain
+                    break
+                if blk.state == STAGING and blk.writer != ticket:
+                    # Another retention is copying this prefix: a chain of ours below it would be
+                    # orphaned if that copy failed. The rest waits for a later visit.
+                    stop_reason, kept_elsewhere = Dropped.BUSY_WRITER, 1
                     break
                 continue
             if parent and parent not in self.blocks:
@@ -256,11 +266,11 @@ class HistoryStore(Book):
             copies.append((blocks[index], key))
         else:
             index = len(keys)
-        if stop_reason:
-            self.counters.add("history.dropped." + stop_reason, len(keys) - index)
+        if stop_reason and len(keys) - index - kept_elsewhere > 0:
+            self.counters.add("history.dropped." + stop_reason, len(keys) - index - kept_elsewhere)
         self.touch(keys[:index])
         if copies:
-            self.writer = ticket
+            self.writers.append(ticket)
             self.counters.add("history.staged", len(copies))
         return copies
 
@@ -276,10 +286,10 @@ class HistoryStore(Book):
 
     def finish_staging(self, ticket: str, keys, ok: bool, reason: Dropped, out: list[Effect]) -> None:
         """The retention's copies ended: its STAGING blocks → GPU when `ok`, else → EVICTED (tail
-        first, counted under `reason`); the writer is free again."""
+        first, counted under `reason`); the ticket is no longer a writer."""
 
-        if self.writer == ticket:
-            self.writer = ""
+        if ticket in self.writers:
+            self.writers.remove(ticket)
         if ok:
             for key in reversed(keys):
                 blk = self.blocks.get(key)

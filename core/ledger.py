@@ -35,7 +35,8 @@ STATE_HASH_VERSION = 5  # 2: closed records are pruned after closed_retention_ns
 # (tests/golden/v1h3-busy-P0: the refreshed prefix outlives a later demotion); 4: tickets carry
 # their grant (token count, digest) and capability digests, and reads end only by their claimer;
 # 5: a load takes its allocation before P's answer (ALLOCATED_EARLY), and a closing ticket puts its
-# unkept keys on probation in the same event (the shell's separate HistoryObserved is gone)
+# unkept keys on probation in the same event (the shell's separate HistoryObserved is gone), and
+# history keeps a list of writers (up to `retention_writers_max` retentions copy at once)
 
 
 class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +59,9 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
     cpu_history_bytes: int = 0
     block_bytes: int = 0  # bytes of one engine block over all layers; 0 until the shell knows
     candidate_bytes_max: int = 64 << 20
+    # Retentions that may copy at once (queued in order on P's copier); one more is dropped as busy.
+    # Each holds its ticket's engine blocks until its copy ends or its soft deadline passes.
+    retention_writers_max: int = 1
     probation_max: int = 65536
     # A closed ticket, finished load or ended lease is kept this long (late answers, retries and
     # operators' `replay --ticket` still find it), then dropped: a long-running engine's ledger
@@ -70,7 +74,8 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
             if getattr(self, name) < 0:
                 found.append(f"{name} must not be negative (got {getattr(self, name)})")
         for name in ("unclaimed_ttl_ns", "claim_lease_ns", "claim_wait_ns", "read_grant_wait_ns",
-                     "history_lease_ns", "retention_deadline_ns", "probation_max", "closed_retention_ns"):
+                     "history_lease_ns", "retention_deadline_ns", "probation_max", "closed_retention_ns",
+                     "retention_writers_max"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive (got {getattr(self, name)})")
         return found
@@ -208,8 +213,12 @@ class Ledger:
         for blk in self.history.blocks.values():
             if blk.state == STAGING and blk.writer not in retaining:
                 found.append(f"history {blk.key}: staging for {blk.writer!r}, which is not retaining")
-        if len(retaining) > 1:
-            found.append(f"history: more than one writer {sorted(retaining)}")
+        if len(retaining) > self.config.retention_writers_max:
+            found.append(f"history: {len(retaining)} writers {sorted(retaining)}, more than "
+                         f"{self.config.retention_writers_max}")
+        if sorted(retaining) != sorted(self.history.writers):
+            found.append(f"history: writers {self.history.writers} are not the retaining tickets "
+                         f"{sorted(retaining)}")
         return found
 
     def books(self) -> tuple:
@@ -253,7 +262,7 @@ class Ledger:
             "gpu_lru": list(history.gpu_lru),
             "cpu_lru": list(history.cpu_lru),
             "probation": list(history.probation),
-            "writer": history.writer,
+            "writers": list(history.writers),
             "counters": dict(self.counters),
         }
 

@@ -89,6 +89,7 @@ def sim_config(rng: random.Random, tier_full: bool) -> LedgerConfig:
         block_bytes=block_bytes,
         candidate_bytes_max=rng.choice([3, 6, 100]) * block_bytes,
         probation_max=rng.choice([4, 64]),
+        retention_writers_max=rng.choice([1, 2, 4]),
     )
 
 

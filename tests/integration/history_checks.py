@@ -51,13 +51,13 @@ def assert_nothing_held(engines, timeout_s: float = 15.0) -> None:
 
 
 def settle_history(engine, timeout_s: float = 10.0) -> dict:
-    """Wait until no history copy is in flight (nothing staging or demoting, no writer)."""
+    """Wait until no history copy is in flight (nothing staging or demoting, no writers)."""
 
     deadline = time.monotonic() + timeout_s
     while True:
         hist = state(engine)["history"]
         moving = hist["by_state"].get("STAGING", 0) + hist["by_state"].get("DEMOTING", 0)
-        if not moving and not hist["writer"]:
+        if not moving and not hist["writers"]:
             return hist
         assert time.monotonic() < deadline, hist
         time.sleep(0.05)

@@ -1,6 +1,6 @@
 """Hypothesis over P's history policy alone: retentions, copy results, demotions, restores and
-leases in any order. After every step: prefix closure, budgets, pins equal open leases, one writer
-(the ledger's invariants) and the auditor's books. Teardown ends everything in flight and ticks
+leases in any order. After every step: prefix closure, budgets, pins equal open leases, at most
+`retention_writers_max` writers (the ledger's invariants) and the auditor's books. Teardown ends everything in flight and ticks
 past every deadline: no lease left open, no block pinned, budgets still respected."""
 
 import os
@@ -19,11 +19,13 @@ DOCS = ["a", "b", "c", "d"]
 
 
 class HistoryPolicy(RuleBasedStateMachine):
-    @initialize(gpu=st.integers(0, 6), cpu=st.integers(0, 8), candidate=st.integers(1, 8))
-    def setup(self, gpu, cpu, candidate):
+    @initialize(gpu=st.integers(0, 6), cpu=st.integers(0, 8), candidate=st.integers(1, 8),
+                writers=st.sampled_from([1, 2, 4]))
+    def setup(self, gpu, cpu, candidate, writers):
         self.ledger = Ledger(LedgerConfig(block_bytes=BLOCK, gpu_history_bytes=gpu * BLOCK,
                                           cpu_history_bytes=cpu * BLOCK, candidate_bytes_max=candidate * BLOCK,
-                                          history_lease_ns=50, retention_deadline_ns=20, probation_max=8))
+                                          history_lease_ns=50, retention_deadline_ns=20, probation_max=8,
+                                          retention_writers_max=writers))
         self.auditor = Auditor()
         self.now = 0
         self.seq = 0

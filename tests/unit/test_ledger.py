@@ -360,3 +360,44 @@ def test_a_closing_ticket_puts_its_unkept_keys_on_probation_in_the_same_event():
     issue(off, keys=("a", "b"))
     off.apply(ev.Tick(121 * SECOND_NS))
     assert not off.history.enabled and list(off.history.probation) == []
+
+
+# -- retentions that copy at once ------------------------------------------------------------------
+
+def release_only(p, t, keys, at):
+    blocks = tuple(range(at * 10, at * 10 + len(keys)))
+    p.apply(ev.TicketIssued(at, t, "r" + t, blocks, keys))
+    p.apply(ev.ClaimRequested(at, t, "D", 1))
+    return p.apply(ev.ReleaseRequested(at, t, "D", 1))
+
+
+def test_releases_queue_up_to_the_writer_limit_and_the_next_is_dropped_as_busy():
+    p = history_ledger(gpu_blocks=16, cpu_blocks=0, retention_writers_max=2)
+    assert kinds(release_only(p, "a", ("a0", "a1"), 1)) == ["StageHistory"]
+    assert kinds(release_only(p, "b", ("b0",), 2)) == ["StageHistory"]  # queued behind a's copy
+    assert p.history.writers == ["a", "b"]
+    out = release_only(p, "c", ("c0", "c1"), 3)
+    assert kinds(out) == ["FreeEngineBlocks"] and p.counters["history.dropped.busy_writer"] == 2
+    p.apply(ev.HistoryPublished(4, "a", True))
+    assert p.history.writers == ["b"]
+    assert kinds(release_only(p, "c2", ("c0", "c1"), 5)) == ["StageHistory"]
+    assert p.check_invariants() == []
+
+
+def test_a_chain_never_hangs_below_another_retentions_staging_keys():
+    p = history_ledger(gpu_blocks=16, cpu_blocks=0, retention_writers_max=4)
+    release_only(p, "a", ("x0",), 1)  # x0 staging for a
+    out = release_only(p, "b", ("x0", "x1"), 2)  # x1 would need x0, still being copied
+    assert kinds(out) == ["FreeEngineBlocks"] and p.counters["history.dropped.busy_writer"] == 1
+    out = p.apply(ev.HistoryPublished(3, "a", False))  # a's copy failed: x0 goes, nothing orphaned
+    assert "x1" not in p.history.blocks and p.check_invariants() == []
+
+
+def test_a_queued_retention_past_its_deadline_returns_its_blocks():
+    p = history_ledger(gpu_blocks=16, cpu_blocks=0, retention_writers_max=2, retention_deadline_ns=20)
+    release_only(p, "a", ("a0",), 1)
+    release_only(p, "b", ("b0",), 2)
+    out = p.apply(ev.Tick(2 + 20))
+    assert sorted(e.ticket for e in out if isinstance(e, fx.FreeEngineBlocks)) == ["a", "b"]
+    assert p.history.writers == [] and p.counters["history.dropped.deadline"] == 2
+    assert p.check_invariants() == []

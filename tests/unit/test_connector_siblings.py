@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvbaton.adapters.vllm import connector as c  # noqa: E402
+from kvbaton.adapters.vllm import scheduler_side as c  # noqa: E402
 from kvbaton.adapters.vllm.settings import parse_peer_networks  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
 

@@ -1,0 +1,139 @@
+"""The handoff section of `kv_transfer_params` (what P's response carries and D's request must
+hold): its version, its validation (nothing from a client is trusted: the ticket, P's control
+address, the token count and the layout are checked, block ids are hints), the prompt digest that
+ties a grant to its prompt, and the KV layout fingerprint both ends must share."""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import ipaddress
+from dataclasses import dataclass
+from typing import Any
+
+from ...control import peer as pc
+
+
+PARAMS_VERSION = 1
+
+
+@dataclass
+class Handoff:
+    ticket: str
+    control: str
+    num_tokens: int  # what this request asks for; P's grant must name the same
+    epoch: int
+    hit: bool | None = None  # None until P answers the claim
+    local_computed: int = 0
+    consumed: bool = False
+    reason: str = ""
+    # A sibling (see SchedulerSide._handoff): the request that reads the shared ticket, and when
+    # this one started waiting for it. None for a request that reads its own handoff.
+    reader: Any = None
+    waiting_since: float = 0.0
+
+
+class HandoffError(ValueError):
+    pass
+
+
+# Bounds on what a request's handoff section may carry (it comes from a client, through P's
+# response or not): anything past them recomputes within the step.
+MAX_HANDOFF_TOKENS = 1 << 24
+MAX_HINT_BLOCKS = 1 << 20
+
+
+def parse_handoff(params: dict, expected_layout: str, trusted) -> dict:
+    """Validate the `kvbaton` section P put in kv_transfer_params; raise HandoffError naming the
+    flaw. Only the ticket, P's control address (which must be trusted: `peer_networks`), the
+    token count and the layout are used; what to read comes from P's grant. `remote_block_ids`
+    and `engine` are hints: checked for sanity, never used."""
+
+    section = params.get("kvbaton")
+    if not isinstance(section, dict):
+        raise HandoffError("kv_transfer_params has no 'kvbaton' section (not a kvbaton handoff)")
+    for key, kind in (("ticket", str), ("control", str), ("num_tokens", int), ("layout", str)):
+        if not isinstance(section.get(key), kind) or isinstance(section.get(key), bool):
+            raise HandoffError(f"kvbaton handoff field {key!r} is missing or not a {kind.__name__}")
+    # The same types P's sidecar checks peer messages against: what passes here passes there.
+    if not pc.is_valid(section["ticket"], pc.Id):
+        raise HandoffError("kvbaton handoff 'ticket' is not a ticket id")
+    for key in ("keepalive", "instance"):
+        if not pc.is_valid(section.get(key, ""), pc.Instance):
+            raise HandoffError(f"kvbaton handoff {key!r} is not a 128-bit hex value")
+    if len(section["layout"]) > 64:
+        raise HandoffError("kvbaton handoff 'layout' is not a layout fingerprint")
+    check_control(section["control"], trusted)
+    blocks = params.get("remote_block_ids")
+    if blocks is not None:  # a hint: vLLM-NixlConnector-shaped proxies pass it along
+        if isinstance(blocks, list) and len(blocks) == 1 and isinstance(blocks[0], list):
+            blocks = blocks[0]  # per-group form
+        if (not isinstance(blocks, list) or len(blocks) > MAX_HINT_BLOCKS
+                or not all(type(b) is int and 0 <= b <= pc.MAX_BLOCK_ID for b in blocks)):
+            raise HandoffError("kvbaton handoff 'remote_block_ids' is not a list of block ids")
+    if section["layout"] != expected_layout:
+        raise HandoffError(f"layout fingerprint {section['layout']!r} does not match this engine's "
+                           f"{expected_layout!r} (different model, dtype or block size)")
+    if not 0 < section["num_tokens"] <= MAX_HANDOFF_TOKENS:
+        raise HandoffError(f"kvbaton handoff covers {section['num_tokens']} tokens (1 to "
+                           f"{MAX_HANDOFF_TOKENS} allowed)")
+    return section
+
+
+def check_control(control: str, trusted) -> None:
+    """A P control address this engine may contact: `host:port` with the host in `trusted`
+    (peer_networks: CIDR networks, exact names); HandoffError otherwise."""
+
+    networks, names = trusted
+    host, sep, port = control.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or len(control) > 260 or not port.isdigit() or not 0 < int(port) < 65536:
+        raise HandoffError(f"kvbaton handoff 'control' {control[:80]!r} is not host:port")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        if host.lower() not in names:
+            raise HandoffError(f"kvbaton handoff names control host {host[:80]!r}, which is not in "
+                               f"peer_networks") from None
+        return
+    if not any(address in net for net in networks):
+        raise HandoffError(f"kvbaton handoff names control address {host!r}, which is not in "
+                           f"peer_networks")
+
+
+def prompt_digest(request, num_tokens: int) -> str:
+    """What a handoff's blocks hold, as both sides can name it: the prompt's first `num_tokens`
+    tokens and what else makes vLLM's block hashes (cache salt, LoRA, multimodal inputs). P puts
+    it in the ticket; D compares it with its own request before reading anything."""
+
+    digest = hashlib.blake2b(digest_size=16, person=b"kvbaton-prompt")
+    digest.update(num_tokens.to_bytes(8, "little"))
+    digest.update(array.array("q", (request.prompt_token_ids or ())[:num_tokens]).tobytes())
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        digest.update(b"\0salt\0" + str(salt).encode())
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        digest.update(b"\0lora\0" + str(getattr(lora, "lora_name", lora)).encode())
+    for feature in getattr(request, "mm_features", None) or ():
+        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None) or ""
+        digest.update(b"\0mm\0" + str(ident).encode())
+    return digest.hexdigest()
+
+
+def layout_fingerprint(vllm_config, kv_cache_config) -> str:
+    """What must match between P and D for blocks to be interchangeable (no addresses)."""
+
+    parts = [str(vllm_config.cache_config.block_size),
+             str(getattr(vllm_config.cache_config, "cache_dtype", "")),
+             str(vllm_config.model_config.dtype),
+             str(getattr(vllm_config.cache_config, "kv_cache_layout", ""))]
+    hf = vllm_config.model_config.hf_config
+    for attr in ("num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size"):
+        parts.append(f"{attr}={getattr(hf, attr, None)}")
+    if kv_cache_config is not None:
+        for group in kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            parts.append(f"{type(spec).__name__}:{getattr(spec, 'num_kv_heads', '')}:"
+                         f"{getattr(spec, 'head_size', '')}:{getattr(spec, 'dtype', '')}:{len(group.layer_names)}")
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()

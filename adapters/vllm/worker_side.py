@@ -1,0 +1,227 @@
+"""The connector's worker side (in each worker process): registers the KV cache with a transport,
+posts the reads the sidecar grants (through the worker's io thread), runs P's history copier and
+restores, and reports finished sends, receives and load errors back to vLLM."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+from ...control import messages as m
+from ...control.client import Link
+from .settings import automatic_landing
+from .worker_io import WorkerIo
+
+if TYPE_CHECKING:
+    from .connector import KvbatonConnector
+
+logger = logging.getLogger("vllm.kvbaton.connector")
+
+
+def request_amx_permission() -> None:
+    """On an x86 CPU with AMX, ask Linux for the AMX tile state before vLLM's CPU attention uses it.
+
+    vLLM's CPU attention runs AMX tile instructions (bf16, block size a multiple of 32) without
+    asking for the permission itself; Linux kills a process that runs them unasked (SIGILL). The
+    permission is usually granted as a side effect of oneDNN's first bf16 matmul. On an AMX host
+    every decode engine with this connector died in attention on its first handed-off request,
+    and so did vLLM's own NixlConnector's, whose first step computed one token per request after
+    the load; plain engines and producers did not. Which kernel choice skips oneDNN there was not
+    pinned down. Asking is idempotent and costs nothing where AMX is absent."""
+
+    try:
+        import torch
+
+        if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+            logger.warning("kvbaton worker: this CPU has AMX but Linux refused its tile state; "
+                           "vLLM's AMX attention may fail")
+    except Exception:  # an older or newer torch without these private helpers: nothing to do
+        logger.debug("kvbaton worker: could not ask for AMX permission", exc_info=True)
+
+
+class WorkerSide:
+    def __init__(self, conn: KvbatonConnector, kv_cache_config) -> None:
+        self.conn = conn
+        self.num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+        self.transport = None
+        self.link: Link | None = None
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.bad_peers: dict[str, str] = {}
+        self.errors = 0
+        self.io: WorkerIo | None = None  # the control-plane thread (posts reads), once registered
+        # Reported to vLLM when their last read or restore ended; the sidecar's FinishedRecving
+        # for them is dropped. Oldest first and bounded: if the sidecar never sends one (a
+        # rejected end), the entry must not stay for the engine's lifetime.
+        self.reported_received: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.history = None  # P's history copier (a thread), when history is on
+        self.restorer = None  # P's history restores (on this thread, from pump)
+
+    def guard(self, fn, fallback=None, *args):
+        try:
+            return fn(*args)
+        except Exception:
+            self.errors += 1
+            logger.exception("kvbaton worker: %s failed", getattr(fn, "__name__", fn))
+            return fallback
+
+    def register_kv_caches(self, kv_caches: dict, block_dim: int | None = None) -> None:
+        from ...transports.layout import KvLayout
+
+        layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self.conn.block_size,
+                                         block_dim=block_dim)
+        settings, hooks = self.conn.settings, self.conn.settings.test_hooks
+        if hooks.transport == "local":
+            from ...transports.local import LocalTransport
+
+            self.transport = LocalTransport(self.conn.engine_id)
+        else:
+            from ...transports.nixl import NixlTransport
+
+            # The worker io thread posts reads itself (inline): a second thread in between
+            # would add a GIL handoff per read.
+            landing, min_runs_saved = hooks.landing_bytes, hooks.landing_min_runs_saved
+            if landing < 0 and self.conn.is_consumer:
+                landing, min_runs_saved = automatic_landing(layout, self.conn.max_model_len, min_runs_saved)
+            elif landing < 0:
+                landing = 0  # P never reads
+            self.transport = NixlTransport(self.conn.engine_id, post_in_thread=False,
+                                           descriptor_mode="auto",
+                                           landing_bytes=landing,
+                                           landing_min_runs_saved=min_runs_saved,
+                                           # No read outlives the peer timeout (plus its size at
+                                           # a floor rate): a stalled one is cancelled and fails.
+                                           read_timeout_s=settings.peer_timeout_s)
+        if layout.device_type == "cpu":
+            request_amx_permission()
+        self.transport.register(layout, kv_caches)
+        self.kv_caches = kv_caches  # kept for test hooks and history copies
+        nth = hooks.fail_every_nth_read
+        if nth:
+            counter = itertools.count(1)
+            self.transport.fault_hook = lambda read_id: next(counter) % nth == 0
+        # Decisions for the worker arrive on the io thread (reads start at once); the engine
+        # thread only sends, on its own socket.
+        interval = hooks.gil_switch_interval_s
+        if (self.conn.is_consumer or self.conn.history.enabled) and 0 < interval < sys.getswitchinterval():
+            # A reader's io thread must get the GIL within a fraction of an engine step when a
+            # read is granted or ends; a prefill engine's history copier needs it between the
+            # copies of a batch (every torch copy call gives it up and must take it back from
+            # the busy engine thread). See GIL_SWITCH_INTERVAL_S.
+            sys.setswitchinterval(interval)
+        self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers)
+        self.link = Link(self.conn.ipc_dir, None)
+        self.link.send(m.WorkerReady(self.transport.local_metadata(), layout.fingerprint()))
+        self.io.start()
+        if self.conn.history.enabled:
+            self._start_history(kv_caches, layout)
+
+    def _start_history(self, kv_caches: dict, layout) -> None:
+        from .history import HistoryCopier, RestoreRunner, SlotStore
+
+        plan = self.conn.history
+        store, broken = None, ""
+        try:
+            store = SlotStore(kv_caches, [layer.block_dim for layer in layout.layers], plan.gpu_slots,
+                              plan.cpu_slots)
+            if store.slot_bytes != plan.block_bytes:
+                logger.warning("kvbaton worker: a history slot holds %d bytes, the budgets count %d "
+                               "per block", store.slot_bytes, plan.block_bytes)
+        except Exception as exc:  # out of memory, odd layout: history copies fail, serving goes on
+            broken = f"history tiers could not be allocated: {exc}"
+            logger.exception("kvbaton worker: %s", broken)
+        self.history = HistoryCopier(self.conn.ipc_dir, store, broken)
+        self.history.start()
+        self.restorer = RestoreRunner(store, broken)
+
+    def pump(self) -> None:
+        """On the engine's thread: take what the io thread left for it (see worker_io.py)."""
+        if self.link is None:
+            return
+        inbox = self.io.inbox
+        while inbox:
+            msg = inbox.popleft()
+            kind = type(msg)
+            logger.debug("kvbaton worker: %s", msg)
+            if kind is m.FinishedSending:
+                self.sending.add(msg.request)
+            elif kind is m.FinishedRecving:
+                if msg.request in self.reported_received:
+                    del self.reported_received[msg.request]  # reported when its read ended
+                else:
+                    self.recving.add(msg.request)
+            elif kind is m.InvalidBlocks:
+                self.load_errors.update(msg.blocks)
+            elif kind is m.RestoreCopies:
+                self._restore(msg)
+            elif kind is m.Debug and msg.key.startswith("history_") and self.restorer is not None:
+                self.restorer.debug(msg)
+        if self.restorer is not None and self.restorer.jobs:
+            for done, request in self.restorer.poll():
+                self.link.send(done)
+                if done.ok and request:
+                    # As for a load's last read: the bytes are in place, so vLLM may schedule
+                    # the request next step instead of after the sidecar's round trip (an
+                    # engine step later). The sidecar's FinishedRecving for it is dropped.
+                    self.recving.add(request)
+                    self._mark_reported(request)
+        if self.io.reads:
+            for result in self.transport.poll():
+                request, last = self.io.reads.pop(result.read_id, ("", False))
+                if not request:
+                    continue
+                logger.debug("kvbaton worker: read done %s", result)
+                self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
+                                          result.nbytes, result.seconds, result.descriptors,
+                                          result.landed, tuple(result.phases)))
+                if result.ok and last:
+                    # The bytes are in place: vLLM may schedule the request next step. The
+                    # sidecar's FinishedRecving for it (after it books the read) is dropped.
+                    self.recving.add(request)
+                    self._mark_reported(request)
+
+    REPORTED_MAX = 4096  # far more loads and restores than can be in flight at once
+
+    def _mark_reported(self, request: str) -> None:
+        _remember(self.reported_received, request, self.REPORTED_MAX)
+
+    def _restore(self, msg: m.RestoreCopies) -> None:
+        if self.restorer is None:  # history is off here: the sidecar should not have asked
+            self.link.send(m.RestoreDone(msg.lease, False, error="history is off on this worker"))
+            return
+        reply = self.restorer.start(msg)
+        if reply is not None:
+            logger.warning("kvbaton worker: restore %s for %s failed to start: %s", msg.lease,
+                           msg.request, reply.error)
+            self.link.send(reply)
+
+    def get_finished(self, finished_req_ids):
+        self.pump()
+        sending, self.sending = self.sending, set()
+        recving, self.recving = self.recving, set()
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.history is not None:
+            self.history.stop()
+        if self.io is not None:
+            self.io.stop()
+        if self.transport is not None:
+            self.transport.close()
+        if self.link is not None:
+            self.link.close()
+
+
+def _remember(book: collections.OrderedDict, key: str, limit: int) -> None:
+    """Add `key` to a bounded record, dropping the oldest entries past `limit`."""
+    book[key] = None
+    while len(book) > limit:
+        book.popitem(last=False)

@@ -1,4 +1,4 @@
-"""History copy rates on one device, without engines: P's slot store (adapters/vllm/history.py)
+"""History copy rates on one device, without engines: P's slot store (adapters/vllm/history_slots.py)
 stages a prompt's engine blocks into the GPU tier, demotes them to the pinned CPU tier, and
 restores them from each tier, next to torch's single-copy ceilings for the same bytes, with the
 GPU idle and then shared with a second process that keeps it busy (as D's decode does on one GPU).
@@ -152,7 +152,7 @@ def probe(shape: str, blocks: int, repeats: int, device: str, block_size: int = 
     other threads' work (--busy-here)."""
     import torch
 
-    from kvbaton.adapters.vllm.history import SlotStore, pair_runs
+    from kvbaton.adapters.vllm.history_slots import SlotStore, pair_runs
 
     layers, heads, dim = SHAPES[shape]
     cuda = device.startswith("cuda")

@@ -121,7 +121,8 @@ class WorkerSide:
             self._start_history(kv_caches, layout)
 
     def _start_history(self, kv_caches: dict, layout) -> None:
-        from .history import HistoryCopier, RestoreRunner, SlotStore
+        from .history_copier import HistoryCopier, RestoreRunner
+        from .history_slots import SlotStore
 
         plan = self.conn.history
         store, broken = None, ""

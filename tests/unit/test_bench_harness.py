@@ -102,7 +102,7 @@ def test_history_copy_probe_times_every_copy_of_the_same_bytes():
 
 
 def test_in_runs_gives_the_asked_number_of_runs():
-    from kvbaton.adapters.vllm.history import cpu_slot_runs
+    from kvbaton.adapters.vllm.history_slots import cpu_slot_runs
     from kvbaton.bench.history_copy_probe import in_runs
 
     for total, runs in ((250, 1), (250, 9), (250, 40), (7, 7)):

@@ -11,16 +11,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvbaton.adapters.vllm.history import (  # noqa: E402
-    HistoryCopier,
+from kvbaton.adapters.vllm.history import history_plan, kv_block_bytes  # noqa: E402
+from kvbaton.adapters.vllm.history_copier import HistoryCopier  # noqa: E402
+from kvbaton.adapters.vllm.history_slots import (  # noqa: E402
     SlotStore,
-    cpu_slot_runs,
-    history_plan,
-    upload_runs,
     block_first_pieces,
-    kv_block_bytes,
+    cpu_slot_runs,
     pair_runs,
     split_runs,
+    upload_runs,
 )
 from kvbaton.adapters.vllm.settings import parse_settings  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
@@ -312,7 +311,7 @@ def test_copier_answers_a_demotion_batch_that_raised(tmp_path):
 
 
 def test_restore_runner_reports_ends_and_keeps_read_slots_from_reuse():
-    from kvbaton.adapters.vllm.history import RestoreRunner
+    from kvbaton.adapters.vllm.history_copier import RestoreRunner
 
     caches = make_caches()
     store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=1)

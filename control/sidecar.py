@@ -16,7 +16,8 @@ is busy in a forward pass or idle and not stepping. It hosts an xoscar actor poo
 
 Every fact becomes a core event, stamped with this process's monotonic clock, applied to the
 ledger and appended to the log; every effect becomes an RPC, a message to the connector, or an
-answer to the peer that asked.
+answer to the peer that asked. The calls to peers (D side) are in `peer_calls.py`, the answers to
+peers (P side) in `peer_answers.py`: both are parts of `Authority`.
 
 Run as `python -m kvbaton.control.sidecar_main` with its launch (config and secret) as JSON on
 stdin, never on the command line (which keeps torch and pandas out of the process first).
@@ -39,27 +40,24 @@ import msgspec
 import xoscar as xo
 import zmq
 import zmq.asyncio
-from xoscar.core import CALL_METHOD_DEFAULT
-from xoscar.errors import ActorNotExist
 
 from ..core import effects as fx
 from ..core import events as ev
-from ..core.ledger import Ledger, LedgerConfig
+from ..core.ledger import Ledger
 from ..core.log import LogHeader, LogRecordError, LogWriter
-from ..core.reasons import Reason
 from . import messages as m
 from . import peer as pc
-from .client import bounded
-from .residency import ResidencyLog
+from .client import AUTHORITY_UID
 from .config import SidecarConfig, SidecarLaunch, ipc_paths
-from .guard import (RateLimitedLog, capability_digest, guard_pool, install_frame_key, peer_address,
-                    watch_refused_frames)
+from .guard import RateLimitedLog, guard_pool, install_frame_key, watch_refused_frames
+from .peer_answers import PeerAnswers
+from .peer_calls import PeerCalls
+from .residency import ResidencyLog
 
 logger = logging.getLogger("kvbaton.sidecar")
-AUTHORITY_UID = "kvbaton-authority"
 
 
-class Authority(xo.Actor):
+class Authority(PeerAnswers, PeerCalls, xo.Actor):
     """One engine's ledger, driven by its connector's facts and its peers' calls."""
 
     def __init__(self, config_json: bytes, address: str = "") -> None:
@@ -517,372 +515,6 @@ class Authority(xo.Actor):
         await self.shutdown()
         os.kill(os.getpid(), signal.SIGTERM)
 
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)
-            by_source: dict[str, list[pc.HeartbeatTicket]] = {}
-            for load in self.ledger.loads.loads.values():
-                if load.state not in ("DONE", "MISSED", "FAILED", "CANCELLED"):
-                    ctx = self.loads.get(load.request) or {}
-                    by_source.setdefault(load.source, []).append(
-                        pc.HeartbeatTicket(load.ticket, ctx.get("keepalive", "")))
-            for source, tickets in by_source.items():
-                for lo in range(0, len(tickets), pc.MAX_HEARTBEAT_TICKETS):
-                    self._spawn(self._call(source, pc.Heartbeat(
-                        self.cfg.engine_id, tickets[lo:lo + pc.MAX_HEARTBEAT_TICKETS], self.instance,
-                        self.bound_address)))
-
-    # -- calls to peers (D side) -------------------------------------------------------------------
-
-    async def _ref(self, address: str):
-        ref = self.peer_refs.get(address)
-        if ref is None:
-            ref = await xo.actor_ref(address, AUTHORITY_UID)
-            self.peer_refs[address] = ref
-        return ref
-
-    async def _try_call(self, address: str, call: pc.PeerCall) -> tuple[str, object]:
-        """Call a peer's authority: `("ok", answer)`, `("refused", exc)` when the call provably
-        never reached it (nobody listens at the address yet, or its pool is up but its authority
-        is not created yet), or `("failed", exc)` for any other failure (it may have got it).
-        The answer is decoded as the typed answer of `call`; anything else is a failure."""
-
-        what = call.__struct_config__.tag
-        try:
-            # Bounded: a peer that is stopped or wedged (or whose port another program took)
-            # never answers, and xoscar would wait for it forever. A timeout may have reached it.
-            ref = await bounded(self._ref(address), self.cfg.call_timeout_s, f"connect to {address}")
-            return "ok", await bounded(pc.ask(ref, call), self.cfg.call_timeout_s, f"{what} at {address}")
-        except Exception as exc:
-            self.peer_refs.pop(address, None)
-            return ("refused" if _never_arrived(exc) else "failed"), exc
-
-    async def _call(self, address: str, call: pc.PeerCall):
-        """A peer's answer, or None when the call failed (logged)."""
-
-        status, value = await self._try_call(address, call)
-        if status == "ok":
-            return value
-        logger.warning("call %s to %s failed: %r", call.__struct_config__.tag, address, value)
-        return None
-
-    def _awaiting_claim(self, effect: fx.SendClaim) -> bool:
-        load = self.ledger.loads.loads.get(effect.request)
-        return (load is not None and load.state == "AWAITING_CLAIM" and load.ticket == effect.ticket
-                and load.epoch == effect.epoch)
-
-    def _grant_problem(self, ctx: dict, answer: pc.ClaimAnswer) -> str:
-        """Why a grant must not be read (P is the authority on what D reads, and D reads only
-        when P's grant names exactly what its own request holds), or "" when it may."""
-
-        bs = self.cfg.block_size or 1
-        if answer.layout != self.cfg.layout:
-            return f"grant mismatch: layout {answer.layout!r}, this engine's is {self.cfg.layout!r}"
-        if answer.num_tokens != ctx["num_tokens"] or answer.digest != ctx["digest"]:
-            return "grant mismatch: the ticket holds other tokens than this request's prompt"
-        if len(answer.blocks) != -(-answer.num_tokens // bs):
-            return f"grant mismatch: {len(answer.blocks)} blocks for {answer.num_tokens} tokens"
-        if any(not 0 <= b <= pc.MAX_BLOCK_ID for b in answer.blocks) or len(set(answer.blocks)) != len(answer.blocks):
-            return "grant mismatch: block ids out of range or repeated"
-        if not answer.engine or len(answer.engine) > pc.MAX_ID:
-            return "grant mismatch: no engine named"
-        return ""
-
-    async def _claim(self, effect: fx.SendClaim) -> None:
-        if self.cfg.debug_delay_claim_s:
-            await asyncio.sleep(self.cfg.debug_delay_claim_s)
-        # Just after an engine starts (its sidecar comes up a while after vLLM reports ready: a
-        # second or two on a warm GPU machine, minutes on a loaded CPU one), or just after P
-        # finished the prefill (its fact may still be on the way to its sidecar), a claim can
-        # find nobody listening or an unknown ticket. Both are retried with backoff for as long
-        # as the load waits for its claim (the ledger's `claim_wait_ns`, after which it misses
-        # anyway), and only those: any other failure may have reached P, so it is a miss at
-        # once. A claim is idempotent for the same (claimer, epoch). At most one call per 0.5 s
-        # per waiting load once the backoff has grown; the retries stop as soon as the load no
-        # longer waits (expired, aborted) or the sidecar stops.
-        deadline = time.monotonic() + self.cfg.ledger.claim_wait_ns / 1e9
-        pause = 0.02
-        retried = 0
-        unknown_since = None
-        call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch, self.instance, self.bound_address)
-        expected_instance = (self.loads.get(effect.request) or {}).get("instance", "")
-        while True:
-            status, value = await self._try_call(effect.source, call)
-            reply = value if status == "ok" else None
-            if reply is not None and expected_instance and reply.instance and reply.instance != expected_instance:
-                # P restarted at this address: its tickets died with the old instance. A miss at
-                # once (never the unknown-ticket retries), and nothing of the old peer is used.
-                reply = pc.ClaimAnswer(False, "source restarted: the ticket was issued by an earlier "
-                                              "instance of P", instance=reply.instance)
-                self.refused["stale_instance"] += 1
-                break
-            unknown = reply is not None and not reply.granted and reply.reason == Reason.UNKNOWN_TICKET
-            if unknown and unknown_since is None:
-                unknown_since = time.monotonic()
-            # "Unknown ticket" is a race with P's own fact (milliseconds; seconds on a starved
-            # machine), not a reason to hold D's blocks for the whole claim wait: a restarted P,
-            # or one that pruned the ticket, never learns it.
-            retry = status == "refused" or (unknown and time.monotonic() - unknown_since < UNKNOWN_TICKET_RETRY_S)
-            if not retry:
-                if status == "failed":
-                    logger.warning("claim of ticket %s at %s failed: %r", pc.short(effect.ticket),
-                                   effect.source, value)
-                break
-            if self.stopping or not self._awaiting_claim(effect):
-                return  # the load already ended (it resolved itself); P never took this claim
-            left = deadline - time.monotonic()
-            if left <= 0:  # the ledger has normally expired the load already ("claim unanswered")
-                logger.warning("claim of ticket %s at %s: still %s after %d retries; giving up",
-                               pc.short(effect.ticket), effect.source,
-                               "refused" if status == "refused" else "unknown", retried)
-                break
-            if retried == 0:
-                logger.info("claim of ticket %s at %s: %s; retrying for up to %.1f s", pc.short(effect.ticket),
-                            effect.source, repr(value) if status == "refused" else "unknown ticket", left)
-            await asyncio.sleep(min(pause, left))
-            pause = min(pause * 2, 0.5)
-            retried += 1
-        now = self._now()
-        ctx = self.loads.get(effect.request)
-        problem = ""
-        if reply is not None and reply.granted:
-            problem = self._grant_problem(ctx, reply) if ctx is not None else ""
-            if problem:
-                self.refused["grant_mismatch"] += 1
-                self.refusal_log.warning("grant_mismatch", "request %s: %s (P at %s); recomputing",
-                                         effect.request, problem, effect.source)
-        if reply is not None and reply.granted and not problem:
-            if ctx is not None:
-                ctx["granted"], ctx["engine"] = reply.blocks, reply.engine
-                ctx["granted_instance"] = reply.instance
-            effects = self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
-            if _forgotten(effects):  # the load was pruned meanwhile: give the ticket back
-                self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
-                                                                 effect.epoch)))
-        else:
-            reason = problem or (reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE)
-            self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
-            if status == "failed" or problem:
-                # The call may have reached P and been granted there (or was granted for blocks
-                # this request must not read): give the ticket back rather than leave P's blocks
-                # claimed for a whole idle lease.
-                self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
-                                                                 effect.epoch)))
-
-    async def _announce_peer(self, source: str, engine: str, instance: str) -> bool:
-        """Give the worker P's transport metadata once per (address, engine, instance); the
-        metadata must come from the engine and instance the grant named. A new instance's
-        metadata replaces the old one's (the worker drops the old NIXL agent first)."""
-
-        if (source, engine, instance) in self.peers_announced:
-            return True
-        answer = await self._call(source, pc.Metadata())
-        if answer is None or answer.metadata is None:
-            return False
-        if answer.engine != engine or answer.instance != instance:
-            self.refused["metadata_mismatch"] += 1
-            self.refusal_log.warning("metadata_mismatch", "peer at %s granted as engine %r instance %s "
-                                     "answers as %r instance %s: not reading from it", source, engine,
-                                     instance[:8], answer.engine, answer.instance[:8])
-            return False
-        self._send(self.to_worker, m.AddPeer(engine, answer.metadata))
-        self.peers_announced = {key for key in self.peers_announced if key[:2] != (source, engine)}
-        self.peers_announced.add((source, engine, instance))
-        return True
-
-    async def _read_start(self, effect: fx.SendReadStart) -> None:
-        ctx = self.loads.get(effect.request, {})
-        if effect.read.endswith("/0") and self.cfg.debug_hold_first_read_s:
-            await asyncio.sleep(self.cfg.debug_hold_first_read_s)
-        elif not effect.read.endswith("/0") and self.cfg.debug_pause_between_reads_s:
-            await asyncio.sleep(self.cfg.debug_pause_between_reads_s)
-        engine = ctx.get("engine", "")
-        if engine and not await self._announce_peer(effect.source, engine, ctx.get("granted_instance", "")):
-            self._apply(ev.ReadRefused(self._now(), effect.request, effect.read, Reason.NO_TRANSPORT_METADATA))
-            return
-        reply = await self._call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
-                                                             effect.epoch, effect.read))
-        now = self._now()
-        if reply is not None and reply.ok:
-            effects = self._apply(ev.ReadGranted(now, effect.request, effect.read))
-            if _forgotten(effects):
-                # The load was pruned meanwhile: nobody will end the read P pinned for; end it.
-                self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id,
-                                                                 effect.epoch, effect.read, False, True)))
-        else:
-            reason = reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE
-            self._apply(ev.ReadRefused(now, effect.request, effect.read, reason))
-
-    async def _post_read(self, effect: fx.PostRead) -> None:
-        if self.cfg.debug_hold_post_s:
-            await asyncio.sleep(self.cfg.debug_hold_post_s)
-        ctx = self.loads.get(effect.request)
-        if ctx is None:
-            return
-        first, dst = ctx["first"], ctx["dst"]
-        src = tuple(ctx["granted"][first:first + len(dst)])
-        reads = ctx.get("reads", 1)  # as the ledger was told at allocation
-        index = int(effect.read.rsplit("/", 1)[1])
-        if len(src) != len(dst) or first < 0:
-            # More destination blocks than P granted past the local hit: read nothing, fail the
-            # load so vLLM recomputes them.
-            self._apply(ev.LoadReadFinished(self._now(), effect.request, effect.read, False))
-            return
-        # Sequential reads split the blocks into near-equal slices (one slice per read).
-        bounds = [len(dst) * i // reads for i in range(reads + 1)]
-        lo, hi = bounds[index], bounds[index + 1]
-        self._send(self.to_worker, m.PostRead(effect.request, effect.read, ctx["engine"],
-                                              src[lo:hi], tuple(dst[lo:hi]), index == reads - 1))
-
-    # -- calls from peers (P side) -----------------------------------------------------------------
-
-    async def __on_receive__(self, message):
-        """The only door peers have: the `call` method, one bytes argument, no keywords. Every
-        other method (private ones, `__post_create__`, the shell's own) is refused."""
-
-        try:
-            method, call_method, args, kwargs = message
-        except (TypeError, ValueError):
-            self._refuse("method", "malformed actor message")
-            raise PermissionError("not a kvbaton peer call") from None
-        if method != pc.PEER_METHOD or call_method != CALL_METHOD_DEFAULT or len(args) != 1 or kwargs:
-            self._refuse("method", f"method {str(method)[:64]!r}")
-            raise PermissionError("kvbaton sidecars answer only their protocol's calls")
-        return await super().__on_receive__(message)
-
-    def _refuse(self, reason: str, detail: str) -> None:
-        self.refused[reason] += 1
-        self.refusal_log.warning(reason, "refused a peer call from %s (%s): %s", peer_address.get(),
-                                 reason, detail)
-
-    async def call(self, payload) -> bytes:
-        try:
-            request = pc.decode_call(payload)
-        except pc.PeerRefusal as refusal:
-            self._refuse(refusal.reason, refusal.detail)
-            return pc.ENCODER.encode(pc.Answer(False, "refused: " + refusal.reason))
-        try:
-            answer = self._answer(request)
-        except Exception:  # a bug must not take the authority down, nor leak its text to the peer
-            logger.exception("answering a peer's %s failed", request.__struct_config__.tag)
-            self.refused["internal_error"] += 1
-            answer = pc.ClaimAnswer(False, "internal error") if type(request) is pc.Claim else \
-                pc.Answer(False, "internal error")
-        return pc.ENCODER.encode(answer)
-
-    def _reply(self, effects: list[fx.Effect], kind):
-        for effect in effects:
-            if type(effect) is kind:
-                return effect
-        return None
-
-    def _refused_by_ledger(self, effects: list, request: pc.PeerCall) -> fx.Rejected | None:
-        """A peer's request the ledger refused for who asked (not the claimer, no capability,
-        claimed by another): counted and logged like the gate's refusals. Refusals of state
-        (closed, unknown read) are lifecycle races, counted by the ledger only."""
-
-        refused = self._reply(effects, fx.Rejected)
-        if refused is not None:
-            reason = _OWNER_REFUSALS.get(refused.reason)
-            if reason is not None:
-                self._refuse(reason, f"{request.__struct_config__.tag} of ticket {pc.short(refused.subject)} "
-                                     f"by {getattr(request, 'claimer', '?')!r}")
-        return refused
-
-    def _note_peer(self, address: str, instance: str, claimer: str, now: int) -> None:
-        """Decode engine `claimer` at `address` speaks as `instance`. When the same engine spoke
-        from the same address as another instance before, that one restarted: its claims and
-        reads end now (P's blocks come back on the normal path) instead of when their idle lease
-        runs out. Two engines that report one address (a wildcard or a copied port) are told
-        apart by their names and never end each other's claims."""
-
-        if not address or not instance or address.rpartition(":")[0] in ("0.0.0.0", "[::]", "::", ""):
-            return
-        key = (address, claimer)
-        known = self.peer_instances.get(key)
-        self.peer_instances[key] = instance
-        self.peer_instances.move_to_end(key)
-        while len(self.peer_instances) > 4096:
-            self.peer_instances.popitem(last=False)
-        if known is None or known == instance:
-            return
-        # Heard first from the new instance, so every claim this engine name holds here is the
-        # old instance's (the new one has claimed nothing yet).
-        ended = 0
-        for ticket in list(self.ledger.tickets.tickets.values()):
-            if ticket.claimer != claimer or ticket.state not in ("CLAIMED", "READING"):
-                continue
-            for read in list(ticket.reads):
-                self._apply(ev.ReadFinished(now, ticket.ticket, read, False, ticket.claimer, ticket.epoch))
-            self._apply(ev.ReleaseRequested(now, ticket.ticket, ticket.claimer, ticket.epoch))
-            ended += 1
-        self.refusal_log.warning("peer_restarted", "decode engine at %s restarted (instance %s, was %s): "
-                                 "ended %d of its earlier instance's claims", address, instance[:8],
-                                 known[:8], ended)
-
-    def _answer(self, request: pc.PeerCall):
-        now = self._now()
-        kind = type(request)
-        if kind is pc.Claim:
-            self._note_peer(request.address, request.instance, request.claimer, now)
-            reply = self._reply(self._apply(ev.ClaimRequested(now, request.ticket, request.claimer,
-                                                              request.epoch)), fx.ReplyClaim)
-            if reply is None:
-                return pc.ClaimAnswer(False, "no reply", instance=self.instance)
-            if not reply.granted:
-                if reply.reason == Reason.CLAIMED_BY_ANOTHER:
-                    self._refuse("not_claimer", f"claim of ticket {pc.short(request.ticket)} claimed by "
-                                                f"another, by {request.claimer!r}")
-                if reply.reason == Reason.UNKNOWN_TICKET:
-                    self.refusal_log.warning("unknown_ticket", "claim of unknown ticket %s by %r from %s",
-                                             pc.short(request.ticket), request.claimer, peer_address.get())
-                return pc.ClaimAnswer(False, reply.reason, instance=self.instance)
-            return pc.ClaimAnswer(True, reply.reason, self.cfg.engine_id, self.cfg.layout, reply.blocks,
-                                  reply.num_tokens, reply.digest, self.instance)
-        if kind is pc.ReadStart:
-            effects = self._apply(ev.ReadStarted(now, request.ticket, request.claimer, request.epoch,
-                                                 request.read))
-            self._refused_by_ledger(effects, request)
-            reply = self._reply(effects, fx.ReplyRead)
-            return pc.Answer(bool(reply and reply.granted), reply.reason if reply else "no reply")
-        if kind is pc.ReadEnd:
-            effects = self._apply(ev.ReadFinished(now, request.ticket, request.read, request.ok,
-                                                  request.claimer, request.epoch))
-            refused = self._refused_by_ledger(effects, request)
-            if refused is not None and refused.reason == Reason.NOT_CLAIMER:
-                return pc.Answer(False, refused.reason)
-            if request.release:
-                self._apply(ev.ReleaseRequested(now, request.ticket, request.claimer, request.epoch))
-            return pc.Answer(refused is None, refused.reason if refused is not None else "")
-        if kind is pc.Release:
-            refused = self._refused_by_ledger(self._apply(ev.ReleaseRequested(
-                now, request.ticket, request.claimer, request.epoch)), request)
-            return pc.Answer(refused is None, refused.reason if refused is not None else "")
-        if kind is pc.Heartbeat:
-            self._note_peer(request.address, request.instance, request.claimer, now)
-            refused = 0
-            for entry in request.tickets:
-                proof = capability_digest(entry.keepalive) if entry.keepalive else ""
-                effects = self._apply(ev.HeartbeatReceived(now, entry.ticket, request.claimer, proof))
-                refused += self._refused_by_ledger(effects, request) is not None
-            return pc.Answer(refused == 0, f"{refused} refused" if refused else "")
-        if kind is pc.Abandon:
-            effects = self._apply(ev.AbandonRequested(now, request.ticket,
-                                                      capability_digest(request.capability)))
-            refused = self._refused_by_ledger(effects, request)
-            return pc.Answer(any(type(e) is fx.FreeEngineBlocks for e in effects),
-                             refused.reason if refused is not None else "")
-        if kind is pc.Metadata:
-            return pc.MetadataAnswer(self.cfg.engine_id, self.metadata, self.instance)
-        if kind is pc.State:
-            return pc.StateAnswer(self.debug_state())
-        if kind is pc.Residency:
-            # A count from another instance of this sidecar means nothing here: a snapshot.
-            since = request.since if request.instance == self.instance else -1
-            reset, seq, events = self.residency.answer(since)
-            return pc.ResidencyAnswer(self.instance, seq, reset, events)
-        raise TypeError(f"no handler for {kind.__name__}")
-
     def debug_state(self) -> dict:
         counters = dict(self.ledger.counters)
         refused = self.refused + FRAME_REFUSALS
@@ -948,34 +580,6 @@ class Authority(xo.Actor):
             "io": dict(self.history_io),
             "lease_contexts": len(self.lease_ctx),
         }
-
-
-def _forgotten(effects: list) -> bool:
-    """The ledger no longer knows the load a grant is for (pruned): the grant must be undone."""
-
-    return any(type(e) is fx.Rejected and e.reason == Reason.UNKNOWN_LOAD for e in effects)
-
-
-# Ledger refusals that say who asked was not allowed (counted as peers.refused.<reason>).
-_OWNER_REFUSALS = {Reason.NOT_CLAIMER: "not_claimer", Reason.NO_CAPABILITY: "no_capability"}
-
-# How long D keeps asking while P answers "unknown ticket" (within the claim wait).
-UNKNOWN_TICKET_RETRY_S = 8.0
-
-
-def _never_arrived(exc: BaseException) -> bool:
-    """True when a failed call provably never reached the peer's authority: the connection was
-    refused (nobody listens at the address), or the peer's pool answered that no such actor
-    exists (the pool is up, the authority not yet created). Follows explicit wrapping
-    (`raise ... from exc`), never an exception merely raised while handling another."""
-
-    for _ in range(8):
-        if isinstance(exc, (ConnectionRefusedError, ActorNotExist)):
-            return True
-        if exc.__cause__ is None:
-            return False
-        exc = exc.__cause__
-    return False
 
 
 def _alive(pid: int) -> bool:

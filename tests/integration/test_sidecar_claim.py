@@ -276,7 +276,7 @@ def test_unknown_ticket_is_retried_for_a_short_window_only(sidecars):
     """P keeps answering "unknown ticket" (restarted, or the ticket was pruned): D stops asking
     after UNKNOWN_TICKET_RETRY_S, long before its 30 s claim wait, so a parked request recomputes."""
 
-    from kvbaton.control.sidecar import UNKNOWN_TICKET_RETRY_S
+    from kvbaton.control.peer_calls import UNKNOWN_TICKET_RETRY_S
 
     request = load(sidecars.d, sidecars.p.address, uuid.uuid4().hex)
     resolved, took = wait_resolved(sidecars.d, request, 30.0)

@@ -1,0 +1,266 @@
+"""The sidecar's calls to peers (D side): claims, read starts and ends, releases, heartbeats to the
+prefill engines a decode engine loads from. A part of `Authority` (`sidecar.py`), which owns the
+ledger, the load contexts and the connection refs these methods use."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import xoscar as xo
+from xoscar.errors import ActorNotExist
+
+from ..core import effects as fx
+from ..core import events as ev
+from ..core.reasons import Reason
+from . import messages as m
+from . import peer as pc
+from .client import AUTHORITY_UID, bounded
+
+logger = logging.getLogger("kvbaton.sidecar")
+
+# How long D keeps asking while P answers "unknown ticket" (within the claim wait).
+UNKNOWN_TICKET_RETRY_S = 8.0
+
+
+class PeerCalls:
+    """Mixed into `Authority`: what a decode engine's sidecar asks of prefill engines."""
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            by_source: dict[str, list[pc.HeartbeatTicket]] = {}
+            for load in self.ledger.loads.loads.values():
+                if load.state not in ("DONE", "MISSED", "FAILED", "CANCELLED"):
+                    ctx = self.loads.get(load.request) or {}
+                    by_source.setdefault(load.source, []).append(
+                        pc.HeartbeatTicket(load.ticket, ctx.get("keepalive", "")))
+            for source, tickets in by_source.items():
+                for lo in range(0, len(tickets), pc.MAX_HEARTBEAT_TICKETS):
+                    self._spawn(self._call(source, pc.Heartbeat(
+                        self.cfg.engine_id, tickets[lo:lo + pc.MAX_HEARTBEAT_TICKETS], self.instance,
+                        self.bound_address)))
+
+    # -- calls to peers (D side) -------------------------------------------------------------------
+
+    async def _ref(self, address: str):
+        ref = self.peer_refs.get(address)
+        if ref is None:
+            ref = await xo.actor_ref(address, AUTHORITY_UID)
+            self.peer_refs[address] = ref
+        return ref
+
+    async def _try_call(self, address: str, call: pc.PeerCall) -> tuple[str, object]:
+        """Call a peer's authority: `("ok", answer)`, `("refused", exc)` when the call provably
+        never reached it (nobody listens at the address yet, or its pool is up but its authority
+        is not created yet), or `("failed", exc)` for any other failure (it may have got it).
+        The answer is decoded as the typed answer of `call`; anything else is a failure."""
+
+        what = call.__struct_config__.tag
+        try:
+            # Bounded: a peer that is stopped or wedged (or whose port another program took)
+            # never answers, and xoscar would wait for it forever. A timeout may have reached it.
+            ref = await bounded(self._ref(address), self.cfg.call_timeout_s, f"connect to {address}")
+            return "ok", await bounded(pc.ask(ref, call), self.cfg.call_timeout_s, f"{what} at {address}")
+        except Exception as exc:
+            self.peer_refs.pop(address, None)
+            return ("refused" if _never_arrived(exc) else "failed"), exc
+
+    async def _call(self, address: str, call: pc.PeerCall):
+        """A peer's answer, or None when the call failed (logged)."""
+
+        status, value = await self._try_call(address, call)
+        if status == "ok":
+            return value
+        logger.warning("call %s to %s failed: %r", call.__struct_config__.tag, address, value)
+        return None
+
+    def _awaiting_claim(self, effect: fx.SendClaim) -> bool:
+        load = self.ledger.loads.loads.get(effect.request)
+        return (load is not None and load.state == "AWAITING_CLAIM" and load.ticket == effect.ticket
+                and load.epoch == effect.epoch)
+
+    def _grant_problem(self, ctx: dict, answer: pc.ClaimAnswer) -> str:
+        """Why a grant must not be read (P is the authority on what D reads, and D reads only
+        when P's grant names exactly what its own request holds), or "" when it may."""
+
+        bs = self.cfg.block_size or 1
+        if answer.layout != self.cfg.layout:
+            return f"grant mismatch: layout {answer.layout!r}, this engine's is {self.cfg.layout!r}"
+        if answer.num_tokens != ctx["num_tokens"] or answer.digest != ctx["digest"]:
+            return "grant mismatch: the ticket holds other tokens than this request's prompt"
+        if len(answer.blocks) != -(-answer.num_tokens // bs):
+            return f"grant mismatch: {len(answer.blocks)} blocks for {answer.num_tokens} tokens"
+        if any(not 0 <= b <= pc.MAX_BLOCK_ID for b in answer.blocks) or len(set(answer.blocks)) != len(answer.blocks):
+            return "grant mismatch: block ids out of range or repeated"
+        if not answer.engine or len(answer.engine) > pc.MAX_ID:
+            return "grant mismatch: no engine named"
+        return ""
+
+    async def _claim(self, effect: fx.SendClaim) -> None:
+        if self.cfg.debug_delay_claim_s:
+            await asyncio.sleep(self.cfg.debug_delay_claim_s)
+        # Just after an engine starts (its sidecar comes up a while after vLLM reports ready: a
+        # second or two on a warm GPU machine, minutes on a loaded CPU one), or just after P
+        # finished the prefill (its fact may still be on the way to its sidecar), a claim can
+        # find nobody listening or an unknown ticket. Both are retried with backoff for as long
+        # as the load waits for its claim (the ledger's `claim_wait_ns`, after which it misses
+        # anyway), and only those: any other failure may have reached P, so it is a miss at
+        # once. A claim is idempotent for the same (claimer, epoch). At most one call per 0.5 s
+        # per waiting load once the backoff has grown; the retries stop as soon as the load no
+        # longer waits (expired, aborted) or the sidecar stops.
+        deadline = time.monotonic() + self.cfg.ledger.claim_wait_ns / 1e9
+        pause = 0.02
+        retried = 0
+        unknown_since = None
+        call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch, self.instance, self.bound_address)
+        expected_instance = (self.loads.get(effect.request) or {}).get("instance", "")
+        while True:
+            status, value = await self._try_call(effect.source, call)
+            reply = value if status == "ok" else None
+            if reply is not None and expected_instance and reply.instance and reply.instance != expected_instance:
+                # P restarted at this address: its tickets died with the old instance. A miss at
+                # once (never the unknown-ticket retries), and nothing of the old peer is used.
+                reply = pc.ClaimAnswer(False, "source restarted: the ticket was issued by an earlier "
+                                              "instance of P", instance=reply.instance)
+                self.refused["stale_instance"] += 1
+                break
+            unknown = reply is not None and not reply.granted and reply.reason == Reason.UNKNOWN_TICKET
+            if unknown and unknown_since is None:
+                unknown_since = time.monotonic()
+            # "Unknown ticket" is a race with P's own fact (milliseconds; seconds on a starved
+            # machine), not a reason to hold D's blocks for the whole claim wait: a restarted P,
+            # or one that pruned the ticket, never learns it.
+            retry = status == "refused" or (unknown and time.monotonic() - unknown_since < UNKNOWN_TICKET_RETRY_S)
+            if not retry:
+                if status == "failed":
+                    logger.warning("claim of ticket %s at %s failed: %r", pc.short(effect.ticket),
+                                   effect.source, value)
+                break
+            if self.stopping or not self._awaiting_claim(effect):
+                return  # the load already ended (it resolved itself); P never took this claim
+            left = deadline - time.monotonic()
+            if left <= 0:  # the ledger has normally expired the load already ("claim unanswered")
+                logger.warning("claim of ticket %s at %s: still %s after %d retries; giving up",
+                               pc.short(effect.ticket), effect.source,
+                               "refused" if status == "refused" else "unknown", retried)
+                break
+            if retried == 0:
+                logger.info("claim of ticket %s at %s: %s; retrying for up to %.1f s", pc.short(effect.ticket),
+                            effect.source, repr(value) if status == "refused" else "unknown ticket", left)
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
+            retried += 1
+        now = self._now()
+        ctx = self.loads.get(effect.request)
+        problem = ""
+        if reply is not None and reply.granted:
+            problem = self._grant_problem(ctx, reply) if ctx is not None else ""
+            if problem:
+                self.refused["grant_mismatch"] += 1
+                self.refusal_log.warning("grant_mismatch", "request %s: %s (P at %s); recomputing",
+                                         effect.request, problem, effect.source)
+        if reply is not None and reply.granted and not problem:
+            if ctx is not None:
+                ctx["granted"], ctx["engine"] = reply.blocks, reply.engine
+                ctx["granted_instance"] = reply.instance
+            effects = self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
+            if _forgotten(effects):  # the load was pruned meanwhile: give the ticket back
+                self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
+                                                                 effect.epoch)))
+        else:
+            reason = problem or (reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE)
+            self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
+            if status == "failed" or problem:
+                # The call may have reached P and been granted there (or was granted for blocks
+                # this request must not read): give the ticket back rather than leave P's blocks
+                # claimed for a whole idle lease.
+                self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
+                                                                 effect.epoch)))
+
+    async def _announce_peer(self, source: str, engine: str, instance: str) -> bool:
+        """Give the worker P's transport metadata once per (address, engine, instance); the
+        metadata must come from the engine and instance the grant named. A new instance's
+        metadata replaces the old one's (the worker drops the old NIXL agent first)."""
+
+        if (source, engine, instance) in self.peers_announced:
+            return True
+        answer = await self._call(source, pc.Metadata())
+        if answer is None or answer.metadata is None:
+            return False
+        if answer.engine != engine or answer.instance != instance:
+            self.refused["metadata_mismatch"] += 1
+            self.refusal_log.warning("metadata_mismatch", "peer at %s granted as engine %r instance %s "
+                                     "answers as %r instance %s: not reading from it", source, engine,
+                                     instance[:8], answer.engine, answer.instance[:8])
+            return False
+        self._send(self.to_worker, m.AddPeer(engine, answer.metadata))
+        self.peers_announced = {key for key in self.peers_announced if key[:2] != (source, engine)}
+        self.peers_announced.add((source, engine, instance))
+        return True
+
+    async def _read_start(self, effect: fx.SendReadStart) -> None:
+        ctx = self.loads.get(effect.request, {})
+        if effect.read.endswith("/0") and self.cfg.debug_hold_first_read_s:
+            await asyncio.sleep(self.cfg.debug_hold_first_read_s)
+        elif not effect.read.endswith("/0") and self.cfg.debug_pause_between_reads_s:
+            await asyncio.sleep(self.cfg.debug_pause_between_reads_s)
+        engine = ctx.get("engine", "")
+        if engine and not await self._announce_peer(effect.source, engine, ctx.get("granted_instance", "")):
+            self._apply(ev.ReadRefused(self._now(), effect.request, effect.read, Reason.NO_TRANSPORT_METADATA))
+            return
+        reply = await self._call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
+                                                             effect.epoch, effect.read))
+        now = self._now()
+        if reply is not None and reply.ok:
+            effects = self._apply(ev.ReadGranted(now, effect.request, effect.read))
+            if _forgotten(effects):
+                # The load was pruned meanwhile: nobody will end the read P pinned for; end it.
+                self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id,
+                                                                 effect.epoch, effect.read, False, True)))
+        else:
+            reason = reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE
+            self._apply(ev.ReadRefused(now, effect.request, effect.read, reason))
+
+    async def _post_read(self, effect: fx.PostRead) -> None:
+        if self.cfg.debug_hold_post_s:
+            await asyncio.sleep(self.cfg.debug_hold_post_s)
+        ctx = self.loads.get(effect.request)
+        if ctx is None:
+            return
+        first, dst = ctx["first"], ctx["dst"]
+        src = tuple(ctx["granted"][first:first + len(dst)])
+        reads = ctx.get("reads", 1)  # as the ledger was told at allocation
+        index = int(effect.read.rsplit("/", 1)[1])
+        if len(src) != len(dst) or first < 0:
+            # More destination blocks than P granted past the local hit: read nothing, fail the
+            # load so vLLM recomputes them.
+            self._apply(ev.LoadReadFinished(self._now(), effect.request, effect.read, False))
+            return
+        # Sequential reads split the blocks into near-equal slices (one slice per read).
+        bounds = [len(dst) * i // reads for i in range(reads + 1)]
+        lo, hi = bounds[index], bounds[index + 1]
+        self._send(self.to_worker, m.PostRead(effect.request, effect.read, ctx["engine"],
+                                              src[lo:hi], tuple(dst[lo:hi]), index == reads - 1))
+
+
+def _forgotten(effects: list) -> bool:
+    """The ledger no longer knows the load a grant is for (pruned): the grant must be undone."""
+
+    return any(type(e) is fx.Rejected and e.reason == Reason.UNKNOWN_LOAD for e in effects)
+
+
+def _never_arrived(exc: BaseException) -> bool:
+    """True when a failed call provably never reached the peer's authority: the connection was
+    refused (nobody listens at the address), or the peer's pool answered that no such actor
+    exists (the pool is up, the authority not yet created). Follows explicit wrapping
+    (`raise ... from exc`), never an exception merely raised while handling another."""
+
+    for _ in range(8):
+        if isinstance(exc, (ConnectionRefusedError, ActorNotExist)):
+            return True
+        if exc.__cause__ is None:
+            return False
+        exc = exc.__cause__
+    return False

@@ -24,6 +24,7 @@ catches, logs, and answers "recompute locally".
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,7 +39,7 @@ from ...transports.layout import CROSS_LAYERS_NAME
 from .handoff import layout_fingerprint
 from .history import HistoryPlan, history_plan
 from .scheduler_side import SchedulerSide
-from .settings import Settings, parse_settings
+from .settings import TEST_HOOKS_ENV, Settings, parse_settings
 from .worker_side import WorkerSide
 
 logger = logging.getLogger("vllm.kvbaton.connector")
@@ -94,8 +95,14 @@ class KvbatonConnector(KVConnectorBase_V1):
         return self._scheduler.debug_state() if self._scheduler is not None else {}
 
     def debug_set(self, key: str, value: float) -> None:
-        """Test hook: change a `debug_*` knob of the sidecar, or `fail_next_reads` on the worker."""
+        """Test hook: change a `debug_*` knob of the sidecar, or `fail_next_reads` on the worker.
+        Refused (logged, nothing sent) unless the engine runs with `KVBATON_TEST_HOOKS=1`, like
+        every other test hook: a production engine never injects faults."""
 
+        if os.environ.get(TEST_HOOKS_ENV) != "1":
+            logger.warning("kvbaton: debug_set(%r) refused: test hooks are off (%s=1 turns them on)",
+                           key, TEST_HOOKS_ENV)
+            return
         if self._scheduler is not None:
             self._scheduler.sidecar.send(m.Debug(key, float(value)))
 

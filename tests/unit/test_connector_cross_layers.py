@@ -1,5 +1,6 @@
 """The connector asks vLLM for a cross-layer KV cache (always, unless the `cross_layer_blocks`
-test hook turns it off), and registers one given to it as a single blocks-first layer."""
+test hook turns it off), and registers one given to it as a single blocks-first layer; its
+`debug_set` test hook is refused unless test hooks are on."""
 
 from __future__ import annotations
 
@@ -43,3 +44,23 @@ def test_a_cross_layer_cache_registers_as_one_blocks_first_layer():
     connector.register_cross_layers_kv_cache(cache, attn_backend=None)
     ((caches, block_dim),) = connector._worker.calls
     assert list(caches) == [CROSS_LAYERS] and caches[CROSS_LAYERS] is cache and block_dim == 0
+
+
+def test_debug_set_is_refused_unless_test_hooks_are_on(monkeypatch):
+    sent = []
+
+    class Sidecar:
+        def send(self, msg):
+            sent.append(msg)
+
+    class Scheduler:
+        sidecar = Sidecar()
+
+    connector = bare_connector({})
+    connector._scheduler = Scheduler()
+    monkeypatch.setenv("KVBATON_TEST_HOOKS", "0")
+    connector.debug_set("debug_hold_post_s", 60)
+    assert sent == []  # a production engine never takes a fault injection
+    monkeypatch.setenv("KVBATON_TEST_HOOKS", "1")
+    connector.debug_set("debug_hold_post_s", 60)
+    assert [(m.key, m.value) for m in sent] == [("debug_hold_post_s", 60.0)]

@@ -865,9 +865,16 @@ def open_and_load_plan(args, vocab: int, low: int, high: int, doc: int) -> dict:
 
 
 def git_commit() -> str:
+    """The commit the run measures, "+dirty" when tracked files differ from it: a copied tree
+    whose git metadata lags behind its files must not pass for the older commit."""
+
     try:
-        return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(HERE), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+dirty" if commit and git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:  # noqa: BLE001 - no git on the machine: the report says so
         return ""
 

@@ -136,6 +136,7 @@ class KvbatonConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self._worker is not None:
+            self._worker.step_started()
             self._worker.guard(self._worker.pump)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -150,7 +151,10 @@ class KvbatonConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids):
         if self._worker is None:
             return None, None
-        return self._worker.guard(self._worker.get_finished, (None, None), finished_req_ids)
+        try:
+            return self._worker.guard(self._worker.get_finished, (None, None), finished_req_ids)
+        finally:
+            self._worker.step_ended()  # the step's stall watchdog (see WorkerSide.step_started)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:

@@ -43,6 +43,11 @@ RETENTION_DEADLINE_S = 0.05
 # load on one H200). Each queued one holds its ticket's engine blocks until its copy ends or the
 # retention deadline passes, so a few fit within the deadline at the copier's speed.
 RETENTION_WRITERS = 4
+# An engine step (from start_load_kv to get_finished) still running after this long writes every
+# thread's Python stack to the engine's log, and again each time as long again passes: vLLM ends an
+# engine whose step outlasts its 300 s execute_model timeout, and a stack taken from C (without
+# the GIL) is what names where a stalled worker stopped.
+STEP_STALL_DUMP_S = 120.0
 # A post-state hash every this many log records: replay names a divergence within this many
 # events, while hashing stays a small share of the log's cost.
 EVENT_LOG_HASH_EVERY = 1000
@@ -235,6 +240,9 @@ CONSTANTS = (
     ("RETENTION_WRITERS", RETENTION_WRITERS,
      "Releases that arrive while history copies queue instead of being dropped as busy, a few "
      "at a time, each within the retention deadline."),
+    ("STEP_STALL_DUMP_S", STEP_STALL_DUMP_S,
+     "vLLM ends an engine whose step outlasts 300 s; every thread's stack, taken before that, names "
+     "where a stalled worker stopped."),
     ("EVENT_LOG_HASH_EVERY", EVENT_LOG_HASH_EVERY,
      "Replay names a divergence within this many events while hashing stays a small share of the "
      "log's cost."),

@@ -5,6 +5,7 @@ restores, and reports finished sends, receives and load errors back to vLLM."""
 from __future__ import annotations
 
 import collections
+import faulthandler
 import itertools
 import logging
 import sys
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ...control import messages as m
 from ...control.client import Link
-from .settings import automatic_landing
+from .settings import STEP_STALL_DUMP_S, automatic_landing
 from .worker_io import WorkerIo
 
 if TYPE_CHECKING:
@@ -199,6 +200,21 @@ class WorkerSide:
             logger.warning("kvbaton worker: restore %s for %s failed to start: %s", msg.lease,
                            msg.request, reply.error)
             self.link.send(reply)
+
+    def step_started(self) -> None:
+        """An engine step begins: if it is still running after STEP_STALL_DUMP_S, faulthandler's
+        watchdog (a C thread that needs no GIL) writes every thread's stack to the engine's log."""
+
+        try:
+            faulthandler.dump_traceback_later(STEP_STALL_DUMP_S, repeat=True, file=sys.__stderr__ or sys.stderr)
+        except Exception:  # a closed stderr: no watchdog, nothing else changes
+            pass
+
+    def step_ended(self) -> None:
+        try:
+            faulthandler.cancel_dump_traceback_later()
+        except Exception:
+            pass
 
     def get_finished(self, finished_req_ids):
         self.pump()

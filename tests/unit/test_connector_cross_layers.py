@@ -1,6 +1,7 @@
 """The connector asks vLLM for a cross-layer KV cache (always, unless the `cross_layer_blocks`
 test hook turns it off), and registers one given to it as a single blocks-first layer; its
-`debug_set` test hook is refused unless test hooks are on."""
+`debug_set` test hook is refused unless test hooks are on; a stalled engine step writes every
+thread's stack to the engine's log."""
 
 from __future__ import annotations
 
@@ -64,3 +65,31 @@ def test_debug_set_is_refused_unless_test_hooks_are_on(monkeypatch):
     monkeypatch.setenv("KVBATON_TEST_HOOKS", "1")
     connector.debug_set("debug_hold_post_s", 60)
     assert [(m.key, m.value) for m in sent] == [("debug_hold_post_s", 60.0)]
+
+
+STALL_SCRIPT = """
+import sys, time
+from kvbaton.adapters.vllm import worker_side
+worker_side.STEP_STALL_DUMP_S = 0.2
+side = object.__new__(worker_side.WorkerSide)
+def stalled_step():
+    side.step_started()
+    time.sleep(0.6 if sys.argv[1] == "stall" else 0.05)
+    side.step_ended()
+stalled_step()
+time.sleep(0.4)  # a cancelled watchdog writes nothing later either
+"""
+
+
+@pytest.mark.parametrize("mode", ["stall", "quick"])
+def test_a_stalled_engine_step_writes_every_threads_stack_to_the_log(mode):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", STALL_SCRIPT, mode], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    if mode == "stall":
+        assert "Timeout (0:00:00.200000)!" in done.stderr and "stalled_step" in done.stderr
+    else:
+        assert "Timeout" not in done.stderr

@@ -5,8 +5,8 @@ rounds (A B, B A, ...): each round hands off a batch of fresh prompts through on
 releases reach P together. Per round and P: blocks staged, dropped as busy, dropped at the soft
 deadline and published (kept), from P's own counters.
 
-Run: `python bench/history_queue_cpu.py [ROUNDS] [BATCH] [PROMPT_TOKENS]` (defaults 5, 8, 512);
-writes bench/results/<date>/history_queue_cpu.json when --out is given last."""
+Run: `python bench/history_queue_cpu.py [ROUNDS] [BATCH] [PROMPT_TOKENS] [--out PATH]` (defaults
+5, 8, 512); `--out` writes every round's counters as JSON."""
 
 import itertools
 import json

@@ -89,6 +89,7 @@ class Auditor:
                                     f"{sorted(self.reads[effect.ticket])}")
                 self.held.pop(effect.ticket, None)
                 self.heard.pop(effect.ticket, None)
+                self.reads.pop(effect.ticket, None)  # a Tick looks at open tickets only
                 self.returned.add(effect.ticket)
             elif etype is fx.LoadFinished:
                 if effect.request not in self.open_loads:

@@ -231,7 +231,6 @@ class HistoryStore(Book):
         copies: list[tuple[int, str]] = []
         candidate_bytes = 0
         stop_reason: Dropped | str = ""
-        kept_elsewhere = 0  # 1 when the stop is a key another retention is copying (not dropped)
         index = 0
         for index, key in enumerate(keys):
             parent = keys[index - 1] if index else ""
@@ -243,7 +242,8 @@ class HistoryStore(Book):
                 if blk.state == STAGING and blk.writer != ticket:
                     # Another retention is copying this prefix: a chain of ours below it would be
                     # orphaned if that copy failed. The rest waits for a later visit.
-                    stop_reason, kept_elsewhere = Dropped.BUSY_WRITER, 1
+                    stop_reason = Dropped.BUSY_WRITER
+                    index += 1  # this key is kept, by the other retention: only the rest drop
                     break
                 continue
             if parent and parent not in self.blocks:
@@ -266,8 +266,8 @@ class HistoryStore(Book):
             copies.append((blocks[index], key))
         else:
             index = len(keys)
-        if stop_reason and len(keys) - index - kept_elsewhere > 0:
-            self.counters.add("history.dropped." + stop_reason, len(keys) - index - kept_elsewhere)
+        if stop_reason and index < len(keys):
+            self.counters.add("history.dropped." + stop_reason, len(keys) - index)
         self.touch(keys[:index])
         if copies:
             self.writers.append(ticket)

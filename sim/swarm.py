@@ -327,8 +327,8 @@ class Swarm:
             self.send(P_NAME, ev.ClaimRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
             if self.fault("abort_before_claim"):  # the client goes away while P has not answered
                 self.at(self.delay(0, 3), self.local, node, ev.RequestAborted, {"request": effect.request})
-            if self.fault("allocate_before_grant"):  # vLLM's scheduler does not wait for P
-                self.at(self.delay(0, 2), self.allocate_early, node, effect.request)
+            if self.fault("allocate_before_grant"):
+                self.at(self.delay(0, 2), self.allocate_load, node, effect.request, True)
         elif kind is fx.LoadResolved:
             if not effect.hit:
                 return
@@ -361,11 +361,9 @@ class Swarm:
                 self.result.faults["decode_death"] += 1
                 self.kill(node)
         elif kind is fx.SendReadEnd:
-            if self.fault("lost_read_end"):
-                # The message is lost and never retried: P's silent-reader rule must end the read
-                # (D has nothing more to say on this ticket once it released it).
-                pass
-            else:
+            # A lost read end is never retried: P's silent-reader rule must end that read (D has
+            # nothing more to say on the ticket once it released it).
+            if not self.fault("lost_read_end"):
                 self.send(P_NAME, ev.ReadFinished, ticket=effect.ticket, read=effect.read, ok=effect.ok)
             if effect.release:
                 self.send(P_NAME, ev.ReleaseRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
@@ -377,11 +375,15 @@ class Swarm:
                     del node.owner[block]
                     node.free.add(block)
 
-    def allocate_load(self, node: Node, request: str) -> None:
+    def allocate_load(self, node: Node, request: str, before_grant: bool = False) -> None:
+        """The scheduler allocates the load's blocks: after P's grant, or before it (`before_grant`:
+        vLLM's scheduler does not wait for P, and the load holds the allocation until P answers)."""
+
         load = node.ledger.loads.loads.get(request)
-        if load is None or load.state != loads.CLAIMED or not node.alive:
+        wanted = loads.AWAITING_CLAIM if before_grant else loads.CLAIMED
+        if load is None or load.state != wanted or not node.alive:
             return
-        if self.fault("preempt_after_alloc"):
+        if not before_grant and self.fault("preempt_after_alloc"):
             blocks = node.allocate(request, load.num_blocks) or ()
             if blocks:
                 self.local(node, ev.LoadAllocated, {"request": request, "blocks": blocks,
@@ -389,21 +391,9 @@ class Swarm:
             self.at(self.delay(0, 1), self.local, node, ev.RequestPreempted, {"request": request})
             return
         blocks = node.allocate(request, load.num_blocks)
-        if blocks is None:  # D is full: the scheduler retries later, the claim lease runs
-            self.at(self.delay(5, 100), self.allocate_load, node, request)
-            return
-        local_hit = self.rng.random() < 0.05
-        self.local(node, ev.LoadAllocated, {"request": request, "blocks": () if local_hit else blocks,
-                                            "reads": self.rng.randint(1, 3)})
-
-    def allocate_early(self, node: Node, request: str) -> None:
-        """The scheduler allocates before P answered the claim (the load holds it until then)."""
-
-        load = node.ledger.loads.loads.get(request)
-        if load is None or load.state != loads.AWAITING_CLAIM or not node.alive:
-            return
-        blocks = node.allocate(request, load.num_blocks)
-        if blocks is None:  # D is full: it allocates after the grant instead
+        if blocks is None:  # D is full: the scheduler retries later (after the grant), the lease runs
+            if not before_grant:
+                self.at(self.delay(5, 100), self.allocate_load, node, request)
             return
         local_hit = self.rng.random() < 0.05
         self.local(node, ev.LoadAllocated, {"request": request, "blocks": () if local_hit else blocks,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import faulthandler
+import signal
 import itertools
 import logging
 import sys
@@ -61,6 +62,7 @@ class WorkerSide:
         self.reported_received: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.history = None  # P's history copier (a thread), when history is on
         self.restorer = None  # P's history restores (on this thread, from pump)
+        self.stall_watchdog = False  # see install_stall_watchdog
 
     def guard(self, fn, fallback=None, *args):
         try:
@@ -118,6 +120,7 @@ class WorkerSide:
         self.link = Link(self.conn.ipc_dir, None)
         self.link.send(m.WorkerReady(self.transport.local_metadata(), layout.fingerprint()))
         self.io.start()
+        self.install_stall_watchdog()
         if self.conn.history.enabled:
             self._start_history(kv_caches, layout)
 
@@ -201,20 +204,30 @@ class WorkerSide:
                            msg.request, reply.error)
             self.link.send(reply)
 
-    def step_started(self) -> None:
-        """An engine step begins: if it is still running after STEP_STALL_DUMP_S, faulthandler's
-        watchdog (a C thread that needs no GIL) writes every thread's stack to the engine's log."""
+    def install_stall_watchdog(self) -> None:
+        """Once, when the KV cache is registered: SIGALRM makes faulthandler write every thread's
+        stack to the engine's log. Its handler is C and needs no GIL, so even a worker frozen with
+        its GIL held leaves the frames it stopped in. Steps arm it with an interval timer (a
+        syscall each, well under a microsecond; faulthandler's own timer starts a thread each
+        time). Left off where something else already handles SIGALRM."""
 
         try:
-            faulthandler.dump_traceback_later(STEP_STALL_DUMP_S, repeat=True, file=sys.__stderr__ or sys.stderr)
-        except Exception:  # a closed stderr: no watchdog, nothing else changes
-            pass
+            if signal.getsignal(signal.SIGALRM) == signal.SIG_DFL:
+                faulthandler.register(signal.SIGALRM, file=sys.__stderr__ or sys.stderr, all_threads=True)
+                self.stall_watchdog = True
+        except Exception:  # no stderr to write to, or no SIGALRM here: no watchdog
+            logger.debug("kvbaton worker: no stalled-step watchdog", exc_info=True)
+
+    def step_started(self) -> None:
+        """An engine step begins: still running after STEP_STALL_DUMP_S (and every time as long
+        again passes), it writes every thread's stack to the engine's log."""
+
+        if self.stall_watchdog:
+            signal.setitimer(signal.ITIMER_REAL, STEP_STALL_DUMP_S, STEP_STALL_DUMP_S)
 
     def step_ended(self) -> None:
-        try:
-            faulthandler.cancel_dump_traceback_later()
-        except Exception:
-            pass
+        if self.stall_watchdog:
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
     def get_finished(self, finished_req_ids):
         self.pump()

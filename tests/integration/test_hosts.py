@@ -112,7 +112,7 @@ def _stack(root: Path, model_dir: Path, hosts: Hosts):
         deployment.stop()
 
 
-NOTEWORTHY = re.compile(r"kvbaton|Traceback|Error|ERROR|EngineCore (failed|died)|Killed|Timeout \(\d|Thread 0x|^  File ")
+NOTEWORTHY = re.compile(r"kvbaton|Traceback|Error|ERROR|EngineCore (failed|died)|Killed|[Tt]hread 0x|^  File ")
 NOISE = re.compile(r"tcmalloc|libiomp|Triton is not installed|non-default args|NUMA binding")
 
 

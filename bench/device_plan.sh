@@ -26,6 +26,8 @@
 #   the letter go to pd_compare, the last of a repeated option winning, e.g. `L --systems native,kvbaton`.
 #   A run cut by its bound keeps the systems it finished. Several files' rounds as one:
 #   python -m kvbaton.bench.pd_compare --summarize a.json b.json --baseline kvbaton.)
+#   STACKS=1 with py-spy's wheel in .whl: every python3 process's native stacks every few seconds
+#   from the 80th second on (pyspy-<pid>.txt; vLLM's engine cores keep python3's name here).
 #   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, NIXL reads alone
 #                                 # over NVLink (cross-layer), then 0.5B throughput
 #
@@ -83,6 +85,19 @@ history_only() {  # KVBATON_GPU_CROSS_LAYER value ("" for the default), sub-fold
   echo "tests/gpu history, $2: rc=$?"
   grep -h -E "^(FAILED|ERROR)|^=+ .*(passed|failed|error)" "$OUT/$2"/pytest*.log 2>/dev/null | tail -n 10
 }
+
+stack_sampler() {  # native stacks of every python3 process, while the letter runs
+  local spy=${SITE:-/tmp/site}/bin/py-spy
+  sleep 80
+  [ -x "$spy" ] || { echo "stacks: no py-spy in ${SITE:-/tmp/site}/bin" > "$OUT/pyspy-missing.txt"; return; }
+  for _ in $(seq 1 150); do
+    for pid in $(pgrep -x python3); do
+      timeout 8 "$spy" dump --native --pid "$pid" >> "$OUT/pyspy-$pid.txt" 2>&1
+    done
+    sleep 3
+  done
+}
+[ "${STACKS:-0}" = 1 ] && { stack_sampler & }
 
 case "${1:-}" in
   A)
@@ -167,4 +182,5 @@ case "${1:-}" in
     exit 2
     ;;
 esac
+jobs -p | xargs -r kill 2> /dev/null
 ls -la "$OUT"

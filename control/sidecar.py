@@ -89,9 +89,6 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         self.stopping = False
         # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.
         self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
-        # P side, history: what the shell must remember about each restore lease to carry its
-        # effects (the request it serves, whether vLLM parked it with allocated blocks).
-        self.lease_ctx: dict[str, dict] = {}
         self.history_io = {"stages": 0, "stage_bytes": 0, "stage_seconds": 0.0, "stages_failed": 0,
                            "demotions": 0, "demotions_failed": 0, "demote_batches": 0,
                            "demote_seconds": 0.0, "demote_fence_seconds": 0.0,
@@ -292,29 +289,30 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         elif kind is fx.ReportInvalidBlocks:
             self._send(self.to_worker, m.InvalidBlocks(effect.request, effect.blocks))
         elif kind is fx.LoadFinished:
-            ctx = self.loads.get(effect.request)
-            if ctx is not None and ctx.get("dst"):
+            if effect.parked:
                 # Only an allocated (async) load is parked in WAITING_FOR_REMOTE_KVS: vLLM waits
                 # for exactly one finished_recving for it, and asserts on any other.
                 self._send(self.to_worker, m.FinishedRecving(effect.request))
             self.loads.pop(effect.request, None)
+        elif kind is fx.ReturnParked:
+            # The scheduler parked the request for an allocation the core refused: fail its
+            # blocks so vLLM recomputes them, and report it received, once.
+            if effect.blocks:
+                self._send(self.to_worker, m.InvalidBlocks(effect.request, effect.blocks))
+            self._send(self.to_worker, m.FinishedRecving(effect.request))
         elif kind is fx.StageHistory:
             self._send(self.to_history, m.StageCopies(effect.ticket, effect.copies))
         elif kind is fx.DropHistory:
             self._send(self.to_history, m.DropSlot(effect.key, effect.tier))
         elif kind is fx.ReplyRestore:
-            if not effect.keys:
-                self.lease_ctx.pop(effect.lease, None)  # nothing reserved: no lease to carry
             self._send(self.to_scheduler, m.RestoreReply(effect.lease, effect.request, len(effect.keys)))
         elif kind is fx.RestoreBlocks:
-            ctx = self.lease_ctx.get(effect.lease) or {}
             # Restores run on the engine's thread (the request is parked, the engine steps).
-            self._send(self.to_worker, m.RestoreCopies(effect.lease, ctx.get("request", ""), effect.copies))
+            self._send(self.to_worker, m.RestoreCopies(effect.lease, effect.request, effect.copies))
             # Posted: from here the lease is reading and cannot expire (its slots are being read).
             self.followups.append(ev.LeaseReadStarted(self._now(), effect.lease))
         elif kind is fx.LeaseDone:
-            ctx = self.lease_ctx.pop(effect.lease, None)
-            if ctx is not None and ctx.get("allocated"):
+            if effect.parked:
                 # vLLM parked the request in WAITING_FOR_REMOTE_KVS: report it received exactly
                 # once (any invalid blocks went to the worker just before, in the same order).
                 self._send(self.to_worker, m.FinishedRecving(effect.request))
@@ -346,33 +344,11 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                 self._apply(ev.ClaimRequested(now, msg.ticket, claimer, 0))
                 self._apply(ev.ReleaseRequested(now, msg.ticket, claimer, 0))
         elif kind is m.RestoreFact:
-            fresh = msg.lease not in self.ledger.leases.leases and msg.lease not in self.lease_ctx
-            if fresh:
-                self.lease_ctx[msg.lease] = {"request": msg.request, "epoch": msg.epoch, "allocated": False}
-            effects = self._apply(ev.RestoreRequested(now, msg.lease, msg.request, msg.epoch, msg.keys))
-            if not any(type(e) is fx.ReplyRestore for e in effects):  # refused: nothing to restore
-                if fresh:
-                    self.lease_ctx.pop(msg.lease, None)
-                self._send(self.to_scheduler, m.RestoreReply(msg.lease, msg.request, 0))
+            self._apply(ev.RestoreRequested(now, msg.lease, msg.request, msg.epoch, msg.keys))
         elif kind is m.LeaseAllocFact:
-            ctx = self.lease_ctx.get(msg.lease)
-            effects = []
-            if ctx is not None:
-                ctx["allocated"] = True
-                effects = self._apply(ev.LeaseAllocated(now, msg.lease, msg.blocks))
-            if ctx is None or any(type(e) is fx.Rejected for e in effects):
-                if ctx is not None:
-                    ctx["allocated"] = False
-                    if self.ledger.leases.leases.get(msg.lease) is not None and \
-                            self.ledger.leases.leases[msg.lease].state == "RESERVED":
-                        self._apply(ev.LeaseReleased(now, msg.lease, msg.request, ctx["epoch"]))
-                # The scheduler already parked the request: fail it so vLLM recomputes, once.
-                self._send(self.to_worker, m.InvalidBlocks(msg.request, msg.blocks))
-                self._send(self.to_worker, m.FinishedRecving(msg.request))
+            self._apply(ev.LeaseAllocated(now, msg.lease, msg.blocks, msg.request))
         elif kind is m.LeaseReleaseFact:
-            lease = self.ledger.leases.leases.get(msg.lease)
-            if lease is not None and lease.state in ("RESERVED", "ALLOCATED"):
-                self._apply(ev.LeaseReleased(now, msg.lease, msg.request, msg.epoch))
+            self._apply(ev.LeaseReleased(now, msg.lease, msg.request, msg.epoch))
         elif kind is m.ObserveFact:
             self._apply(ev.HistoryObserved(now, msg.keys))
         elif kind is m.StageDone:
@@ -425,16 +401,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                 # Often before P answered the claim: the ledger holds it until then (ALLOCATED_EARLY).
                 ctx["first"], ctx["dst"] = msg.first, msg.dst_blocks
                 ctx["reads"] = max(1, self.cfg.debug_reads_per_load)  # fixed for this load
-            effects = self._apply(ev.LoadAllocated(now, msg.request, msg.dst_blocks,
-                                                   ctx["reads"] if ctx is not None else 1))
-            if (ctx is None or any(type(e) is fx.Rejected for e in effects)) and msg.dst_blocks:
-                # The scheduler already parked the request: fail it so vLLM recomputes. (A
-                # zero-block allocation, a local prefix-cache hit, parks nothing: vLLM would
-                # assert on a finished_recving for a request it never parked.)
-                self._send(self.to_worker, m.InvalidBlocks(msg.request, msg.dst_blocks))
-                self._send(self.to_worker, m.FinishedRecving(msg.request))
-            if ctx is None or any(type(e) is fx.Rejected for e in effects):
-                self.loads.pop(msg.request, None)
+            self._apply(ev.LoadAllocated(now, msg.request, msg.dst_blocks, ctx["reads"] if ctx is not None else 1))
         elif kind is m.CancelFact:
             event_type = ev.RequestPreempted if msg.preempted else ev.RequestAborted
             if msg.request in self.ledger.loads.loads:
@@ -578,7 +545,6 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             "hits": {"gpu": counters.get("restores.hits.gpu", 0), "cpu": counters.get("restores.hits.cpu", 0)},
             "copier": dict(self.slot_stats),
             "io": dict(self.history_io),
-            "lease_contexts": len(self.lease_ctx),
         }
 
 

@@ -95,10 +95,11 @@ class ReplyRestore(Effect, tag="rst"):
 
 
 class RestoreBlocks(Effect, tag="rbl"):
-    """Copy history blocks into freshly allocated engine blocks, per layer, then report."""
+    """Copy history blocks into freshly allocated engine blocks of `request`, per layer, then report."""
 
     lease: str
     copies: tuple[tuple[str, str, int], ...]  # (key, tier, engine block)
+    request: str = ""
 
 
 class LeaseDone(Effect, tag="ldn"):
@@ -108,6 +109,9 @@ class LeaseDone(Effect, tag="ldn"):
     request: str
     ok: bool
     reason: str  # `core.reasons.LeaseOutcome`
+    # vLLM parked the request for this lease's blocks (the lease was allocated): it waits for
+    # exactly one report that they were received, after any invalid blocks.
+    parked: bool = False
 
 
 # --- D side: loads -----------------------------------------------------------------------------
@@ -183,6 +187,17 @@ class LoadFinished(Effect, tag="lfn"):
     request: str
     ok: bool
     reason: str  # `core.reasons.LoadOutcome`, possibly with detail
+    # vLLM parked the request for destination blocks (the load was allocated some): it waits for
+    # exactly one report that they were received.
+    parked: bool = False
+
+
+class ReturnParked(Effect, tag="rpk"):
+    """vLLM parked `request` for `blocks` the core refused (a load or lease that ended, or never
+    was): report the blocks invalid and the request received, once, so vLLM recomputes them."""
+
+    request: str
+    blocks: tuple[int, ...]
 
 
 AnyEffect = (
@@ -204,4 +219,5 @@ AnyEffect = (
     | SendRelease
     | ReportInvalidBlocks
     | LoadFinished
+    | ReturnParked
 )

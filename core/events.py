@@ -219,10 +219,12 @@ class RestoreRequested(Event, tag="rq"):
 
 
 class LeaseAllocated(Event, tag="lA"):
-    """P's scheduler allocated engine blocks for the restore."""
+    """P's scheduler allocated engine blocks for the restore and parked `request` until they are
+    reported received ("" in logs written before allocations named their request)."""
 
     lease: str
     blocks: tuple[int, ...]
+    request: str = ""
 
 
 class LeaseReadStarted(Event, tag="lS"):

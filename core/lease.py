@@ -25,7 +25,7 @@ from __future__ import annotations
 import msgspec
 
 from .common import NEVER, Counters, Deadlines, reject
-from .effects import Effect, LeaseDone, ReplyRestore, ReportInvalidBlocks, RestoreBlocks
+from .effects import Effect, LeaseDone, ReplyRestore, ReportInvalidBlocks, RestoreBlocks, ReturnParked
 from .events import LeaseAllocated, LeaseReadFinished, LeaseReadStarted, LeaseReleased, RestoreRequested
 from .machine import Book, MachineSpec
 from .reasons import LeaseOutcome, Reason
@@ -88,16 +88,17 @@ class LeaseBook(Book):
         ls.outcome = outcome
         self.history.unpin(list(ls.keys) + (self.history.ancestors(ls.keys[0]) or []))
         self.counters.add("leases." + dest.lower())
-        out.append(LeaseDone(ls.lease, ls.request, ok, outcome))
+        out.append(LeaseDone(ls.lease, ls.request, ok, outcome, bool(ls.blocks)))
 
     # -- handlers --------------------------------------------------------------------------------
 
     def requested(self, e: RestoreRequested, now: int) -> list[Effect]:
         """New lease whose prompt starts with restorable history → RESERVED, keys and ancestors pinned;
-        no such prefix: a miss (empty `ReplyRestore`); else Rejected(DUPLICATE_LEASE)."""
+        no such prefix: a miss (empty `ReplyRestore`); else Rejected(DUPLICATE_LEASE) with an
+        empty reply (the asker recomputes)."""
 
         if e.lease in self.leases:
-            return [reject(self.counters, "rq", e.lease, Reason.DUPLICATE_LEASE)]
+            return [reject(self.counters, "rq", e.lease, Reason.DUPLICATE_LEASE), ReplyRestore(e.lease, e.request, ())]
         prefix = self.history.restorable_prefix(e.keys)
         above = self.history.ancestors(prefix[0][0]) if prefix else None
         if not prefix or above is None:
@@ -114,19 +115,29 @@ class LeaseBook(Book):
 
     def allocated(self, e: LeaseAllocated, now: int) -> list[Effect]:
         """From RESERVED with 1..len(keys) blocks → ALLOCATED, copies ordered (unused keys unpinned);
-        else Rejected(NOT_RESERVED | INVALID)."""
+        else Rejected(NOT_RESERVED | INVALID): a reserved lease with a wrong block count is
+        cancelled, and blocks vLLM parked for a lease that is over (or never was) are returned."""
 
         ls = self.leases.get(e.lease)
-        if ls is None or ls.state != RESERVED:
+        if ls is None or ls.state in SPEC.terminal:
+            out: list[Effect] = [reject(self.counters, "lA", e.lease, Reason.NOT_RESERVED)]
+            if e.request:  # logs written before allocations named their request cannot return it
+                out.append(ReturnParked(e.request, tuple(e.blocks)))
+            return out
+        if ls.state != RESERVED:  # allocated twice: the first allocation stands
             return [reject(self.counters, "lA", e.lease, Reason.NOT_RESERVED)]
         if not e.blocks or len(e.blocks) > len(ls.keys):
-            return [reject(self.counters, "lA", e.lease, Reason.INVALID.detail("block count"))]
+            out = [reject(self.counters, "lA", e.lease, Reason.INVALID.detail("block count"))]
+            if e.request:
+                self._end(ls, "cancel", CANCELLED, LeaseOutcome.RELEASED_UNUSED, False, out)
+                out.append(ReturnParked(e.request, tuple(e.blocks)))
+            return out
         if len(e.blocks) < len(ls.keys):  # the scheduler took a shorter prefix: unpin the rest
             self.history.unpin(ls.keys[len(e.blocks):])
             ls.keys, ls.tiers = ls.keys[: len(e.blocks)], ls.tiers[: len(e.blocks)]
         ls.blocks = tuple(e.blocks)
         self._move(ls, "allocated", ALLOCATED)
-        return [RestoreBlocks(ls.lease, tuple(zip(ls.keys, ls.tiers, ls.blocks)))]
+        return [RestoreBlocks(ls.lease, tuple(zip(ls.keys, ls.tiers, ls.blocks)), ls.request)]
 
     def read_started(self, e: LeaseReadStarted, now: int) -> list[Effect]:
         """From ALLOCATED → READING, no deadline; else Rejected(NOT_ALLOCATED)."""

@@ -41,6 +41,7 @@ from .effects import (
     LoadResolved,
     PostRead,
     ReportInvalidBlocks,
+    ReturnParked,
     SendClaim,
     SendReadEnd,
     SendReadStart,
@@ -142,7 +143,7 @@ class LoadBook(Book):
         self._terminate(ld, trigger, dest)
         ld.outcome = outcome
         self.counters.add(f"loads.{dest.lower()}")
-        out.append(LoadFinished(ld.request, dest == DONE, outcome))
+        out.append(LoadFinished(ld.request, dest == DONE, outcome, bool(ld.blocks)))
 
     def _release(self, ld: Load) -> SendRelease:
         return SendRelease(ld.request, ld.ticket, ld.source, ld.epoch)
@@ -210,20 +211,28 @@ class LoadBook(Book):
     def allocated(self, e: LoadAllocated, now: int) -> list[Effect]:
         """From CLAIMED → ALLOCATED, first read asked (no blocks: DONE, a local hit); from
         AWAITING_CLAIM → ALLOCATED_EARLY (held until P answers); else Rejected(UNKNOWN_LOAD |
-        CONSUMED)."""
+        CONSUMED), and blocks vLLM parked for a load that is over (or never was) are returned."""
 
         ld = self.loads.get(e.request)
         if ld is None:
-            return [reject(self.counters, "la", e.request, Reason.UNKNOWN_LOAD)]
+            return self._refuse_allocation(e, Reason.UNKNOWN_LOAD)
         if ld.state == AWAITING_CLAIM:
             self._move(ld, "allocated", ALLOCATED_EARLY)  # its claim deadline still runs
             ld.blocks = tuple(e.blocks)
             ld.reads_left = max(1, e.reads)
             return []
         if ld.state != CLAIMED:
-            return [reject(self.counters, "la", e.request, Reason.CONSUMED)]
+            if ld.state in SPEC.terminal:
+                return self._refuse_allocation(e, Reason.CONSUMED)
+            return [reject(self.counters, "la", e.request, Reason.CONSUMED)]  # allocated twice
         ld.blocks = tuple(e.blocks)
         return self._start_reads(ld, "allocated", e.reads, now)
+
+    def _refuse_allocation(self, e: LoadAllocated, reason: Reason) -> list[Effect]:
+        out: list[Effect] = [reject(self.counters, "la", e.request, reason)]
+        if e.blocks:  # a zero-block allocation (a local prefix-cache hit) parks nothing
+            out.append(ReturnParked(e.request, tuple(e.blocks)))
+        return out
 
     def _start_reads(self, ld: Load, trigger: str, reads: int, now: int) -> list[Effect]:
         """Claimed and allocated: → ALLOCATED with the first read asked, or DONE when nothing is to be

@@ -304,7 +304,7 @@ class Swarm:
         if blocks is None:
             self.local(node, ev.LeaseReleased, {"lease": lease, "request": request, "epoch": 0})
             return
-        self.local(node, ev.LeaseAllocated, {"lease": lease, "blocks": blocks})
+        self.local(node, ev.LeaseAllocated, {"lease": lease, "blocks": blocks, "request": request})
         record = node.ledger.leases.leases.get(lease)
         if record is None or record.blocks != blocks:
             # Refused (expired meanwhile, or a duplicate of an allocation the lease already

@@ -33,7 +33,7 @@ def assert_nothing_held(engines, timeout_s: float = 15.0) -> None:
         clean = (all(not any(st["open"].values()) for st in states)
                  and all(sc["free_blocks"] == sc["usable_blocks"] and sc["scheduler_requests"] == 0
                          for sc in stats)
-                 and not moving and p_hist["pinned_blocks"] == 0 and p_hist["lease_contexts"] == 0
+                 and not moving and p_hist["pinned_blocks"] == 0
                  and copier["gpu_used"] == p_hist["gpu_blocks"] and copier["cpu_used"] == p_hist["cpu_blocks"])
         if clean:
             for st in states:

@@ -77,7 +77,9 @@ def test_decode_preempted_after_allocation_never_reads_twice():
     assert kinds(out) == ["SendReadStart"]
     out = d.apply(ev.RequestPreempted(3, "r"))
     assert kinds(out) == ["SendRelease", "LoadFinished"]
-    assert kinds(d.apply(ev.LoadAllocated(4, "r", (9, 10)))) == ["Rejected"]  # consumed
+    # Consumed: blocks parked for a load that is over are handed back invalid, never read into.
+    again = d.apply(ev.LoadAllocated(4, "r", (9, 10)))
+    assert kinds(again) == ["Rejected", "ReturnParked"] and again[1].blocks == (9, 10)
     late = d.apply(ev.ReadGranted(5, "r", "r/0"))  # P's grant arrives after we gave up
     assert kinds(late) == ["Rejected", "SendReadEnd"] and late[1].release
 
@@ -138,6 +140,34 @@ def test_leased_blocks_are_never_demoted_and_hits_count_once():
     assert p.counters["restores.hits.gpu"] == 1
     assert p.history.blocks["a0"].pins == 0
     assert kinds(p.apply(ev.LeaseReleased(10**15, "L", "q", 0))) == ["Rejected"]  # idempotent
+
+
+def test_a_lease_carries_its_request_and_parked_blocks_come_back_exactly_once():
+    p = history_ledger(gpu_blocks=2, cpu_blocks=2)
+    retain(p, "a", ("a0", "a1"), 1)
+    assert p.apply(ev.RestoreRequested(2, "L", "q", 0, ("a0", "a1")))[0].keys == ("a0", "a1")
+    # The same lease asked twice: refused, with an empty answer so the asker recomputes.
+    again = p.apply(ev.RestoreRequested(2, "L", "q", 0, ("a0",)))
+    assert kinds(again) == ["Rejected", "ReplyRestore"] and again[1].keys == ()
+    copies = p.apply(ev.LeaseAllocated(3, "L", (50, 51), "q"))
+    assert kinds(copies) == ["RestoreBlocks"] and copies[0].request == "q"
+    assert kinds(p.apply(ev.LeaseAllocated(3, "L", (60, 61), "q"))) == ["Rejected"]  # the first stands
+    p.apply(ev.LeaseReadStarted(4, "L"))
+    done = p.apply(ev.LeaseReadFinished(5, "L", True))
+    assert kinds(done) == ["LeaseDone"] and done[0].parked  # vLLM waits for one finished_recving
+    # An allocation for a lease that is over: its parked blocks come back invalid, once.
+    late = p.apply(ev.LeaseAllocated(6, "L", (70,), "q"))
+    assert kinds(late) == ["Rejected", "ReturnParked"] and late[1] == fx.ReturnParked("q", (70,))
+    # A reserved lease allocated a wrong block count is cancelled (not parked) and its blocks return.
+    p.apply(ev.RestoreRequested(7, "M", "s", 0, ("a0",)))
+    bad = p.apply(ev.LeaseAllocated(8, "M", (80, 81), "s"))
+    assert kinds(bad) == ["Rejected", "LeaseDone", "ReturnParked"] and not bad[1].parked
+    assert p.leases.leases["M"].state == "CANCELLED" and p.history.blocks["a0"].pins == 0
+    # A reserved lease given back before allocation ends unparked.
+    p.apply(ev.RestoreRequested(9, "N", "u", 0, ("a0",)))
+    gone = p.apply(ev.LeaseReleased(10, "N", "u", 0))
+    assert kinds(gone) == ["LeaseDone"] and not gone[0].parked
+    assert p.check_invariants() == []
 
 
 def test_a_busy_writer_refreshes_resident_keys_and_drops_only_the_new_ones():

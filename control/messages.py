@@ -10,6 +10,8 @@ from typing import Union
 
 import msgspec
 
+from ..core import events as ev
+
 
 class Msg(msgspec.Struct, frozen=True, array_like=True, tag_field="m"):
     pass
@@ -18,91 +20,14 @@ class Msg(msgspec.Struct, frozen=True, array_like=True, tag_field="m"):
 # --- scheduler -> sidecar ----------------------------------------------------------------------
 
 
-class TicketFact(Msg, tag="ticket"):
-    """P: a remote-decode request finished; its blocks now belong to `ticket`.
+class Apply(Msg, tag="apply"):
+    """What the scheduler observed, as core events (`at_ns` 0): the sidecar stamps each with its
+    own clock and applies them in order, refusing any event a scheduler does not observe (see
+    `sidecar.SCHEDULER_EVENTS`). `keepalive`: with a `LoadRequested`, D's capability that keeps
+    the ticket alive while it is unclaimed (the shell keeps it for its heartbeats; never logged)."""
 
-    `keys` (history on) are the namespaced chained block hashes of the prompt's full blocks,
-    parallel to `blocks`. `local`: a plain request whose blocks only go to history (no decode
-    engine will claim it): the sidecar claims and releases the ticket itself at once.
-    """
-
-    ticket: str
-    request: str
-    blocks: tuple[int, ...]
-    keys: tuple[str, ...] = ()
-    local: bool = False
-    # What a claim grant tells D (token count and token digest) and the digests of the
-    # capabilities handed out with the ticket (router: abandon; D: keepalive).
-    num_tokens: int = 0
-    digest: str = ""
-    abandon_digest: str = ""
-    keepalive_digest: str = ""
-
-
-class LoadFact(Msg, tag="load"):
-    """D: a request arrived with a handoff: claim it at once.
-
-    `num_tokens` and `digest` are what this engine's own request holds (its prompt's first
-    `num_tokens` tokens): P's grant must name the same, or nothing is read. `keepalive` is the
-    capability that keeps the ticket alive while it is unclaimed."""
-
-    request: str
-    ticket: str
-    source_address: str
-    epoch: int
-    num_tokens: int
-    digest: str
+    events: tuple[ev.AnyEvent, ...]
     keepalive: str = ""
-    source_instance: str = ""  # the P instance that issued the ticket (its handoff says)
-
-
-class AllocatedFact(Msg, tag="alloc"):
-    """D: destination blocks were allocated for an async load: the granted blocks from index
-    `first` on (the local prefix-cache hit is not read) go into `dst_blocks`, in order."""
-
-    request: str
-    first: int
-    dst_blocks: tuple[int, ...]
-
-
-class CancelFact(Msg, tag="cancel"):
-    """D: the request was preempted or aborted."""
-
-    request: str
-    preempted: bool
-
-
-class RestoreFact(Msg, tag="restore"):
-    """P: a request's prompt has full blocks beyond the local prefix-cache hit: may history
-    restore them? `keys` start at the first block the local cache lacks."""
-
-    lease: str
-    request: str
-    epoch: int
-    keys: tuple[str, ...]
-
-
-class LeaseAllocFact(Msg, tag="lalloc"):
-    """P: engine blocks were allocated for the restore (`blocks[i]` receives the lease's key i);
-    the request is parked in WAITING_FOR_REMOTE_KVS until it is reported received."""
-
-    lease: str
-    request: str
-    blocks: tuple[int, ...]
-
-
-class LeaseReleaseFact(Msg, tag="lrelease"):
-    """P: the request gives an unallocated lease back (abort, scheduling retry, not used)."""
-
-    lease: str
-    request: str
-    epoch: int
-
-
-class ObserveFact(Msg, tag="observe"):
-    """P: a prompt with these keys passed through without being retained (probation)."""
-
-    keys: tuple[str, ...]
 
 
 # --- worker -> sidecar -------------------------------------------------------------------------
@@ -295,11 +220,18 @@ class Debug(Msg, tag="debug"):
 
 
 AnyMsg = Union[
-    TicketFact, LoadFact, AllocatedFact, CancelFact, WorkerReady, ReadDone, Ready, Resolved,
+    Apply, WorkerReady, ReadDone, Ready, Resolved,
     AddPeer, PostRead, InvalidBlocks, FinishedRecving, FinishedSending, Stop, Debug,
-    RestoreFact, LeaseAllocFact, LeaseReleaseFact, ObserveFact, StageDone, DemotesDone, RestoreDone,
+    StageDone, DemotesDone, RestoreDone,
     SlotStats, RestoreReply, LeaseEnded, StageCopies, DemoteCopies, DropSlot, RestoreCopies,
 ]
+
+def history_claimer(engine_id: str) -> str:
+    """The claimer a prefill engine uses on its own tickets when a plain request is retained for
+    history: no decode engine will claim them, so the engine claims and releases them itself."""
+
+    return engine_id + "/history"
+
 
 ENCODER = msgspec.msgpack.Encoder()
 DECODER = msgspec.msgpack.Decoder(AnyMsg)

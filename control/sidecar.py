@@ -56,6 +56,14 @@ from .residency import ResidencyLog
 
 logger = logging.getLogger("kvbaton.sidecar")
 
+# The events a connector's scheduler side observes and sends (`m.Apply`); ClaimRequested and
+# ReleaseRequested only as this engine's own history claimer (a plain request retained for history).
+SCHEDULER_EVENTS = frozenset({
+    ev.TicketIssued, ev.ClaimRequested, ev.ReleaseRequested, ev.HistoryObserved, ev.RestoreRequested,
+    ev.LeaseAllocated, ev.LeaseReleased, ev.LoadRequested, ev.LoadAllocated, ev.RequestPreempted,
+    ev.RequestAborted,
+})
+
 
 class Authority(PeerAnswers, PeerCalls, xo.Actor):
     """One engine's ledger, driven by its connector's facts and its peers' calls."""
@@ -75,6 +83,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         self.refused: collections.Counter = collections.Counter()
         self.refusal_log = RateLimitedLog(logger)
         self.ledger = Ledger(self.cfg.ledger)
+        self.history_claimer = m.history_claimer(self.cfg.engine_id)
         self.residency = ResidencyLog(self.cfg.block_size)
         self.log: LogWriter | None = None
         self.metadata: bytes | None = None
@@ -334,23 +343,9 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
     def _on_message(self, msg: m.Msg) -> None:
         now = self._now()
         kind = type(msg)
-        if kind is m.TicketFact:
-            self._apply(ev.TicketIssued(now, msg.ticket, msg.request, msg.blocks, msg.keys, msg.num_tokens,
-                                        msg.digest, msg.abandon_digest, msg.keepalive_digest))
-            if msg.local:
-                # A plain request retained for history: no decode engine will claim it, so this
-                # engine claims and releases it itself; the release admits its prefix.
-                claimer = self.cfg.engine_id + "/history"
-                self._apply(ev.ClaimRequested(now, msg.ticket, claimer, 0))
-                self._apply(ev.ReleaseRequested(now, msg.ticket, claimer, 0))
-        elif kind is m.RestoreFact:
-            self._apply(ev.RestoreRequested(now, msg.lease, msg.request, msg.epoch, msg.keys))
-        elif kind is m.LeaseAllocFact:
-            self._apply(ev.LeaseAllocated(now, msg.lease, msg.blocks, msg.request))
-        elif kind is m.LeaseReleaseFact:
-            self._apply(ev.LeaseReleased(now, msg.lease, msg.request, msg.epoch))
-        elif kind is m.ObserveFact:
-            self._apply(ev.HistoryObserved(now, msg.keys))
+        if kind is m.Apply:
+            for event in msg.events:
+                self._scheduler_event(now, event, msg.keepalive)
         elif kind is m.StageDone:
             io = self.history_io
             io["stages"] += 1
@@ -385,27 +380,6 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             self._restore_done(now, msg)
         elif kind is m.SlotStats:
             self.slot_stats = msgspec.structs.asdict(msg)
-        elif kind is m.LoadFact:
-            # The blocks to read and the engine that holds them come from P's grant (see _claim),
-            # never from the request: until then the load knows only what it asks for.
-            self.loads[msg.request] = {"source": msg.source_address, "engine": "", "ticket": msg.ticket,
-                                       "instance": msg.source_instance, "granted_instance": "",
-                                       "num_tokens": msg.num_tokens, "digest": msg.digest,
-                                       "keepalive": msg.keepalive, "granted": (), "first": 0, "dst": ()}
-            blocks = -(-msg.num_tokens // self.cfg.block_size) if self.cfg.block_size else 0
-            self._apply(ev.LoadRequested(now, msg.request, msg.ticket, msg.source_address, msg.epoch,
-                                         blocks))
-        elif kind is m.AllocatedFact:
-            ctx = self.loads.get(msg.request)
-            if ctx is not None:
-                # Often before P answered the claim: the ledger holds it until then (ALLOCATED_EARLY).
-                ctx["first"], ctx["dst"] = msg.first, msg.dst_blocks
-                ctx["reads"] = max(1, self.cfg.debug_reads_per_load)  # fixed for this load
-            self._apply(ev.LoadAllocated(now, msg.request, msg.dst_blocks, ctx["reads"] if ctx is not None else 1))
-        elif kind is m.CancelFact:
-            event_type = ev.RequestPreempted if msg.preempted else ev.RequestAborted
-            if msg.request in self.ledger.loads.loads:
-                self._apply(event_type(now, msg.request))
         elif kind is m.WorkerReady:
             self.metadata = msg.metadata
             self.layout_fingerprint = msg.layout_fingerprint
@@ -441,6 +415,37 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             elif msg.key in ("heartbeat_interval_s",) or msg.key.startswith("debug_"):
                 value = int(msg.value) if msg.key == "debug_reads_per_load" else msg.value
                 setattr(self.cfg, msg.key, value)
+
+    def _scheduler_event(self, now: int, event: ev.Event, keepalive: str) -> None:
+        """One event the scheduler observed: stamped with this process's clock and applied, after
+        the shell noted what it needs to carry the effects out (a load's peer and capability, the
+        blocks a read goes into). Events a scheduler does not observe are refused."""
+
+        kind = type(event)
+        if kind not in SCHEDULER_EVENTS or (kind in (ev.ClaimRequested, ev.ReleaseRequested)
+                                            and event.claimer != self.history_claimer):
+            # Only this engine's own history claim and release: every other claimer is a peer.
+            self.refused["scheduler_event"] += 1
+            self.refusal_log.warning("scheduler_event", "refused an event from the connector: %s is not "
+                                     "one its scheduler observes", kind.__name__)
+            return
+        if kind is ev.LoadRequested:
+            # The blocks to read and the engine that holds them come from P's grant (see _claim),
+            # never from the request: until then the load knows only what it asks for.
+            self.loads[event.request] = {"source": event.source, "engine": "", "ticket": event.ticket,
+                                         "instance": event.source_instance, "granted_instance": "",
+                                         "num_tokens": event.num_tokens, "digest": event.digest,
+                                         "keepalive": keepalive, "granted": (), "first": 0, "dst": ()}
+        elif kind is ev.LoadAllocated:
+            ctx = self.loads.get(event.request)
+            reads = max(1, self.cfg.debug_reads_per_load)  # how the transport splits this load
+            if ctx is not None:
+                # Often before P answered the claim: the ledger holds it until then (ALLOCATED_EARLY).
+                ctx["first"], ctx["dst"], ctx["reads"] = event.first, event.blocks, reads
+            event = msgspec.structs.replace(event, reads=reads)
+        elif kind in (ev.RequestPreempted, ev.RequestAborted) and event.request not in self.ledger.loads.loads:
+            return  # a request whose handoff never became a load (its claim could not be sent)
+        self._apply(msgspec.structs.replace(event, at_ns=now))
 
     def _restore_done(self, now: int, msg: m.RestoreDone) -> None:
         io = self.history_io

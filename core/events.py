@@ -121,6 +121,12 @@ class LoadRequested(Event, tag="lq"):
     source: str
     epoch: int
     num_blocks: int
+    # What D's own request holds (its prompt's first `num_tokens` tokens and their digest): P's
+    # grant must name the same, or nothing is read; and the P instance that issued the ticket
+    # (its handoff says). "" / 0 in logs written before the connector sent events itself.
+    num_tokens: int = 0
+    digest: str = ""
+    source_instance: str = ""
 
 
 class ClaimGranted(Event, tag="cg"):
@@ -149,6 +155,9 @@ class LoadAllocated(Event, tag="la"):
     request: str
     blocks: tuple[int, ...]
     reads: int = 1
+    # The index of the first granted block that goes into `blocks` (the blocks before it were a
+    # local prefix-cache hit and are not read).
+    first: int = 0
 
 
 class ReadGranted(Event, tag="rg"):

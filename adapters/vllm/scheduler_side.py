@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...control import messages as m
+from ...core import events as ev
 from ...control import peer as pc
 from ...control.client import SidecarHandle
 from ...control.config import SidecarConfig
@@ -204,8 +205,9 @@ class SchedulerSide:
         h = Handoff(section["ticket"], section["control"], num_tokens, next(self.epochs))
         self.handoffs[rid] = h
         logger.debug("kvbaton: request %s claims ticket %s from %s", rid, pc.short(h.ticket), h.control)
-        if not self.sidecar.send(m.LoadFact(rid, h.ticket, h.control, h.epoch, num_tokens, digest,
-                                            section.get("keepalive", ""), section.get("instance", ""))):
+        num_blocks = -(-num_tokens // self.conn.block_size)
+        if not self.send(ev.LoadRequested(0, rid, h.ticket, h.control, h.epoch, num_blocks, num_tokens, digest,
+                                          section.get("instance", "")), keepalive=section.get("keepalive", "")):
             h.ticket, h.hit, h.consumed, h.reason = "", False, True, "sidecar unreachable"
         else:
             self.readers[h.ticket] = request
@@ -254,7 +256,7 @@ class SchedulerSide:
         count = h.num_tokens - num_computed_tokens
         if count <= 0:  # the local prefix cache already has it all: give the ticket back
             h.consumed = True
-            self.sidecar.send(m.AllocatedFact(request.request_id, 0, ()))
+            self.send(ev.LoadAllocated(0, request.request_id, ()))
             return 0, False
         h.local_computed = num_computed_tokens
         return count, True
@@ -276,14 +278,14 @@ class SchedulerSide:
         last = min(math.ceil(h.num_tokens / bs), len(block_ids))
         dst = tuple(block_ids[first:last])
         # The sidecar reads P's granted blocks from index `first` on into `dst`.
-        self.sidecar.send(m.AllocatedFact(request.request_id, first, dst))
+        self.send(ev.LoadAllocated(0, request.request_id, dst, first=first))
 
     def build_connector_meta(self, scheduler_output) -> None:
         self.drain()
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             h = self.handoffs.get(rid)
             if h is not None and h.ticket:
-                self.sidecar.send(m.CancelFact(rid, True))
+                self.send(ev.RequestPreempted(0, rid))
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
@@ -295,7 +297,7 @@ class SchedulerSide:
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         if h is not None and h.ticket and (aborted or not h.consumed):
             # D: a load not over yet is given up; the sidecar drains reads in flight first.
-            self.sidecar.send(m.CancelFact(rid, False))
+            self.send(ev.RequestAborted(0, rid))
         keys = self.keys_by_request.pop(rid, None)
         r = self.restores.pop(rid, None)
         if r is not None and r.state in (ASKED, RESERVED):
@@ -332,9 +334,9 @@ class SchedulerSide:
         # Two capabilities: the router's (abandon; it strips it before forwarding to D) and D's
         # keepalive (heartbeats while unclaimed). P keeps only their digests.
         abandon, keepalive = mint_capability(), mint_capability()
-        if not self.sidecar.send(m.TicketFact(ticket, rid, blocks, ticket_keys, False, num_tokens,
-                                              prompt_digest(request, num_tokens),
-                                              capability_digest(abandon), capability_digest(keepalive))):
+        if not self.send(ev.TicketIssued(0, ticket, rid, blocks, ticket_keys, num_tokens,
+                                         prompt_digest(request, num_tokens),
+                                         capability_digest(abandon), capability_digest(keepalive))):
             return False, None  # no ticket: vLLM frees the blocks now and D recomputes
         return True, {
             "do_remote_prefill": True,
@@ -408,11 +410,15 @@ class SchedulerSide:
         if n <= 0:
             return False, None
         if self.conn.settings.history_scope != "all":
-            self.sidecar.send(m.ObserveFact(tuple(keys[:n])))
+            self.send(ev.HistoryObserved(0, tuple(keys[:n])))
             return False, None
         blocks = tuple(blocks[:n])
         ticket_keys = self._ticket_keys(request, keys[:n], n, n * bs)
-        if not self.sidecar.send(m.TicketFact(uuid.uuid4().hex, request.request_id, blocks, ticket_keys, True)):
+        # No decode engine will claim this ticket: the engine claims and releases it itself, and
+        # the release admits its prefix into history.
+        ticket, claimer = uuid.uuid4().hex, m.history_claimer(self.conn.engine_id)
+        if not self.send(ev.TicketIssued(0, ticket, request.request_id, blocks, ticket_keys),
+                         ev.ClaimRequested(0, ticket, claimer, 0), ev.ReleaseRequested(0, ticket, claimer, 0)):
             return False, None  # not queued: vLLM frees the blocks now, nothing is retained
         return True, None  # the blocks are returned (finished_sending) once history copied them
 
@@ -435,7 +441,7 @@ class SchedulerSide:
                 return 0, False
             r = Restore(uuid.uuid4().hex, next(self.epochs), first, time.monotonic())
             self.restores[rid] = r
-            self.sidecar.send(m.RestoreFact(r.lease, rid, r.epoch, tuple(keys[first:])))
+            self.send(ev.RestoreRequested(0, r.lease, rid, r.epoch, tuple(keys[first:])))
             return None, False  # not known yet: vLLM asks again next step
         if r.state == ASKED:
             if time.monotonic() - r.asked_at > RESTORE_REPLY_WAIT_S or not self.usable():
@@ -458,12 +464,18 @@ class SchedulerSide:
         # overwrite a local hit.
         dst = tuple(block_ids[r.first: r.first + math.ceil(num_external_tokens / bs)])
         r.state = ALLOCATED
-        self.sidecar.send(m.LeaseAllocFact(r.lease, rid, dst))
+        self.send(ev.LeaseAllocated(0, r.lease, dst, rid))
 
     def _release(self, rid: str, r: Restore) -> None:
         if r.state in (ASKED, RESERVED):
-            self.sidecar.send(m.LeaseReleaseFact(r.lease, rid, r.epoch))
+            self.send(ev.LeaseReleased(0, r.lease, rid, r.epoch))
         r.state = DONE
+
+    def send(self, *events: ev.Event, keepalive: str = "") -> bool:
+        """Tell the sidecar what the scheduler observed, as core events it stamps and applies
+        (False when they could not be queued: the caller gives the handoff up)."""
+
+        return self.sidecar.send(m.Apply(events, keepalive))
 
     def debug_state(self) -> dict:
         """For tests and operators: the sidecar's view (a blocking call; never on the hot path)."""

@@ -35,7 +35,7 @@ from kvbaton.core.log import read_log  # noqa: E402
 from kvbaton.core.replay import replay  # noqa: E402
 
 from .test_sidecar_claim import (DIGEST, LAYOUT, NUM_TOKENS, START_TIMEOUT_S, SilentServer, load,  # noqa: E402
-                                 start_sidecar, ticket_fact, wait_resolved)
+                                 start_sidecar, ticket_fact, wait_resolved, load_requested, aborted)
 
 pytestmark = pytest.mark.integration
 
@@ -379,17 +379,17 @@ def test_a_restarted_p_refuses_its_old_tickets_at_once_and_serves_new_ones(peers
         new.wait_ready(START_TIMEOUT_S)
         assert new.address == old.address and new.instance != old_instance
         stale = f"req-{uuid.uuid4().hex[:8]}"
-        peers.d.send(m.LoadFact(stale, old_ticket, new.address, 1, NUM_TOKENS, DIGEST, "", old_instance))
+        peers.d.send(load_requested(stale, old_ticket, new.address, old_instance))
         resolved, took = wait_resolved(peers.d, stale, 30.0)
         assert resolved is not None and not resolved.hit and "restarted" in resolved.reason, resolved
         assert took < 3.0, took  # the unknown-ticket window is 8 s
         fresh_ticket, fresh = uuid.uuid4().hex, f"req-{uuid.uuid4().hex[:8]}"
         new.send(ticket_fact(fresh_ticket, "req-new"))
         time.sleep(0.3)
-        peers.d.send(m.LoadFact(fresh, fresh_ticket, new.address, 1, NUM_TOKENS, DIGEST, "", new.instance))
+        peers.d.send(load_requested(fresh, fresh_ticket, new.address, new.instance))
         resolved, _ = wait_resolved(peers.d, fresh, 30.0)
         assert resolved is not None and resolved.hit, resolved
-        peers.d.send(m.CancelFact(fresh, False))
+        peers.d.send(aborted(fresh))
         deadline = time.monotonic() + 10
         while state(new)["open"]["tickets"] and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -56,11 +56,22 @@ def start_sidecar(root, name: str, role: str, claim_wait_s: float = 30.0, port: 
     return SidecarHandle.start(config, str(root / "logs"), secret or resolve_secret())
 
 
-def ticket_fact(ticket: str, request: str, blocks=(3, 4), digest: str = DIGEST, **capabilities) -> m.TicketFact:
-    """P's fact for a ticket whose blocks hold NUM_TOKENS tokens named by `digest`."""
+def ticket_fact(ticket: str, request: str, blocks=(3, 4), digest: str = DIGEST, **capabilities) -> m.Apply:
+    """P's scheduler event for a ticket whose blocks hold NUM_TOKENS tokens named by `digest`."""
 
-    return m.TicketFact(ticket, request, tuple(blocks), (), False, NUM_TOKENS, digest,
-                        capabilities.get("abandon_digest", ""), capabilities.get("keepalive_digest", ""))
+    return m.Apply((ev.TicketIssued(0, ticket, request, tuple(blocks), (), NUM_TOKENS, digest,
+                                    capabilities.get("abandon_digest", ""), capabilities.get("keepalive_digest", "")),))
+
+
+def load_requested(request: str, ticket: str, source: str, instance: str = "", keepalive: str = "") -> m.Apply:
+    """D's scheduler event for a request that arrived with a handoff of NUM_TOKENS tokens."""
+
+    return m.Apply((ev.LoadRequested(0, request, ticket, source, 1, -(-NUM_TOKENS // BLOCK_SIZE), NUM_TOKENS,
+                                     DIGEST, instance),), keepalive)
+
+
+def aborted(request: str) -> m.Apply:
+    return m.Apply((ev.RequestAborted(0, request),))
 
 
 class SilentServer:
@@ -143,7 +154,7 @@ def wait_closed(*handles: SidecarHandle, timeout_s: float = 10.0) -> None:
 
 def load(d: SidecarHandle, p_address: str, ticket: str) -> str:
     request = f"req-{uuid.uuid4().hex[:8]}"
-    d.send(m.LoadFact(request, ticket, p_address, 1, NUM_TOKENS, DIGEST))
+    d.send(load_requested(request, ticket, p_address))
     return request
 
 
@@ -180,7 +191,7 @@ def test_claim_waits_for_a_source_sidecar_that_is_not_listening_yet(sidecars):
         resolved, _ = wait_resolved(sidecars.d, request, LONG_WAIT_S)
         assert resolved is not None and resolved.hit, resolved
         assert wait_claims_seen(late_p, ticket, 1) >= 1
-        sidecars.d.send(m.CancelFact(request, False))  # D gives the ticket back: P closes it
+        sidecars.d.send(aborted(request))  # D gives the ticket back: P closes it
         wait_closed(late_p, sidecars.d)
         assert state(late_p)["counters"].get("tickets.closed.released", 0) == 1
     finally:
@@ -198,7 +209,7 @@ def test_claim_waits_for_a_ticket_p_has_not_seen_yet(sidecars):
     sidecars.p.send(ticket_fact(ticket, "p-req-late", (5, 6)))
     resolved, _ = wait_resolved(sidecars.d, request, 10.0)
     assert resolved is not None and resolved.hit, resolved
-    sidecars.d.send(m.CancelFact(request, False))
+    sidecars.d.send(aborted(request))
     wait_closed(sidecars.p, sidecars.d)
 
 

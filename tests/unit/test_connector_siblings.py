@@ -18,6 +18,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from kvbaton.adapters.vllm import scheduler_side as c  # noqa: E402
 from kvbaton.adapters.vllm.settings import parse_peer_networks  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
+from kvbaton.core import events as ev  # noqa: E402
 
 LAYOUT = "layout0"
 
@@ -38,7 +39,9 @@ class Sidecar:
         return True
 
     def of(self, kind) -> list:
-        return [msg for msg in self.sent if type(msg) is kind]
+        """The core events of type `kind` the scheduler side sent, in order."""
+
+        return [event for msg in self.sent if type(msg) is m.Apply for event in msg.events if type(event) is kind]
 
 
 def scheduler_side() -> c.SchedulerSide:
@@ -78,7 +81,7 @@ def test_the_ticket_is_claimed_once_and_siblings_wait_for_its_load():
     reader, *siblings = children(3)
     for request in (reader, *siblings):
         side.on_new_request(request)
-    assert len(side.sidecar.of(m.LoadFact)) == 1 and side.sidecar.of(m.LoadFact)[0].request == reader.request_id
+    assert len(side.sidecar.of(ev.LoadRequested)) == 1 and side.sidecar.of(ev.LoadRequested)[0].request == reader.request_id
 
     assert side.get_num_new_matched_tokens(reader, 0) == (80, True)
     side.update_state_after_alloc(reader, Blocks([7, 8, 9]), 80)
@@ -89,12 +92,12 @@ def test_the_ticket_is_claimed_once_and_siblings_wait_for_its_load():
     for sibling in siblings:  # D's prefix cache has the blocks (num_computed_tokens 64 = 2 full blocks)
         assert side.get_num_new_matched_tokens(sibling, 64) == (0, False)
         side.update_state_after_alloc(sibling, Blocks([7, 8, 10]), 0)
-    assert len(side.sidecar.of(m.AllocatedFact)) == 1  # only the reader's blocks are read into
+    assert len(side.sidecar.of(ev.LoadAllocated)) == 1  # only the reader's blocks are read into
 
     for request in (*siblings, reader):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         side.request_finished(request, [[7, 8, 9]])
-    assert side.sidecar.of(m.CancelFact) == []  # the reader's load was consumed; siblings never claimed
+    assert side.sidecar.of(ev.RequestAborted) == side.sidecar.of(ev.RequestPreempted) == []  # the reader's load was consumed; siblings never claimed
     assert side.handoffs == {} and side.readers == {}
 
 
@@ -111,8 +114,8 @@ def test_siblings_go_on_when_the_reader_is_aborted_and_nothing_stays_behind():
     for request in (reader, sibling):
         request.status = RequestStatus.FINISHED_ABORTED
         side.request_finished(request, [[1, 2, 3]])
-    cancels = side.sidecar.of(m.CancelFact)
-    assert [(x.request, x.preempted) for x in cancels] == [(reader.request_id, False)]
+    assert [x.request for x in side.sidecar.of(ev.RequestAborted)] == [reader.request_id]
+    assert side.sidecar.of(ev.RequestPreempted) == []
     assert side.handoffs == {} and side.readers == {}
 
 
@@ -123,7 +126,7 @@ def test_a_preempted_reader_lets_siblings_compute():
     side.on_new_request(sibling)
     reader.status = RequestStatus.PREEMPTED
     assert side.get_num_new_matched_tokens(sibling, 0) == (0, False)
-    assert len(side.sidecar.of(m.LoadFact)) == 1
+    assert len(side.sidecar.of(ev.LoadRequested)) == 1
 
 
 def test_a_sibling_stops_waiting_at_its_bound(monkeypatch):
@@ -143,7 +146,7 @@ def test_other_tickets_and_a_new_request_after_the_reader_finished_claim_their_o
     other[0].request_id = "other"
     side.on_new_request(first[0])
     side.on_new_request(other[0])
-    assert len(side.sidecar.of(m.LoadFact)) == 2  # two handoffs, two claims
+    assert len(side.sidecar.of(ev.LoadRequested)) == 2  # two handoffs, two claims
     # The same handoff again after its reader finished is a request of its own (P refuses the
     # second claim and it recomputes): the sibling rule covers requests that live together.
     first[0].status = RequestStatus.FINISHED_STOPPED
@@ -151,4 +154,4 @@ def test_other_tickets_and_a_new_request_after_the_reader_finished_claim_their_o
     again = children(1, ticket=first[0].kv_transfer_params["kvbaton"]["ticket"])
     again[0].request_id = "again"
     side.on_new_request(again[0])
-    assert len(side.sidecar.of(m.LoadFact)) == 3
+    assert len(side.sidecar.of(ev.LoadRequested)) == 3

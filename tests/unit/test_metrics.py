@@ -13,6 +13,7 @@ pytest.importorskip("prometheus_client")
 
 from kvbaton.adapters.vllm.settings import SettingsError, parse_settings  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
+from kvbaton.core import events as ev  # noqa: E402
 from kvbaton.control import metrics  # noqa: E402
 from kvbaton.control import peer as pc  # noqa: E402
 
@@ -36,8 +37,7 @@ def sample(text: str, name: str, **labels) -> float:
 
 def test_a_producer_sidecar_renders_its_tickets_reads_and_refusals(tmp_path):
     a = listed_authority(tmp_path, "P0", "producer")
-    a._on_message(m.TicketFact("t1", "r1", (1, 2, 3)))
-    a._on_message(m.TicketFact("t2", "r2", (4, 5)))
+    a._on_message(m.Apply((ev.TicketIssued(0, "t1", "r1", (1, 2, 3)), ev.TicketIssued(0, "t2", "r2", (4, 5)))))
     a._answer(pc.Claim("t1", "D0", 1))
     a._answer(pc.ReadStart("t1", "D0", 1, "r/0"))
     a._answer(pc.ReadEnd("t1", "D0", 1, "r/0", True, True))  # read, then released
@@ -65,7 +65,7 @@ def test_a_producer_sidecar_renders_its_tickets_reads_and_refusals(tmp_path):
 
 def test_a_consumer_sidecar_renders_its_loads_and_handoff_bytes(tmp_path):
     a = listed_authority(tmp_path, "D0", "consumer")
-    a._on_message(m.LoadFact("r1", "t1", "127.0.0.1:9", 1, 64, "d" * 32))
+    a._on_message(m.Apply((ev.LoadRequested(0, "r1", "t1", "127.0.0.1:9", 1, 4, 64, "d" * 32),)))
     a._on_message(m.ReadDone("r1", "r1/0", True, "", 4096, 0.25))
     a._on_message(m.ReadDone("r2", "r2/0", False, "boom"))
     text = metrics.render(a.metrics_snapshot()).decode()

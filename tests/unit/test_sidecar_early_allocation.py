@@ -31,11 +31,11 @@ def to_worker(a) -> list[tuple[str, tuple]]:
 
 
 def requested(a):
-    a._on_message(m.LoadFact("r1", "t1", "127.0.0.1:2", 1, 32, DIGEST))
+    a._on_message(m.Apply((ev.LoadRequested(0, "r1", "t1", "127.0.0.1:2", 1, 2, 32, DIGEST),)))
 
 
 def allocated(a, dst):
-    a._on_message(m.AllocatedFact("r1", 0, dst))
+    a._on_message(m.Apply((ev.LoadAllocated(0, "r1", dst),)))
 
 
 def refused(a):
@@ -66,7 +66,7 @@ def test_allocated_before_a_grant_enters_the_ledger_after_it(authority):
 def test_aborted_while_the_claim_is_out_gets_one_finished_recving(authority):
     requested(authority)
     allocated(authority, (10, 11))
-    authority._on_message(m.CancelFact("r1", False))
+    authority._on_message(m.Apply((ev.RequestAborted(0, "r1"),)))
     assert to_worker(authority) == [("FinishedRecving", ())]
 
 
@@ -109,7 +109,7 @@ def test_a_grant_for_a_pruned_load_is_undone_at_p(tmp_path):
         return "ok", GRANT if type(call) is pc.Claim else pc.Answer(True)
 
     a._call, a._try_call = fake_call, fake_try_call
-    a._on_message(m.LoadFact("r1", "t1", "127.0.0.1:2", 1, 32, DIGEST))
+    a._on_message(m.Apply((ev.LoadRequested(0, "r1", "t1", "127.0.0.1:2", 1, 2, 32, DIGEST),)))
     for coro in spawned:  # the claim it started: not needed here
         coro.close()
     spawned.clear()

@@ -1,0 +1,47 @@
+"""The connector's scheduler side speaks to its sidecar in core events (`m.Apply`): the sidecar
+stamps them with its own clock, applies the ones a scheduler observes, and refuses the rest."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("xoscar")
+
+from kvbaton.control import messages as m  # noqa: E402
+from kvbaton.core import events as ev  # noqa: E402
+
+from .authority_harness import listed_authority  # noqa: E402
+
+
+def test_events_are_stamped_by_the_sidecar_and_peer_only_events_are_refused(tmp_path):
+    a = listed_authority(tmp_path, "P0", "producer")
+    before = a._now()
+    a._on_message(m.Apply((ev.TicketIssued(0, "t1", "r1", (1, 2)),)))
+    ticket = a.ledger.tickets.tickets["t1"]
+    assert ticket.state == "ISSUED" and a.ledger.now_ns >= before  # stamped, not applied at 0
+    # A claim, a grant or a tick is a peer's or the clock's word, never the scheduler's.
+    a._on_message(m.Apply((ev.ClaimRequested(0, "t1", "D0", 1), ev.ClaimGranted(0, "r1", "t1", 1),
+                           ev.Tick(10**18))))
+    assert a.refused["scheduler_event"] == 3
+    assert a.ledger.tickets.tickets["t1"].state == "ISSUED"
+
+
+def test_a_plain_request_retained_for_history_is_claimed_by_the_engine_itself(tmp_path):
+    a = listed_authority(tmp_path, "P0", "producer")
+    claimer = m.history_claimer("P0")
+    a._on_message(m.Apply((ev.TicketIssued(0, "t1", "r1", (1, 2)), ev.ClaimRequested(0, "t1", claimer, 0),
+                           ev.ReleaseRequested(0, "t1", claimer, 0))))
+    assert a.refused["scheduler_event"] == 0
+    assert a.ledger.tickets.tickets["t1"].state == "CLOSED"
+    assert [type(msg).__name__ for sock, msg in a.sent if sock == "worker"] == ["FinishedSending"]
+
+
+def test_an_allocation_for_a_load_that_never_was_returns_the_parked_blocks(tmp_path):
+    a = listed_authority(tmp_path, "D0", "consumer")
+    a._on_message(m.Apply((ev.LoadAllocated(0, "ghost", (4, 5), first=0),)))
+    assert [(type(msg).__name__, getattr(msg, "blocks", ())) for sock, msg in a.sent if sock == "worker"] == [
+        ("InvalidBlocks", (4, 5)), ("FinishedRecving", ())]
+    a.sent.clear()
+    counters = dict(a.ledger.counters)
+    a._on_message(m.Apply((ev.RequestAborted(0, "ghost"),)))  # nothing to cancel: not even a refusal
+    assert a.sent == [] and dict(a.ledger.counters) == counters

@@ -88,7 +88,8 @@ def spawn(target: str, *args: str) -> subprocess.Popen:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvbaton.bench.pd_compare import free_port, router_command, throughput_in_processes, wait_healthy
+    from kvbaton.bench.pd_clients import throughput_in_processes
+    from kvbaton.bench.pd_stack import free_port, router_command, wait_healthy
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[16, 32])

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import multiprocessing
 import os
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 BLOCK_SIZE = 32
 KV_HEADS = 2
@@ -63,7 +61,7 @@ def _allocate(nbytes: int, memory: str, fill: int):
     tensor = torch.full((nbytes,), fill, dtype=torch.uint8)
     if memory == "torch-hugepages":
         _import_transports()
-        from kvbaton.transports.nixl import collapse_into_huge_pages
+        from kvbaton.transports.nixl_agent import collapse_into_huge_pages
         collapse_into_huge_pages([(tensor.data_ptr(), nbytes)])
     elif memory != "torch":
         raise ValueError(f"memory must be 'torch-hugepages', 'torch' or 'numpy', not {memory!r}")
@@ -76,7 +74,7 @@ class _RawAgent:
 
     def __init__(self, role: str, nbytes: int, memory: str, fill: int) -> None:
         _import_transports()
-        from kvbaton.transports.nixl import import_nixl
+        from kvbaton.transports.nixl_agent import import_nixl
         nixl_agent, nixl_agent_config = import_nixl()
         self.nbytes = nbytes
         self.buffer, self.addr = _allocate(nbytes, memory, fill)
@@ -216,7 +214,7 @@ def transport_read_table(nbytes: int, reps: int) -> tuple[list[dict], list[float
     """Rows of {mode, post, pattern, runs, descriptors, post_us, gbps_median, gbps_best}, and the
     raw single-descriptor samples (GB/s) taken interleaved with them."""
     transports = _import_transports()
-    from kvbaton.transports.nixl import NixlPeerMetadata
+    from kvbaton.transports.nixl_agent import NixlPeerMetadata
     import msgspec
 
     num_blocks = nbytes // (NUM_LAYERS * BLOCK_BYTES_PER_LAYER)

@@ -14,42 +14,26 @@ descriptors, posts one READ, and returns. `poll` asks NIXL for the state of ever
 `notify` bytes ride on the READ as NIXL's notification, wrapped in an envelope that names the
 reader, and reach the target's `take_notifications` after the data.
 
-Descriptor strategy (two modes, measured on this 2-core CPU VM, DRAM, UCX over CMA, 2 layers x
-4096 blocks x 8 KiB, 64 MiB per read; medians of 5, noisy machine):
-
-    runs per read                      1      4      16     64     512    4096
-    prepped: make_prepped_xfer, us     82     71     71     94     67     205
-    per_read: descs + initialize, us   125    132    126    142    96     360
-    transfer GB/s (either mode)        8.5    8.4-13 17     8.3    5-7    1.7
+Descriptors (the decisions and their figures: docs/reference/TRANSPORT.md): a read costs per
+descriptor, not per byte, so runs adjacent on both sides are coalesced first. Two ways to hand
+them to NIXL:
 
 * "prepped" (vLLM's way): `prep_xfer_dlist` once over every (layer, span, block) on both sides,
-  then per read `make_prepped_xfer` with index arrays. NIXL merges indices that are adjacent on
-  both sides (telemetry descCount: 1 for one run over both layers, 124 for 64 runs), so it reaches
-  the same descriptor count as our own coalescing, and it was ~40-50 us cheaper per read. Its cost
-  is memory and setup proportional to layers x spans x num_blocks per side (0.9 ms for 2 x 8192
-  descriptors here; a GPU cache of 10^6 blocks x 48 spans would need 48 M descriptors).
-* "per_read": `descriptors_for_runs` + `initialize_xfer`: no per-block state at all, descriptor
-  count already minimal; costs ~130 us per read at 1-64 runs.
+  then per read `make_prepped_xfer` with index arrays (NIXL merges adjacent indices itself).
+  Cheapest per read, but memory and setup grow with layers x spans x blocks per side.
+* "per_read": `descriptors_for_runs` + `initialize_xfer`: no per-block state at all.
 
-Both are small next to the transfer (64 MiB ~ 4-8 ms here). "auto" (the default) picks prepped
-for CPU caches while each side's per-block list stays at or under PREPPED_DESCRIPTORS_MAX, else
-per_read; GPU caches always get per_read (see the H200 paragraph below). The
-injected-fault path always uses per_read (it posts a truncated descriptor list on purpose).
+"auto" (the default) picks prepped for CPU caches while each side's per-block list stays at or
+under PREPPED_DESCRIPTORS_MAX, else per_read; GPU caches always get per_read (a GPU cache's
+per-block lists would be tens of millions of descriptors, and the modes cost the same there).
+The injected-fault path always uses per_read (it posts a truncated descriptor list on purpose).
 
-On an H200 (VRAM, P and D on one GPU, UCX cuda_ipc with GET_ZCOPY) the two modes were equal too,
-but the cost per descriptor is what matters there: a read of 256 scattered 64 KiB blocks x 4
-layers (1024 descriptors) took ~10 ms, 2048 descriptors of 32 KiB (K/V-first layout) ~20 ms, i.e.
-~10 us per descriptor, while 512 MiB in 4-8 contiguous descriptors took 0.6-1.2 ms (450-880
-GB/s). Coalescing runs is the lever on GPU.
-
-Threads: UCX does the copy *inside* `transfer()`, which then returns "DONE": on CPU through CMA
-(process_vm_readv; 5-15 ms for 64 MiB here) and, as measured on the H200, for cuda_ipc as well
-(the ~10 us per descriptor above are spent in `transfer()`). So READs are posted from a helper
-thread by default (NIXL drops the GIL meanwhile) and start_read only validates and enqueues
-(~50-400 us instead of the whole copy). When idle, the same thread progresses the agent every
-`progress_interval_s` (see the constructor). One lock serialises every call into the agent
-(NIXL's own sync mode is NONE without a listen thread); poll and take_notifications only *try*
-that lock, so they never wait for a copy. Reads on one engine are posted one after another.
+Threads: UCX does the copy inside `transfer()` (CMA on CPU, cuda_ipc on one GPU), so READs are
+posted from a helper thread (NIXL drops the GIL meanwhile) and start_read only validates and
+enqueues. When idle, the same thread progresses the agent every `progress_interval_s`. One lock
+serialises every call into the agent (NIXL's own sync mode is NONE without a listen thread); poll
+and take_notifications only *try* that lock, so they never wait for a copy. Reads on one engine
+are posted one after another.
 
 Errors and time limits: NIXL raises (nixlRemoteDisconnectError, nixlNotFoundError...) rather than
 returning "ERR" in several cases; every such exception during a read becomes a failed ReadResult.
@@ -58,16 +42,13 @@ returning "ERR" in several cases; every such exception during a read becomes a f
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import msgspec
 import numpy as np
@@ -78,102 +59,14 @@ from .landing import LandingArea, landing_order, run_counts
 from .layout import (DescriptorPlan, KvLayout, check_block_ids, coalesce_runs,
                      descriptors_for_runs)
 from .local import UnknownPeer
+from .nixl_agent import (METADATA_DECODER, METADATA_ENCODER, METADATA_PROTOCOL, UCX_ENV_DEFAULTS_CUDA,
+                         NixlPeerMetadata, as_str, check_layout_matches, collapse_into_huge_pages,
+                         import_nixl, nixl_mem_type, progress_thread_delay, release_quietly)
 
 logger = logging.getLogger(__name__)
 
-NIXL_INSTALL_HINT = ("NIXL is not installed: pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 "
-                     "(nixl-cu12==1.5.1 instead when torch is a CUDA 12 build; plus numpy). Do not "
-                     "install the plain `nixl` meta package with dependencies: it pulls both CUDA "
-                     "wheels and a CUDA torch.")
-
 # Beyond this many per-block descriptors per side, "auto" stops preparing per-block lists.
 PREPPED_DESCRIPTORS_MAX = 1 << 20
-
-# UCX settings applied only when the user has not set them, before the agent (and UCX) starts.
-# Without GET_ZCOPY, UCX refuses cuda_ipc READs between processes on one GPU without NVLink and
-# falls back to TCP: 0.4 GB/s instead of ~940 GB/s on an H200 (reference/vllm_gpu.md).
-UCX_ENV_DEFAULTS_CUDA = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
-# NIXL's Python logger prints an INFO line per agent and backend to stdout; engines log enough.
-NIXL_ENV_DEFAULTS = {"NIXL_LOG_LEVEL": "WARN"}
-
-_METADATA_PROTOCOL = 1
-
-
-class NixlPeerMetadata(msgspec.Struct, frozen=True):
-    """What `local_metadata` returns (msgpack): everything a reader needs to read from us."""
-
-    kind: str  # "nixl": refuse metadata meant for another transport with a clear message
-    protocol: int
-    engine_id: str
-    agent_name: str
-    agent_metadata: bytes  # nixl_agent.get_agent_metadata(): connection info + registrations
-    layout: KvLayout
-
-
-_METADATA_ENCODER = msgspec.msgpack.Encoder()
-_METADATA_DECODER = msgspec.msgpack.Decoder(NixlPeerMetadata)
-
-
-def import_nixl() -> tuple[Any, Any]:
-    """Import NIXL on first use; returns (nixl_agent, nixl_agent_config)."""
-    for name, value in NIXL_ENV_DEFAULTS.items():
-        os.environ.setdefault(name, value)
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ModuleNotFoundError as error:
-        raise TransportUnavailable(f"{NIXL_INSTALL_HINT} (import failed: {error})") from error
-    except ImportError as error:  # e.g. "detected CUDA 12 but nixl-cu12 is not installed"
-        raise TransportUnavailable(f"NIXL is installed but cannot load: {error}. {NIXL_INSTALL_HINT}"
-                                   ) from error
-    return nixl_agent, nixl_agent_config
-
-
-_CONFIG_PATCH_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _progress_thread_delay(delay_us: int):
-    """Create agents whose progress thread pauses `delay_us` between polls.
-
-    nixl._api builds its `nixlAgentConfig` itself and sets `pthrDelay = 0`; for the duration of
-    this block it gets a config class that keeps at least `delay_us` instead.
-    """
-    if delay_us <= 0:
-        yield
-        return
-    import types
-
-    import nixl._api as api
-
-    bindings = api.nixlBind
-    base = bindings.nixlAgentConfig
-    field = base.pthrDelay
-
-    class DelayedConfig(base):
-        @property
-        def pthrDelay(self):
-            return field.__get__(self)
-
-        @pthrDelay.setter
-        def pthrDelay(self, value):
-            field.__set__(self, max(int(value), delay_us))
-
-    patched = types.SimpleNamespace(**{k: getattr(bindings, k) for k in dir(bindings) if not k.startswith("__")})
-    patched.nixlAgentConfig = DelayedConfig
-    with _CONFIG_PATCH_LOCK:
-        api.nixlBind = patched
-        try:
-            yield
-        finally:
-            api.nixlBind = bindings
-
-
-def nixl_mem_type(device_type: str) -> str:
-    if device_type == "cpu":
-        return "DRAM"
-    if device_type == "cuda":
-        return "VRAM"
-    raise TransportError(f"NIXL cannot register KV memory on device type {device_type!r}")
 
 
 @dataclass
@@ -333,7 +226,7 @@ class NixlTransport:
                 raise TransportError(f"NixlTransport {self.engine_id!r} is closed")
             if self._layout is not None:
                 raise TransportError(f"NixlTransport {self.engine_id!r}: register() was already called")
-            _check_layout_matches(layout, kv_caches)
+            check_layout_matches(layout, kv_caches)
             self._mem_type = nixl_mem_type(layout.device_type)
             if self._mem_type == "VRAM":
                 for name, value in UCX_ENV_DEFAULTS_CUDA.items():
@@ -366,22 +259,22 @@ class NixlTransport:
     def local_metadata(self) -> bytes:
         with self._agent_lock:
             layout = self._require_layout()
-            return _METADATA_ENCODER.encode(NixlPeerMetadata(
-                "nixl", _METADATA_PROTOCOL, self.engine_id, self.agent_name,
+            return METADATA_ENCODER.encode(NixlPeerMetadata(
+                "nixl", METADATA_PROTOCOL, self.engine_id, self.agent_name,
                 self._agent.get_agent_metadata(), layout))
 
     def add_peer(self, peer_id: str, metadata: bytes) -> None:
         try:
-            peer_metadata = _METADATA_DECODER.decode(metadata)
+            peer_metadata = METADATA_DECODER.decode(metadata)
         except msgspec.DecodeError as error:
             raise ValueError(f"peer {peer_id!r}: metadata is not NixlTransport metadata "
                              f"({error})") from error
         if peer_metadata.engine_id != peer_id:
             raise ValueError(f"peer {peer_id!r}: metadata names engine {peer_metadata.engine_id!r}; "
                              f"an engine's metadata must name the engine it claims to be")
-        if peer_metadata.protocol != _METADATA_PROTOCOL:
+        if peer_metadata.protocol != METADATA_PROTOCOL:
             raise ValueError(f"peer {peer_id!r} speaks metadata protocol "
-                             f"{peer_metadata.protocol}, we speak {_METADATA_PROTOCOL}")
+                             f"{peer_metadata.protocol}, we speak {METADATA_PROTOCOL}")
         with self._agent_lock:
             layout = self._require_layout()
             layout.check_compatible(peer_metadata.layout)
@@ -391,9 +284,9 @@ class NixlTransport:
                     return  # same agent announced twice: keep the connection
                 self._drop_peer(peer_id)
             remote_name = self._agent.add_remote_agent(peer_metadata.agent_metadata)
-            if _as_str(remote_name) != peer_metadata.agent_name:
+            if as_str(remote_name) != peer_metadata.agent_name:
                 raise ValueError(f"peer {peer_id!r}: metadata names agent "
-                                 f"{peer_metadata.agent_name!r} but holds {_as_str(remote_name)!r}")
+                                 f"{peer_metadata.agent_name!r} but holds {as_str(remote_name)!r}")
             peer = _Peer(peer_metadata.engine_id, peer_metadata.agent_name, remote_name,
                          peer_metadata.layout, nixl_mem_type(peer_metadata.layout.device_type),
                          agent_metadata=bytes(peer_metadata.agent_metadata))
@@ -505,12 +398,12 @@ class NixlTransport:
             if agent is None:
                 return
             for in_flight in self._in_flight.values():
-                _release_quietly(in_flight.handle, f"in-flight read {in_flight.read_id!r}")
+                release_quietly(in_flight.handle, f"in-flight read {in_flight.read_id!r}")
             self._in_flight.clear()
             for peer_id in list(self._peers):
                 self._drop_peer(peer_id)
             if self._local_dlist is not None:
-                _release_quietly(self._local_dlist, "local descriptor list")
+                release_quietly(self._local_dlist, "local descriptor list")
                 self._local_dlist = None
             if self._landing is not None:
                 self._landing.close()
@@ -564,7 +457,7 @@ class NixlTransport:
                     envelope = NOTIFY_DECODER.decode(message)
                     notifications.append((envelope.reader, envelope.payload))
                 except msgspec.DecodeError:  # not from a kvbaton reader: pass it on raw
-                    notifications.append((_as_str(agent_name), bytes(message)))
+                    notifications.append((as_str(agent_name), bytes(message)))
         with self._state_lock:
             self._notification_buffer.extend(notifications)
 
@@ -580,7 +473,7 @@ class NixlTransport:
         if delay_us is None:
             delay_us = 200 if self._mem_type == "DRAM" else 0
         try:
-            with _progress_thread_delay(delay_us):
+            with progress_thread_delay(delay_us):
                 agent = self._nixl_agent_class(self.agent_name, config)
         except Exception as error:
             raise TransportUnavailable(f"could not create NIXL agent {self.agent_name!r} with "
@@ -706,7 +599,7 @@ class NixlTransport:
         try:
             state = self._agent.transfer(handle)
         except Exception:
-            released = _release_quietly(handle, f"read {job.read_id!r}")
+            released = release_quietly(handle, f"read {job.read_id!r}")
             if in_flight.landing is not None and released:
                 # (Not released: NIXL may still write there, so the reservation is never reused.)
                 self._landing.release(*in_flight.landing[:2])
@@ -780,7 +673,7 @@ class NixlTransport:
     def _settle(self, in_flight: _InFlight, state: str, released: bool | None = None) -> None:
         del self._in_flight[in_flight.read_id]
         if released is None:
-            released = _release_quietly(in_flight.handle, f"read {in_flight.read_id!r}")
+            released = release_quietly(in_flight.handle, f"read {in_flight.read_id!r}")
         if in_flight.landing is not None:
             start, count, dst_blocks = in_flight.landing
             if state != "DONE":
@@ -837,7 +730,7 @@ class NixlTransport:
     def _drop_peer(self, peer_id: str) -> None:
         peer = self._peers.pop(peer_id)
         if peer.dlist is not None:
-            _release_quietly(peer.dlist, f"descriptor list of peer {peer_id!r}")
+            release_quietly(peer.dlist, f"descriptor list of peer {peer_id!r}")
         still_used = any(other.agent_name == peer.agent_name for other in self._peers.values())
         if not still_used:
             try:
@@ -856,20 +749,6 @@ def _collected(result: ReadResult, ended: float, now: float) -> ReadResult:
         return result
     phases = result.phases
     return msgspec.structs.replace(result, phases=phases[:5] + (max(0.0, now - ended),) + phases[5:])
-
-
-def _as_str(name: Any) -> str:
-    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
-
-
-def _release_quietly(handle: Any, what: str) -> bool:
-    """Release a NIXL handle; False when NIXL refused (it may still be moving bytes)."""
-    try:
-        handle.release()
-        return True
-    except Exception as error:  # NIXL keeps a handle it cannot cancel and retries at teardown
-        logger.warning("NIXL could not release %s: %s", what, error)
-        return False
 
 
 def _with_device_column(pairs: np.ndarray, device_index: int) -> np.ndarray:
@@ -894,54 +773,3 @@ def _truncated(plan: DescriptorPlan) -> DescriptorPlan:
 
 def _block_descriptor_count(layout: KvLayout) -> int:
     return layout.num_blocks * sum(len(layer.spans) for layer in layout.layers)
-
-
-def _check_layout_matches(layout: KvLayout, kv_caches: dict) -> None:
-    """The layout must describe these very tensors: registering one engine's layout with another
-    engine's memory would let peers read the wrong addresses."""
-    names = list(kv_caches)
-    layout_names = [layer.name for layer in layout.layers]
-    if names != layout_names:
-        raise ValueError(f"kv_caches layers {names} do not match the layout's {layout_names}")
-    for tensor, layer in zip(kv_caches.values(), layout.layers):
-        if int(tensor.data_ptr()) != layer.base_ptr:
-            raise ValueError(f"layer {layer.name!r}: tensor at {tensor.data_ptr():#x} but layout "
-                             f"says {layer.base_ptr:#x}; derive the layout from these tensors")
-
-
-_MADV_HUGEPAGE = 14
-_MADV_COLLAPSE = 25  # Linux >= 6.1
-_HUGE_PAGE_BYTES = 2 << 20
-
-
-def collapse_into_huge_pages(regions: Iterable[tuple[int, int]]) -> int:
-    """Best effort: back the 2 MiB-aligned interior of each (addr, nbytes) region with transparent
-    huge pages, synchronously. Returns the bytes collapsed (0 where the kernel refuses: not Linux,
-    Linux < 6.1, THP disabled, pinned pages...)."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    started = time.perf_counter()
-    collapsed_bytes = 0
-    for addr, nbytes in regions:
-        start = -(-addr // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
-        end = (addr + nbytes) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
-        if end <= start:
-            continue
-        # MADV_HUGEPAGE first so that khugepaged keeps the range huge; MADV_COLLAPSE converts the
-        # pages that are already there, synchronously.
-        madvise(start, end - start, _MADV_HUGEPAGE)
-        if madvise(start, end - start, _MADV_COLLAPSE) == 0:
-            collapsed_bytes += end - start
-        else:
-            logger.debug("MADV_COLLAPSE refused for %#x+%d: errno %d", start, end - start,
-                         ctypes.get_errno())
-    logger.info("%d MiB collapsed into huge pages in %.1f ms", collapsed_bytes >> 20,
-                (time.perf_counter() - started) * 1e3)
-    return collapsed_bytes

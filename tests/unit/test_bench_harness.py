@@ -12,8 +12,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from kvbaton.bench.harness_ceiling import spawn, stop  # noqa: E402
-from kvbaton.bench.pd_compare import (  # noqa: E402
-    client_processes_for, free_port, router_command, throughput_in_processes, wait_healthy)
+from kvbaton.bench.pd_clients import throughput_in_processes  # noqa: E402
+from kvbaton.bench.pd_compare import client_processes_for  # noqa: E402
+from kvbaton.bench.pd_stack import free_port, router_command, wait_healthy  # noqa: E402
 
 
 def test_client_processes_follow_concurrency_unless_asked():
@@ -41,7 +42,7 @@ def routed(tmp_path_factory):
 
 
 def test_documents_are_dealt_in_proportion_to_each_processs_streams():
-    from kvbaton.bench.pd_compare import deal_documents
+    from kvbaton.bench.pd_clients import deal_documents
 
     docs = [[i] for i in range(20)]
     parts = deal_documents(docs, [7, 7, 6])
@@ -116,7 +117,7 @@ def test_both_connectors_get_the_same_engine_arguments():
     from pathlib import Path
 
     from kvbaton.bench.lite_server import parse_engine_args
-    from kvbaton.bench.pd_compare import Settings, System, engine_args_for
+    from kvbaton.bench.pd_stack import Settings, System, engine_args_for
 
     gpu = Settings("1gpu", 16, 4608, 8 << 30, 0.4, 64, Path("/tmp"), Path("/tmp/model"), 1000, cuda_graphs=True)
     native, kvbaton = System("native", "native"), System("kvbaton", "kvbaton",
@@ -138,7 +139,7 @@ def test_both_connectors_get_the_same_engine_arguments():
 
 
 def test_history_io_line_reports_per_operation_times_and_how_demotions_copied():
-    from kvbaton.bench.pd_compare import history_io_line
+    from kvbaton.bench.pd_report import history_io_line
 
     line = history_io_line({"stages": 2, "stage_seconds": 0.01, "stage_bytes": 10**8, "demote_batches": 4,
                             "demote_seconds": 0.04, "demote_fence_seconds": 0.01, "demotions": 900,
@@ -151,7 +152,7 @@ def test_history_io_line_reports_per_operation_times_and_how_demotions_copied():
 
 
 def test_read_phases_line_reports_per_read_phases_size_and_descriptors():
-    from kvbaton.bench.pd_compare import read_phases_line
+    from kvbaton.bench.pd_report import read_phases_line
     from kvbaton.control.messages import READ_PHASES
 
     books = {"phased_reads": 4, "reads": 4, "bytes": 8_000_000, "descriptors": 336, "landed": 1,

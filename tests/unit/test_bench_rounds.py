@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvbaton.bench.pd_compare import round_ratios
+from kvbaton.bench.pd_report import round_ratios
 
 
 def test_each_rounds_ratio_uses_that_rounds_native():

@@ -170,6 +170,8 @@ def cmd_replay(args) -> int:
 
 
 def cmd_fuzz(args) -> int:
+    if args.shell or args.broken:
+        return cmd_fuzz_shell(args)
     from .sim.fuzz import run_fuzz
 
     progress = None
@@ -204,6 +206,29 @@ def cmd_fuzz(args) -> int:
     print(f"fuzz: {report.sequences} sequences, {report.events} events, "
           f"{report.violations} violations, {report.leaks} leaks")
     return 1 if (report.violations or report.leaks) else 0
+
+
+def cmd_fuzz_shell(args) -> int:
+    """The sidecars' own shell code on a virtual clock and a simulated network (sim/shell.py)."""
+
+    try:
+        from .sim.shell import run_shell_fuzz
+    except ImportError as exc:
+        print(f"kvbaton fuzz --shell runs the sidecar itself, which needs the control plane's "
+              f"packages (pip install 'kvbaton[nixl,serve]'): {exc}", file=sys.stderr)
+        return 2
+    report = run_shell_fuzz(seed=args.seed, sequences=args.sequences, broken=args.broken or "")
+    print("faults exercised:")
+    for name, count in sorted(report["faults"].items()):
+        print(f"  {name:<28} {count}")
+    for failure in report["failures"]:
+        print(f"FAILED seed {failure['seed']}:")
+        for line in failure["first"]:
+            print(f"  {line}")
+    shell = f"the shell broken as {args.broken}" if args.broken else "the sidecar's shell"
+    print(f"fuzz ({shell}): {report['sequences']} sequences, {report['events']} events, "
+          f"{report['violations']} failing")
+    return 1 if report["violations"] else 0
 
 
 def cmd_bench(args) -> int:
@@ -305,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--out", default="fuzz-failures", help="where shrunk failing logs go")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--shell", action="store_true",
+                   help="run the sidecars' own code (stamping, effects, claim retries, heartbeats) on a "
+                        "virtual clock and a simulated network instead of the core's model of it")
+    p.add_argument("--break", dest="broken", choices=("dropped_release", "endless_claim_retry"),
+                   help="with --shell: a deliberately broken shell the run must catch (exit 1)")
     p.set_defaults(func=cmd_fuzz)
 
     p = sub.add_parser("bench", help="micro-benchmarks (core)")

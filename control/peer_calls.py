@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import xoscar as xo
 from xoscar.errors import ActorNotExist
@@ -76,6 +75,12 @@ class PeerCalls:
         logger.warning("call %s to %s failed: %r", call.__struct_config__.tag, address, value)
         return None
 
+    def _claim_retry_deadline(self) -> float:
+        """When a claim stops retrying (this process's monotonic seconds): as long as the load
+        waits for its claim, no longer."""
+
+        return self._monotonic() + self.cfg.ledger.claim_wait_ns / 1e9
+
     def _awaiting_claim(self, effect: fx.SendClaim) -> bool:
         load = self.ledger.loads.loads.get(effect.request)
         return (load is not None and load.state == "AWAITING_CLAIM" and load.ticket == effect.ticket
@@ -110,7 +115,7 @@ class PeerCalls:
         # once. A claim is idempotent for the same (claimer, epoch). At most one call per 0.5 s
         # per waiting load once the backoff has grown; the retries stop as soon as the load no
         # longer waits (expired, aborted) or the sidecar stops.
-        deadline = time.monotonic() + self.cfg.ledger.claim_wait_ns / 1e9
+        deadline = self._claim_retry_deadline()
         pause = 0.02
         retried = 0
         unknown_since = None
@@ -128,11 +133,11 @@ class PeerCalls:
                 break
             unknown = reply is not None and not reply.granted and reply.reason == Reason.UNKNOWN_TICKET
             if unknown and unknown_since is None:
-                unknown_since = time.monotonic()
+                unknown_since = self._monotonic()
             # "Unknown ticket" is a race with P's own fact (milliseconds; seconds on a starved
             # machine), not a reason to hold D's blocks for the whole claim wait: a restarted P,
             # or one that pruned the ticket, never learns it.
-            retry = status == "refused" or (unknown and time.monotonic() - unknown_since < UNKNOWN_TICKET_RETRY_S)
+            retry = status == "refused" or (unknown and self._monotonic() - unknown_since < UNKNOWN_TICKET_RETRY_S)
             if not retry:
                 if status == "failed":
                     logger.warning("claim of ticket %s at %s failed: %r", pc.short(effect.ticket),
@@ -140,7 +145,7 @@ class PeerCalls:
                 break
             if self.stopping or not self._awaiting_claim(effect):
                 return  # the load already ended (it resolved itself); P never took this claim
-            left = deadline - time.monotonic()
+            left = deadline - self._monotonic()
             if left <= 0:  # the ledger has normally expired the load already ("claim unanswered")
                 logger.warning("claim of ticket %s at %s: still %s after %d retries; giving up",
                                pc.short(effect.ticket), effect.source,

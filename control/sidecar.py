@@ -262,7 +262,14 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                 self.residency.update(key, blk.state if blk is not None else None)
 
     def _now(self) -> int:
+        """The clock every event is stamped with (a simulator gives its virtual one)."""
+
         return time.monotonic_ns()
+
+    def _monotonic(self) -> float:
+        """The same clock in seconds, for the shell's own waits (claim retries)."""
+
+        return self._now() / 1e9
 
     def _send(self, sock, msg: m.Msg) -> None:
         """Queue a message for the connector; one sender per socket keeps them in order and

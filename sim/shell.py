@@ -1,0 +1,475 @@
+"""`kvbaton fuzz --shell`: the simulator on the real shell.
+
+The core simulator (`swarm.py`) drives ledgers with a model of the shell. This one runs the shell
+itself: one prefill and two decode engines, each with the sidecar's own `Authority` (its event
+stamping, effect carrying, claim retries, read calls, heartbeats and timers), exchanging the real
+encoded peer calls and connector messages. Only the outside world is simulated: the network
+between sidecars (latency, lost calls and answers, a dead host refusing), each engine's scheduler
+and worker (ticket issue, allocation, reads, aborts, preemptions, deaths), and the clock. Every
+sidecar runs on one asyncio loop whose time is virtual: a sleep or a call timeout costs nothing,
+and a sequence replays exactly from its seed.
+
+Oracles, after every sequence and its drain (virtual time run on until every deadline passed):
+the core's invariants and the auditor on every ledger, after every event; nothing open; P's blocks
+each returned once; every request vLLM parked for a load told it was received exactly once; no
+shell task left running; and in a sequence without faults, every handoff read and released (no
+ticket closed by its lease, no load missed).
+
+`--break` runs a deliberately broken shell, which these oracles must catch: `dropped_release`
+(the sidecar forgets to release a ticket) and `endless_claim_retry` (a claim retry that forgets its
+deadline and whether its load still waits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import random
+import selectors
+from collections import Counter
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ..control import messages as m
+from ..control.config import SidecarConfig
+from ..control.guard import capability_digest, mint_capability
+from ..control.sidecar import Authority
+from ..core import effects as fx
+from ..core import events as ev
+from ..core.audit import Auditor
+from ..core.ledger import SECOND_NS, LedgerConfig
+
+MS = SECOND_NS // 1000
+BLOCK_SIZE = 16
+LAYOUT = "sim-layout"
+BREAKS = ("dropped_release", "endless_claim_retry")
+SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "allocate_early",
+                "decode_death", "prefill_death")
+
+
+class Stalled(RuntimeError):
+    """The loop has nothing left to run and nothing scheduled: the simulation cannot go on."""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_ns = SECOND_NS
+
+    def advance(self, seconds: float) -> None:
+        self.now_ns += max(1, math.ceil(seconds * 1e9))
+
+
+class VirtualSelector(selectors.DefaultSelector):
+    """asyncio waits here for I/O or its next timer: with no I/O ready, time jumps to the timer."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def select(self, timeout=None):
+        ready = super().select(0)
+        if ready or timeout == 0:
+            return ready
+        if timeout is None:
+            raise Stalled("nothing scheduled")
+        self.clock.advance(timeout)
+        return []
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(VirtualSelector(clock))
+        self.clock = clock
+
+    def time(self) -> float:
+        return self.clock.now_ns / 1e9
+
+
+class FakeRef:
+    """A peer's authority as the network shows it: latency both ways, calls and answers that get
+    lost (the caller's bound ends them), and a dead or absent host that refuses at once."""
+
+    def __init__(self, world: World, address: str) -> None:
+        self.world, self.address = world, address
+
+    async def call(self, payload: bytes) -> bytes:
+        world = self.world
+        await asyncio.sleep(world.latency())
+        target = world.by_address.get(self.address)
+        if target is None or not target.alive:
+            raise ConnectionRefusedError(f"nobody listens at {self.address}")
+        if world.fault("lost_call"):
+            await asyncio.sleep(3600)
+        answer = await target.authority.call(payload)
+        await asyncio.sleep(world.latency())
+        if world.fault("lost_answer"):
+            await asyncio.sleep(3600)
+        return answer
+
+
+class SimAuthority(Authority):
+    """The sidecar's authority with the world's clock, sockets and network in place of the OS's."""
+
+    def __init__(self, engine: Engine, cfg: SidecarConfig) -> None:
+        super().__init__(msgspec.json.encode(cfg), cfg.address)
+        self.engine = engine
+        world = engine.world
+        auditor = engine.auditor
+        ledger_apply = self.ledger.apply
+
+        def observed_apply(event: ev.Event) -> list[fx.Effect]:
+            effects = ledger_apply(event)
+            world.events += 1
+            seq = world.events
+            for text in auditor.observe(seq, event, effects):
+                world.violation(engine, text)
+            if seq % world.invariant_every == 0:
+                for text in self.ledger.check_invariants():
+                    world.violation(engine, text)
+            return effects
+
+        self.ledger.apply = observed_apply
+
+    def _now(self) -> int:
+        return self.engine.world.clock.now_ns
+
+    def _send(self, sock, msg: m.Msg) -> None:
+        # Through the wire format, delivered after the sending code returns (a socket's order).
+        decoded = m.DECODER.decode(m.ENCODER.encode(msg))
+        asyncio.get_running_loop().call_soon(self.engine.receive, sock, decoded)
+
+    async def _ref(self, address: str):
+        return FakeRef(self.engine.world, address)
+
+
+class DroppedRelease(SimAuthority):
+    """Broken on purpose: releases are never sent (a read's end no longer releases either)."""
+
+    def _carry(self, effect: fx.Effect) -> None:
+        if type(effect) is fx.SendRelease:
+            return
+        if type(effect) is fx.SendReadEnd and effect.release:
+            effect = msgspec.structs.replace(effect, release=False)
+        super()._carry(effect)
+
+
+class EndlessClaimRetry(SimAuthority):
+    """Broken on purpose: a claim retries as long as it is refused, whether its load waits or not."""
+
+    def _claim_retry_deadline(self) -> float:
+        return math.inf
+
+    def _awaiting_claim(self, effect: fx.SendClaim) -> bool:
+        return True
+
+
+AUTHORITY_CLASSES = {"": SimAuthority, "dropped_release": DroppedRelease, "endless_claim_retry": EndlessClaimRetry}
+
+
+@dataclass
+class Handoff:
+    request: str
+    ticket: str
+    num_tokens: int
+    digest: str
+    keepalive: str
+    source: Engine
+
+
+@dataclass
+class DecodeRequest:
+    handoff: Handoff
+    blocks: tuple[int, ...] = ()
+    parked: bool = False  # blocks allocated for the load: vLLM waits for one finished_recving
+    received: int = 0
+    aborted: bool = False
+
+
+class Engine:
+    """One engine: its sidecar authority, plus the scheduler and worker the world simulates."""
+
+    def __init__(self, world: World, name: str, role: str, address: str, authority_class) -> None:
+        self.world, self.name, self.role, self.address = world, name, role, address
+        self.alive = True
+        self.auditor = Auditor(world.config.reader_silence_ns)
+        cfg = SidecarConfig(engine_id=name, role=role, ledger=world.config, address=address,
+                            ipc_dir=f"/nonexistent/{name}", heartbeat_interval_s=0.5, call_timeout_s=1.0,
+                            tick_interval_s=0.05, layout=LAYOUT, block_size=BLOCK_SIZE)
+        self.authority = authority_class(self, cfg)
+        self.authority.to_worker, self.authority.to_scheduler, self.authority.to_history = (
+            "worker", "scheduler", "history")
+        self.next_block = 0
+        self.tickets: dict[str, tuple[str, tuple[int, ...]]] = {}  # P: ticket -> (request, blocks)
+        self.freed: Counter = Counter()  # P: request -> finished_sending count
+        self.requests: dict[str, DecodeRequest] = {}  # D
+
+    def start(self) -> None:
+        a = self.authority
+        a._spawn(a._timer_loop())
+        if self.role == "consumer":
+            a._spawn(a._heartbeat_loop())
+        else:
+            self.send(m.WorkerReady(b"sim-metadata", LAYOUT))
+
+    def kill(self) -> None:
+        """The host dies: its sidecar's tasks stop with it, nothing more is said."""
+
+        self.alive = False
+        for task in list(self.authority.tasks):
+            task.cancel()
+
+    def send(self, msg: m.Msg) -> None:
+        if self.alive:
+            self.authority._on_message(m.DECODER.decode(m.ENCODER.encode(msg)))
+
+    def blocks(self, count: int) -> tuple[int, ...]:
+        self.next_block += count
+        return tuple(range(self.next_block - count, self.next_block))
+
+    # -- P ---------------------------------------------------------------------------------------
+
+    def issue(self, request: str) -> Handoff:
+        world = self.world
+        num_tokens = world.rng.randint(1, 6 * BLOCK_SIZE)
+        blocks = self.blocks(-(-num_tokens // BLOCK_SIZE))
+        ticket = f"t{world.rng.getrandbits(64):016x}"
+        digest = hashlib.sha256(request.encode()).hexdigest()[:32]
+        abandon, keepalive = mint_capability(), mint_capability()
+        self.tickets[ticket] = (request, blocks)
+        self.send(m.Apply((ev.TicketIssued(0, ticket, request, blocks, (), num_tokens, digest,
+                                           capability_digest(abandon), capability_digest(keepalive)),)))
+        return Handoff(request, ticket, num_tokens, digest, keepalive, self)
+
+    # -- D ---------------------------------------------------------------------------------------
+
+    def arrive(self, handoff: Handoff) -> None:
+        world = self.world
+        rid = handoff.request
+        self.requests[rid] = DecodeRequest(handoff)
+        p = handoff.source
+        self.send(m.Apply((ev.LoadRequested(0, rid, handoff.ticket, p.address, 1, -(-handoff.num_tokens // BLOCK_SIZE),
+                                            handoff.num_tokens, handoff.digest, p.authority.instance),),
+                          handoff.keepalive))
+        if world.fault("allocate_early"):
+            world.later(world.rng.uniform(0, 0.01), self.allocate, rid)
+        if world.fault("abort"):
+            world.later(world.rng.uniform(0, 0.5), self.abort, rid, False)
+        elif world.fault("preempt"):
+            world.later(world.rng.uniform(0, 0.5), self.abort, rid, True)
+
+    def allocate(self, rid: str) -> None:
+        r = self.requests.get(rid)
+        if r is None or r.parked or r.aborted or not self.alive:
+            return
+        r.blocks = self.blocks(-(-r.handoff.num_tokens // BLOCK_SIZE))
+        r.parked = True
+        self.send(m.Apply((ev.LoadAllocated(0, rid, r.blocks),)))
+
+    def abort(self, rid: str, preempted: bool) -> None:
+        r = self.requests.get(rid)
+        if r is None or not self.alive:
+            return
+        r.aborted = r.aborted or not preempted
+        self.send(m.Apply(((ev.RequestPreempted if preempted else ev.RequestAborted)(0, rid),)))
+
+    def read(self, msg: m.PostRead) -> None:
+        """The worker's read of P's blocks: P must hold them for this ticket while it runs."""
+
+        world = self.world
+        r = self.requests.get(msg.request)
+        ok = r is not None and r.handoff.source.alive and not world.fault("transport_error")
+        if r is not None and r.handoff.source.alive:
+            p = r.handoff.source
+            ticket = p.authority.ledger.tickets.tickets.get(r.handoff.ticket)
+            held = p.tickets.get(r.handoff.ticket, ("", ()))[1]
+            if ticket is None or ticket.state != "READING" or p.freed[r.handoff.request] \
+                    or not set(msg.src_blocks) <= set(held):
+                world.violation(self, f"read {msg.read} of {msg.request}: P does not hold blocks "
+                                      f"{msg.src_blocks} for the ticket ({ticket.state if ticket else 'none'})")
+        nbytes = len(msg.dst_blocks) * 4096
+        world.later(world.rng.uniform(0.0005, 0.02), self.send,
+                    m.ReadDone(msg.request, msg.read, ok, "" if ok else "simulated transport error", nbytes, 0.001))
+
+    # -- what the sidecar tells the engine ---------------------------------------------------------
+
+    def receive(self, sock: str, msg: m.Msg) -> None:
+        if not self.alive:
+            return
+        world = self.world
+        kind = type(msg)
+        if kind is m.FinishedSending:
+            self.freed[msg.request] += 1
+            if self.freed[msg.request] > 1:
+                world.violation(self, f"request {msg.request}: its blocks were returned twice")
+        elif kind is m.Resolved:
+            r = self.requests.get(msg.request)
+            if r is not None and msg.hit and not r.parked:
+                world.later(world.rng.uniform(0, 0.02), self.allocate, msg.request)
+        elif kind is m.PostRead:
+            self.read(msg)
+        elif kind is m.FinishedRecving:
+            r = self.requests.get(msg.request)
+            if r is None or not r.parked:
+                world.violation(self, f"request {msg.request}: finished_recving for a request vLLM did not park")
+            else:
+                r.received += 1
+                if r.received > 1:
+                    world.violation(self, f"request {msg.request}: finished_recving twice")
+
+
+@dataclass
+class ShellResult:
+    seed: int
+    events: int = 0
+    violations: list[str] = field(default_factory=list)
+    faults: Counter = field(default_factory=Counter)
+
+
+class World:
+    def __init__(self, seed: int, *, requests: int = 24, broken: str = "") -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.clock = Clock()
+        self.loop = VirtualLoop(self.clock)
+        self.result = ShellResult(seed)
+        self.events = 0
+        self.invariant_every = 16
+        self.requests = requests
+        # A sequence draws which faults it has; about one in four has none (the strict oracle).
+        self.profile = {name: 0.0 for name in SHELL_FAULTS}
+        if self.rng.random() >= 0.25:
+            for name in self.rng.sample(SHELL_FAULTS, self.rng.randint(1, 3)):
+                self.profile[name] = 1.0 if name.endswith("_death") else self.rng.choice((0.05, 0.15, 0.3))
+        self.faultless = not any(self.profile.values())
+        self.config = LedgerConfig(unclaimed_ttl_ns=3 * SECOND_NS, claim_lease_ns=2 * SECOND_NS,
+                                   claim_wait_ns=2 * SECOND_NS, read_grant_wait_ns=2 * SECOND_NS,
+                                   reader_silence_ns=2 * SECOND_NS, gpu_history_bytes=0,
+                                   closed_retention_ns=60 * SECOND_NS)
+        authority_class = AUTHORITY_CLASSES[broken]
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.p = Engine(self, "P", "producer", "198.18.0.1:7000", authority_class)
+            self.ds = [Engine(self, f"D{i}", "consumer", f"198.18.0.{i + 2}:7000", authority_class)
+                       for i in range(2)]
+        finally:
+            asyncio.set_event_loop(None)
+        self.engines = [self.p, *self.ds]
+        self.by_address = {e.address: e for e in self.engines}
+
+    def fault(self, name: str) -> bool:
+        hit = self.rng.random() < self.profile.get(name, 0.0)
+        if hit:
+            self.result.faults[name] += 1
+        return hit
+
+    def latency(self) -> float:
+        return self.rng.uniform(0.0002, 0.005)
+
+    def later(self, seconds: float, fn, *args) -> None:
+        self.loop.call_later(seconds, fn, *args)
+
+    def violation(self, engine: Engine, text: str) -> None:
+        self.result.violations.append(f"{engine.name}: {text}")
+
+    async def main(self) -> None:
+        for engine in self.engines:
+            engine.start()
+        # A host dies at most once a sequence, somewhere in its second half.
+        decode_death = self.rng.randrange(self.requests // 2, self.requests) if self.fault("decode_death") else -1
+        prefill_death = self.rng.randrange(self.requests // 2, self.requests) if self.fault("prefill_death") else -1
+        for i in range(self.requests):
+            await asyncio.sleep(self.rng.uniform(0.001, 0.05))
+            if self.p.alive:
+                d = self.rng.choice([d for d in self.ds if d.alive])
+                d.arrive(self.p.issue(f"req{i}"))
+            if i == decode_death:
+                self.rng.choice(self.ds).kill()
+            if i == prefill_death:
+                self.p.kill()
+        # The drain: every deadline (claim wait, leases, silence, unclaimed tickets) runs out.
+        await asyncio.sleep(4 * self.config.unclaimed_ttl_ns / SECOND_NS + 10)
+
+    def run(self) -> ShellResult:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.main())
+            self.check_drained()
+            for engine in self.engines:
+                engine.kill()
+            self.loop.run_until_complete(asyncio.sleep(0))
+        except Stalled as exc:
+            self.result.violations.append(f"the simulation stalled: {exc}")
+        finally:
+            self.loop.close()
+            asyncio.set_event_loop(None)
+        self.result.events = self.events
+        return self.result
+
+    def check_drained(self) -> None:
+        for engine in self.engines:
+            if not engine.alive:
+                continue
+            a = engine.authority
+            ledger = a.ledger
+            for text in ledger.check_invariants():
+                self.violation(engine, text)
+            for text in engine.auditor.leaks():
+                self.violation(engine, f"after the drain: {text}")
+            lingering = [task for task in a.tasks
+                         if task.get_coro().__name__ not in ("_timer_loop", "_heartbeat_loop")]
+            if lingering:
+                names = sorted(Counter(task.get_coro().__name__ for task in lingering).items())
+                self.violation(engine, f"after the drain: shell tasks still running {names}")
+            if engine is self.p:
+                for ticket, (request, _blocks) in engine.tickets.items():
+                    if engine.freed[request] != 1:
+                        self.violation(engine, f"ticket {ticket}: blocks of {request} returned "
+                                               f"{engine.freed[request]} times")
+                    record = ledger.tickets.tickets.get(ticket)
+                    if self.faultless and record is not None and record.close_reason != "released":
+                        self.violation(engine, f"ticket {ticket} closed as '{record.close_reason}' without any fault")
+            else:
+                for rid, r in engine.requests.items():
+                    if r.parked and r.received != 1 and not r.aborted:
+                        self.violation(engine, f"request {rid}: parked, told received {r.received} times")
+                    load = ledger.loads.loads.get(rid)
+                    if self.faultless and load is not None and load.state != "DONE":
+                        self.violation(engine, f"load {rid} ended {load.state} ({load.outcome}) without any fault")
+
+
+def run_shell_fuzz(seed: int = 1, sequences: int = 100, broken: str = "", stop_after_failures: int = 1,
+                   progress=None) -> dict:
+    """Run seeded sequences on the real shell; a report dict (sequences, events, failures, faults)."""
+
+    if broken and broken not in BREAKS:
+        raise ValueError(f"--break must be one of {', '.join(BREAKS)}")
+    # The shell logs every refused call and lost peer, as it should in an engine: here they are
+    # the faults the run injects on purpose.
+    sidecar_log = logging.getLogger("kvbaton.sidecar")
+    level = sidecar_log.level
+    sidecar_log.setLevel(logging.CRITICAL)
+    try:
+        return _run(seed, sequences, broken, stop_after_failures, progress)
+    finally:
+        sidecar_log.setLevel(level)
+
+
+def _run(seed: int, sequences: int, broken: str, stop_after_failures: int, progress) -> dict:
+    report = {"sequences": 0, "events": 0, "violations": 0, "faults": Counter(), "failures": []}
+    for index in range(sequences):
+        result = World(seed * 1_000_003 + index, broken=broken).run()
+        report["sequences"] += 1
+        report["events"] += result.events
+        report["faults"].update(result.faults)
+        if result.violations:
+            report["violations"] += 1
+            report["failures"].append({"seed": result.seed, "first": result.violations[:3]})
+            if len(report["failures"]) >= stop_after_failures:
+                break
+        if progress is not None:
+            progress(1)
+    report["faults"] = {name: report["faults"].get(name, 0) for name in SHELL_FAULTS}
+    return report

@@ -5,15 +5,16 @@ itself: one prefill and two decode engines, each with the sidecar's own `Authori
 stamping, effect carrying, claim retries, read calls, heartbeats and timers), exchanging the real
 encoded peer calls and connector messages. Only the outside world is simulated: the network
 between sidecars (latency, lost calls and answers, a dead host refusing), each engine's scheduler
-and worker (ticket issue, allocation, reads, aborts, preemptions, deaths), and the clock. Every
+and worker (ticket issue, allocation, reads, aborts, preemptions, deaths), P's history copier
+(stages, demotions and restores that end late or fail, in most sequences), and the clock. Every
 sidecar runs on one asyncio loop whose time is virtual: a sleep or a call timeout costs nothing,
 and a sequence replays exactly from its seed.
 
-Oracles, after every sequence and its drain (virtual time run on until every deadline passed):
-the core's invariants and the auditor on every ledger, after every event; nothing open; P's blocks
-each returned once; every request vLLM parked for a load told it was received exactly once; no
-shell task left running; and in a sequence without faults, every handoff read and released (no
-ticket closed by its lease, no load missed).
+Oracles, after every sequence and its drain (virtual time run on until every deadline passed): the
+core's invariants and the auditor on every ledger, after every event; nothing open; P's blocks each
+returned once; every request vLLM parked for a load or a restore told it was received exactly once;
+every restore copying only resident, pinned slots; no shell task left running; and in a sequence
+without faults, every handoff read and released (no ticket closed by its lease, no load missed).
 
 `--break` runs a deliberately broken shell, which these oracles must catch: `dropped_release`
 (the sidecar forgets to release a ticket) and `endless_claim_retry` (a claim retry that forgets its
@@ -47,7 +48,8 @@ BLOCK_SIZE = 16
 LAYOUT = "sim-layout"
 BREAKS = ("dropped_release", "endless_claim_retry")
 SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "allocate_early",
-                "decode_death", "prefill_death")
+                "decode_death", "prefill_death", "copy_failure", "restore_abort", "restore_miscount")
+DOCUMENTS = 6  # prompts come from a few documents, so they return and history has something to restore
 
 
 class Stalled(RuntimeError):
@@ -204,7 +206,8 @@ class Engine:
         self.next_block = 0
         self.tickets: dict[str, tuple[str, tuple[int, ...]]] = {}  # P: ticket -> (request, blocks)
         self.freed: Counter = Counter()  # P: request -> finished_sending count
-        self.requests: dict[str, DecodeRequest] = {}  # D
+        self.requests: dict[str, DecodeRequest] = {}  # D; on P, the requests restoring from history
+        self.leases: dict[str, tuple[str, tuple[str, ...]]] = {}  # P: lease -> (request, keys asked)
 
     def start(self) -> None:
         a = self.authority
@@ -231,7 +234,10 @@ class Engine:
 
     # -- P ---------------------------------------------------------------------------------------
 
-    def issue(self, request: str) -> Handoff:
+    def issue(self, request: str, remote: bool = True) -> Handoff:
+        """P prefilled `request` (a prompt from one of a few documents): a ticket for D to claim,
+        or (`remote` False) a plain request whose blocks only go to history."""
+
         world = self.world
         num_tokens = world.rng.randint(1, 6 * BLOCK_SIZE)
         blocks = self.blocks(-(-num_tokens // BLOCK_SIZE))
@@ -239,9 +245,62 @@ class Engine:
         digest = hashlib.sha256(request.encode()).hexdigest()[:32]
         abandon, keepalive = mint_capability(), mint_capability()
         self.tickets[ticket] = (request, blocks)
-        self.send(m.Apply((ev.TicketIssued(0, ticket, request, blocks, (), num_tokens, digest,
-                                           capability_digest(abandon), capability_digest(keepalive)),)))
+        keys = world.keys(request, num_tokens // BLOCK_SIZE) if world.history else ()
+        issued = ev.TicketIssued(0, ticket, request, blocks, keys, num_tokens, digest,
+                                 capability_digest(abandon), capability_digest(keepalive))
+        if remote:
+            self.send(m.Apply((issued,)))
+        else:
+            claimer = m.history_claimer(self.name)
+            self.send(m.Apply((issued, ev.ClaimRequested(0, ticket, claimer, 0), ev.ReleaseRequested(0, ticket, claimer, 0))))
         return Handoff(request, ticket, num_tokens, digest, keepalive, self)
+
+    def ask_history(self, request: str) -> None:
+        """P's scheduler asks history for a returning prompt's prefix (a lease if anything is kept)."""
+
+        world = self.world
+        keys = world.keys(request, world.rng.randint(1, 6))
+        lease = f"L{world.rng.getrandbits(64):016x}"
+        self.leases[lease] = (request, keys)
+        self.send(m.Apply((ev.RestoreRequested(0, lease, request, 0, keys),)))
+
+    def answered(self, msg: m.RestoreReply) -> None:
+        world = self.world
+        if msg.blocks <= 0 or msg.lease not in self.leases:
+            return
+        if world.fault("restore_abort"):  # the request went away before the scheduler allocated
+            world.later(world.rng.uniform(0, 0.01), self.send, m.Apply((ev.LeaseReleased(0, msg.lease, msg.request, 0),)))
+            return
+        count = world.rng.randint(1, msg.blocks)
+        if world.fault("restore_miscount"):
+            count = msg.blocks + 1  # more blocks than the lease holds: the core must refuse them
+        r = self.requests.setdefault(msg.request, DecodeRequest(Handoff(msg.request, "", 0, "", "", self)))
+        r.blocks, r.parked = self.blocks(count), True
+        world.later(world.rng.uniform(0, 0.01), self.send, m.Apply((ev.LeaseAllocated(0, msg.lease, r.blocks, msg.request),)))
+
+    def restore(self, msg: m.RestoreCopies) -> None:
+        """The worker copies history slots into the request's blocks: each slot must be resident
+        and pinned for the copy."""
+
+        world = self.world
+        history = self.authority.ledger.history
+        for key, _tier, _block in msg.copies:
+            blk = history.blocks.get(key)
+            if blk is None or blk.state not in ("GPU", "CPU") or blk.pins <= 0:
+                world.violation(self, f"restore {msg.lease} copies {key} from a slot that is "
+                                      f"{blk.state + ' unpinned' if blk else 'gone'}")
+        ok = not world.fault("copy_failure")
+        world.later(world.rng.uniform(0.0005, 0.01), self.send, m.RestoreDone(msg.lease, ok, 4096 * len(msg.copies)))
+
+    def copy(self, msg: m.Msg) -> None:
+        """P's history copier: stages and demotions end a little later, some of them failed."""
+
+        world = self.world
+        if type(msg) is m.StageCopies:
+            world.later(world.rng.uniform(0.0005, 0.01), self.send, m.StageDone(msg.ticket, not world.fault("copy_failure")))
+        elif type(msg) is m.DemoteCopies:
+            results = tuple((key, not world.fault("copy_failure"), "") for key in msg.keys)
+            world.later(world.rng.uniform(0.0005, 0.02), self.send, m.DemotesDone(results, 0.001))
 
     # -- D ---------------------------------------------------------------------------------------
 
@@ -300,7 +359,9 @@ class Engine:
             return
         world = self.world
         kind = type(msg)
-        if kind is m.FinishedSending:
+        if sock == "history":
+            self.copy(msg)
+        elif kind is m.FinishedSending:
             self.freed[msg.request] += 1
             if self.freed[msg.request] > 1:
                 world.violation(self, f"request {msg.request}: its blocks were returned twice")
@@ -310,6 +371,10 @@ class Engine:
                 world.later(world.rng.uniform(0, 0.02), self.allocate, msg.request)
         elif kind is m.PostRead:
             self.read(msg)
+        elif kind is m.RestoreReply:
+            self.answered(msg)
+        elif kind is m.RestoreCopies:
+            self.restore(msg)
         elif kind is m.FinishedRecving:
             r = self.requests.get(msg.request)
             if r is None or not r.parked:
@@ -344,9 +409,17 @@ class World:
             for name in self.rng.sample(SHELL_FAULTS, self.rng.randint(1, 3)):
                 self.profile[name] = 1.0 if name.endswith("_death") else self.rng.choice((0.05, 0.15, 0.3))
         self.faultless = not any(self.profile.values())
+        # P keeps history in most sequences: a few GPU slots, a CPU tier or none, 1-4 writers.
+        self.history = self.rng.random() < 0.7
+        block_bytes = 4096
         self.config = LedgerConfig(unclaimed_ttl_ns=3 * SECOND_NS, claim_lease_ns=2 * SECOND_NS,
                                    claim_wait_ns=2 * SECOND_NS, read_grant_wait_ns=2 * SECOND_NS,
-                                   reader_silence_ns=2 * SECOND_NS, gpu_history_bytes=0,
+                                   reader_silence_ns=2 * SECOND_NS, history_lease_ns=2 * SECOND_NS,
+                                   retention_deadline_ns=self.rng.choice((5, 50)) * MS,
+                                   block_bytes=block_bytes,
+                                   gpu_history_bytes=block_bytes * self.rng.randint(4, 16) if self.history else 0,
+                                   cpu_history_bytes=block_bytes * self.rng.choice((0, 8, 24)),
+                                   retention_writers_max=self.rng.choice((1, 2, 4)),
                                    closed_retention_ns=60 * SECOND_NS)
         authority_class = AUTHORITY_CLASSES[broken]
         asyncio.set_event_loop(self.loop)
@@ -358,6 +431,12 @@ class World:
             asyncio.set_event_loop(None)
         self.engines = [self.p, *self.ds]
         self.by_address = {e.address: e for e in self.engines}
+
+    def keys(self, request: str, count: int) -> tuple[str, ...]:
+        """The chained keys of a prompt's first `count` full blocks: its document's."""
+
+        document = int(hashlib.sha256(request.encode()).hexdigest(), 16) % DOCUMENTS
+        return tuple(f"doc{document}/{i}" for i in range(count))
 
     def fault(self, name: str) -> bool:
         hit = self.rng.random() < self.profile.get(name, 0.0)
@@ -383,8 +462,14 @@ class World:
         for i in range(self.requests):
             await asyncio.sleep(self.rng.uniform(0.001, 0.05))
             if self.p.alive:
-                d = self.rng.choice([d for d in self.ds if d.alive])
-                d.arrive(self.p.issue(f"req{i}"))
+                roll = self.rng.random()
+                if self.history and roll < 0.3:
+                    self.p.ask_history(f"req{i}")
+                elif self.history and roll < 0.45:
+                    self.p.issue(f"req{i}", remote=False)
+                else:
+                    d = self.rng.choice([d for d in self.ds if d.alive])
+                    d.arrive(self.p.issue(f"req{i}"))
             if i == decode_death:
                 self.rng.choice(self.ds).kill()
             if i == prefill_death:

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...control import messages as m
-from ...core import events as ev
 from ...control import peer as pc
 from ...control.client import SidecarHandle
 from ...control.config import SidecarConfig
 from ...control.guard import capability_digest, install_frame_key, mint_capability, resolve_secret
+from ...core import events as ev
 from .handoff import PARAMS_VERSION, Handoff, HandoffError, parse_handoff, prompt_digest
 from .settings import EVENT_LOG_HASH_EVERY, parse_peer_networks
 

@@ -32,7 +32,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Live record states shown even at zero, so a dashboard's series exist from the first scrape.
 TICKET_STATES = ("ISSUED", "CLAIMED", "READING", "DRAINING", "RETAINING")
-LOAD_STATES = ("AWAITING_CLAIM", "CLAIMED", "ALLOCATED", "LOADING", "DRAINING")
+LOAD_STATES = ("AWAITING_CLAIM", "ALLOCATED_EARLY", "CLAIMED", "ALLOCATED", "LOADING", "DRAINING")
 LEASE_STATES = ("RESERVED", "ALLOCATED", "READING")
 # Ended records the ledger keeps a while before pruning them: counted by the *_ended and
 # *_closed counters, never shown as open.

@@ -12,6 +12,7 @@ from xoscar.errors import ActorNotExist
 
 from ..core import effects as fx
 from ..core import events as ev
+from ..core import load as loads
 from ..core.reasons import Reason
 from . import messages as m
 from . import peer as pc
@@ -82,8 +83,10 @@ class PeerCalls:
         return self._monotonic() + self.cfg.ledger.claim_wait_ns / 1e9
 
     def _awaiting_claim(self, effect: fx.SendClaim) -> bool:
+        """The load this claim is for still waits for P's answer (allocated already or not)."""
+
         load = self.ledger.loads.loads.get(effect.request)
-        return (load is not None and load.state == "AWAITING_CLAIM" and load.ticket == effect.ticket
+        return (load is not None and load.state in loads.AWAITING_ANSWER and load.ticket == effect.ticket
                 and load.epoch == effect.epoch)
 
     def _grant_problem(self, ctx: dict, answer: pc.ClaimAnswer) -> str:

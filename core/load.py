@@ -72,6 +72,9 @@ MISSED = "MISSED"
 FAILED = "FAILED"
 CANCELLED = "CANCELLED"
 
+# A load in these states still waits for P's answer to its claim (the shell keeps asking).
+AWAITING_ANSWER = frozenset({AWAITING_CLAIM, ALLOCATED_EARLY})
+
 SPEC = MachineSpec(
     "load",
     states=[AWAITING_CLAIM, ALLOCATED_EARLY, CLAIMED, ALLOCATED, LOADING, DRAINING, DONE, MISSED, FAILED,

@@ -5,7 +5,8 @@ itself: one prefill and two decode engines, each with the sidecar's own `Authori
 stamping, effect carrying, claim retries, read calls, heartbeats and timers), exchanging the real
 encoded peer calls and connector messages. Only the outside world is simulated: the network
 between sidecars (latency, lost calls and answers, a dead host refusing), each engine's scheduler
-and worker (ticket issue, allocation, reads, aborts, preemptions, deaths), P's history copier
+and worker (ticket issue, allocation before or after P answers, reads, aborts, preemptions,
+deaths; their messages reach the sidecar in order but late, so a claim can beat P's own ticket), P's history copier
 (stages, demotions and restores that end late or fail, in most sequences), and the clock. Every
 sidecar runs on one asyncio loop whose time is virtual: a sleep or a call timeout costs nothing,
 and a sequence replays exactly from its seed.
@@ -47,8 +48,7 @@ MS = SECOND_NS // 1000
 BLOCK_SIZE = 16
 LAYOUT = "sim-layout"
 BREAKS = ("dropped_release", "endless_claim_retry")
-SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "allocate_early",
-                "decode_death", "prefill_death", "copy_failure", "restore_abort", "restore_miscount")
+SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "decode_death", "prefill_death", "copy_failure", "restore_abort", "restore_miscount")
 DOCUMENTS = 6  # prompts come from a few documents, so they return and history has something to restore
 
 
@@ -204,6 +204,7 @@ class Engine:
         self.authority.to_worker, self.authority.to_scheduler, self.authority.to_history = (
             "worker", "scheduler", "history")
         self.next_block = 0
+        self.inbox_at = 0.0
         self.tickets: dict[str, tuple[str, tuple[int, ...]]] = {}  # P: ticket -> (request, blocks)
         self.freed: Counter = Counter()  # P: request -> finished_sending count
         self.requests: dict[str, DecodeRequest] = {}  # D; on P, the requests restoring from history
@@ -225,8 +226,16 @@ class Engine:
             task.cancel()
 
     def send(self, msg: m.Msg) -> None:
+        """To the sidecar's inbox: in order, a little later (a busy sidecar reads its socket late,
+        so a peer's claim can reach P's sidecar before P's own ticket does)."""
+
+        world = self.world
+        self.inbox_at = max(self.inbox_at + 1e-9, world.loop.time() + world.rng.uniform(0, 0.004))
+        world.loop.call_at(self.inbox_at, self.deliver, m.DECODER.decode(m.ENCODER.encode(msg)))
+
+    def deliver(self, msg: m.Msg) -> None:
         if self.alive:
-            self.authority._on_message(m.DECODER.decode(m.ENCODER.encode(msg)))
+            self.authority._on_message(msg)
 
     def blocks(self, count: int) -> tuple[int, ...]:
         self.next_block += count
@@ -312,7 +321,7 @@ class Engine:
         self.send(m.Apply((ev.LoadRequested(0, rid, handoff.ticket, p.address, 1, -(-handoff.num_tokens // BLOCK_SIZE),
                                             handoff.num_tokens, handoff.digest, p.authority.instance),),
                           handoff.keepalive))
-        if world.fault("allocate_early"):
+        if world.rng.random() < 0.5:  # vLLM's scheduler allocates before P answered, as often as not
             world.later(world.rng.uniform(0, 0.01), self.allocate, rid)
         if world.fault("abort"):
             world.later(world.rng.uniform(0, 0.5), self.abort, rid, False)

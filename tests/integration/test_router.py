@@ -161,14 +161,20 @@ def test_decode_engine_killed_mid_request(stack):
     # two D engines (a prompt one D holds would go back to it); stream on the victim.
     client = client_for(router)
 
-    def running_on_victim() -> float:
+    other = next(e for e in deployment.engines if e.spec.role == "decode" and e is not victim)
+
+    def running_on(engine, what: str = "running") -> float:
         # A busy CPU engine on this 2-core machine (its stream plus three engines' steps) once took
         # longer than 5 s to render its metrics: allow it, this is not what the test measures.
-        text = httpx.get(f"{victim.url}/metrics", timeout=30).text
-        found = re.search(r"vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text)
+        text = httpx.get(f"{engine.url}/metrics", timeout=30).text
+        found = re.search(r"vllm:num_requests_" + what + r"\{[^}]*\} ([0-9.]+)", text)
         return float(found.group(1)) if found else 0.0
 
+    def running_on_victim() -> float:
+        return running_on(victim)
+
     broke = False
+    seen = []  # per attempt: (victim before, victim after, the other D after)
     for attempt in range(4):
         prompt = words_for(tiny_prompt(300, seed=505 + 1000 * attempt))
         # Ours is on the victim when its count went up (an earlier test's aborted stream may
@@ -177,8 +183,11 @@ def test_decode_engine_killed_mid_request(stack):
         chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1500, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         iterator = iter(chunks)
-        next(iterator)
-        if running_on_victim() > before:
+        first = next(iterator)
+        after = running_on_victim()
+        seen.append((before, after, running_on(other), running_on(victim, "waiting"), running_on(other, "waiting"),
+                     str(first)[:160]))
+        if after > before:
             victim.process.kill()
             try:
                 for _ in iterator:
@@ -188,7 +197,7 @@ def test_decode_engine_killed_mid_request(stack):
             broke = True
             break
         chunks.response.close()
-    assert broke, "could not catch a stream on the second decode engine"
+    assert broke, f"could not catch a stream on the second decode engine: running (victim before, after, other D; waiting on victim, other; first chunk) {seen}"
     wait_no_open_tickets(router)
     for seed in (506, 507):
         p = words_for(tiny_prompt(120, seed=seed))

@@ -532,7 +532,7 @@ def _merge_adjacent(src_addr: np.ndarray, dst_addr: np.ndarray, sizes: np.ndarra
                     regions: np.ndarray) -> DescriptorPlan:
     """Merge descriptors that continue each other on both sides, within one registered region
     per side; each merge saves one descriptor, and a descriptor costs the transport a fixed
-    amount of work (reference/vllm_gpu.md)."""
+    amount of work (docs/reference/TRANSPORT.md)."""
     order = np.argsort(src_addr, kind="stable")
     src_addr, dst_addr, sizes, regions = src_addr[order], dst_addr[order], sizes[order], regions[order]
     continues = np.empty(len(sizes), dtype=bool)

@@ -28,7 +28,7 @@ NIXL_INSTALL_HINT = ("NIXL is not installed: pip install --no-deps nixl==1.5.1 n
 
 # UCX settings applied only when the user has not set them, before the agent (and UCX) starts.
 # Without GET_ZCOPY, UCX refuses cuda_ipc READs between processes on one GPU without NVLink and
-# falls back to TCP: 0.4 GB/s instead of ~940 GB/s on an H200 (reference/vllm_gpu.md).
+# falls back to TCP: 0.4 GB/s instead of ~940 GB/s on an H200.
 UCX_ENV_DEFAULTS_CUDA = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 # NIXL's Python logger prints an INFO line per agent and backend to stdout; engines log enough.
 NIXL_ENV_DEFAULTS = {"NIXL_LOG_LEVEL": "WARN"}

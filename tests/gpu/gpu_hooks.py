@@ -67,7 +67,7 @@ def read_token_slots(ctx, block_ids) -> tuple[tuple[int, ...], bytes]:
     (layers, len(block_ids), block_size, bytes_per_token_slot), returned as (shape, bytes).
 
     The token dimension is the first dimension (after the block one) of size block_size, which
-    holds for every vLLM layout in reference/vllm_connector.md §6 (the token dim is dim 2 of the
+    holds for every KV cache layout vLLM uses (the token dim is dim 2 of the
     per-layer tensor in (B, 2, N, H, D), (2, B, N, H, D) and [B, H, N, C]).
     """
 

@@ -43,6 +43,7 @@ import zmq.asyncio
 
 from ..core import effects as fx
 from ..core import events as ev
+from ..core import lease as leases
 from ..core.ledger import Ledger
 from ..core.log import LogHeader, LogRecordError, LogWriter
 from . import messages as m
@@ -436,9 +437,10 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             self.refusal_log.warning("scheduler_event", "refused an event from the connector: %s is not "
                                      "one its scheduler observes", kind.__name__)
             return
-        if kind is ev.LoadRequested:
+        if kind is ev.LoadRequested and event.request not in self.ledger.loads.loads:
             # The blocks to read and the engine that holds them come from P's grant (see _claim),
-            # never from the request: until then the load knows only what it asks for.
+            # never from the request: until then the load knows only what it asks for. (A request
+            # the ledger knows already is refused there and keeps its own context.)
             self.loads[event.request] = {"source": event.source, "engine": "", "ticket": event.ticket,
                                          "instance": event.source_instance, "granted_instance": "",
                                          "num_tokens": event.num_tokens, "digest": event.digest,
@@ -452,7 +454,13 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             event = msgspec.structs.replace(event, reads=reads)
         elif kind in (ev.RequestPreempted, ev.RequestAborted) and event.request not in self.ledger.loads.loads:
             return  # a request whose handoff never became a load (its claim could not be sent)
+        elif kind is ev.LeaseReleased:
+            lease = self.ledger.leases.leases.get(event.lease)
+            if lease is None or lease.state not in leases.RELEASABLE:
+                return  # nothing held to give back: a miss, or a lease that expired or is copying
         self._apply(msgspec.structs.replace(event, at_ns=now))
+        if kind is ev.LoadRequested and event.request not in self.ledger.loads.loads:
+            self.loads.pop(event.request, None)  # refused (no blocks to load, or unloggable)
 
     def _restore_done(self, now: int, msg: m.RestoreDone) -> None:
         io = self.history_io

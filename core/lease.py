@@ -36,6 +36,8 @@ READING = "READING"
 RELEASED = "RELEASED"
 EXPIRED = "EXPIRED"
 CANCELLED = "CANCELLED"
+# A lease its owner may still give back (reading, its slots are being copied; ended, nothing is held).
+RELEASABLE = frozenset({RESERVED, ALLOCATED})
 
 SPEC = MachineSpec(
     "lease",
@@ -175,7 +177,7 @@ class LeaseBook(Book):
             return [reject(self.counters, "lR", e.lease, Reason.UNKNOWN_LEASE)]
         if ls.request != e.request or ls.epoch != e.epoch:
             return [reject(self.counters, "lR", e.lease, Reason.NOT_OWNER)]
-        if ls.state not in (RESERVED, ALLOCATED):
+        if ls.state not in RELEASABLE:
             return [reject(self.counters, "lR", e.lease, Reason.READING if ls.state == READING else Reason.ENDED)]
         out: list[Effect] = []
         self._end(ls, "cancel", CANCELLED, LeaseOutcome.RELEASED_UNUSED, False, out)

@@ -11,15 +11,17 @@ deaths; their messages reach the sidecar in order but late, so a claim can beat 
 sidecar runs on one asyncio loop whose time is virtual: a sleep or a call timeout costs nothing,
 and a sequence replays exactly from its seed.
 
-Oracles, after every sequence and its drain (virtual time run on until every deadline passed): the
-core's invariants and the auditor on every ledger, after every event; nothing open; P's blocks each
-returned once; every request vLLM parked for a load or a restore told it was received exactly once;
-every restore copying only resident, pinned slots; no shell task left running; and in a sequence
-without faults, every handoff read and released (no ticket closed by its lease, no load missed).
+Oracles: the auditor on every ledger after every event, the core's invariants every few events;
+after every sequence and its drain (virtual time run on until every deadline passed), the
+invariants again; nothing open; P's blocks each returned once; every request vLLM parked for a load
+or a restore told it was received exactly once; every restore copying only resident, pinned slots;
+no shell task left running; and in a sequence without faults, every handoff read and released (no
+ticket closed by its lease, no load missed).
 
 `--break` runs a deliberately broken shell, which these oracles must catch: `dropped_release`
-(the sidecar forgets to release a ticket) and `endless_claim_retry` (a claim retry that forgets its
-deadline and whether its load still waits).
+(the sidecar forgets to release a ticket), `endless_claim_retry` (a claim retry that forgets its
+deadline and whether its load still waits) and `lost_finished_recving` (an ended load or restore
+never tells vLLM its parked request was received).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import msgspec
 
 from ..control import messages as m
 from ..control.config import SidecarConfig
-from ..control.guard import capability_digest, mint_capability
+from ..control.guard import capability_digest
 from ..control.sidecar import Authority
 from ..core import effects as fx
 from ..core import events as ev
@@ -47,7 +49,7 @@ from ..core.ledger import SECOND_NS, LedgerConfig
 MS = SECOND_NS // 1000
 BLOCK_SIZE = 16
 LAYOUT = "sim-layout"
-BREAKS = ("dropped_release", "endless_claim_retry")
+BREAKS = ("dropped_release", "endless_claim_retry", "lost_finished_recving")
 SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "decode_death", "prefill_death", "copy_failure", "restore_abort", "restore_miscount")
 DOCUMENTS = 6  # prompts come from a few documents, so they return and history has something to restore
 
@@ -168,7 +170,17 @@ class EndlessClaimRetry(SimAuthority):
         return True
 
 
-AUTHORITY_CLASSES = {"": SimAuthority, "dropped_release": DroppedRelease, "endless_claim_retry": EndlessClaimRetry}
+class LostFinishedRecving(SimAuthority):
+    """Broken on purpose: an ended load or lease forgets that vLLM parked its request."""
+
+    def _carry(self, effect: fx.Effect) -> None:
+        if type(effect) in (fx.LoadFinished, fx.LeaseDone) and effect.parked:
+            effect = msgspec.structs.replace(effect, parked=False)
+        super()._carry(effect)
+
+
+AUTHORITY_CLASSES = {"": SimAuthority, "dropped_release": DroppedRelease, "endless_claim_retry": EndlessClaimRetry,
+                     "lost_finished_recving": LostFinishedRecving}
 
 
 @dataclass
@@ -252,7 +264,8 @@ class Engine:
         blocks = self.blocks(-(-num_tokens // BLOCK_SIZE))
         ticket = f"t{world.rng.getrandbits(64):016x}"
         digest = hashlib.sha256(request.encode()).hexdigest()[:32]
-        abandon, keepalive = mint_capability(), mint_capability()
+        # Capabilities as P mints them (128 random bits), from the sequence's seed.
+        abandon, keepalive = (f"{world.rng.getrandbits(128):032x}" for _ in range(2))
         self.tickets[ticket] = (request, blocks)
         keys = world.keys(request, num_tokens // BLOCK_SIZE) if world.history else ()
         issued = ev.TicketIssued(0, ticket, request, blocks, keys, num_tokens, digest,
@@ -512,6 +525,11 @@ class World:
                 self.violation(engine, text)
             for text in engine.auditor.leaks():
                 self.violation(engine, f"after the drain: {text}")
+            # vLLM waits for exactly one finished_recving for each request it parked (a load on
+            # D, a restore on P), aborted or not.
+            for rid, r in engine.requests.items():
+                if r.parked and r.received != 1:
+                    self.violation(engine, f"request {rid}: parked, told received {r.received} times")
             lingering = [task for task in a.tasks
                          if task.get_coro().__name__ not in ("_timer_loop", "_heartbeat_loop")]
             if lingering:
@@ -526,9 +544,7 @@ class World:
                     if self.faultless and record is not None and record.close_reason != "released":
                         self.violation(engine, f"ticket {ticket} closed as '{record.close_reason}' without any fault")
             else:
-                for rid, r in engine.requests.items():
-                    if r.parked and r.received != 1 and not r.aborted:
-                        self.violation(engine, f"request {rid}: parked, told received {r.received} times")
+                for rid in engine.requests:
                     load = ledger.loads.loads.get(rid)
                     if self.faultless and load is not None and load.state != "DONE":
                         self.violation(engine, f"load {rid} ended {load.state} ({load.outcome}) without any fault")
@@ -560,7 +576,7 @@ def _run(seed: int, sequences: int, broken: str, stop_after_failures: int, progr
         report["faults"].update(result.faults)
         if result.violations:
             report["violations"] += 1
-            report["failures"].append({"seed": result.seed, "first": result.violations[:3]})
+            report["failures"].append({"seed": result.seed, "index": index, "first": result.violations[:3]})
             if len(report["failures"]) >= stop_after_failures:
                 break
         if progress is not None:

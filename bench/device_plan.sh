@@ -26,8 +26,8 @@
 #   the letter go to pd_compare, the last of a repeated option winning, e.g. `L --systems native,kvbaton`.
 #   A run cut by its bound keeps the systems it finished. Several files' rounds as one:
 #   python -m kvbaton.bench.pd_compare --summarize a.json b.json --baseline kvbaton.)
-#   STACKS=1 with py-spy's wheel in .whl: every python3 process's native stacks every few seconds
-#   from the 80th second on (pyspy-<pid>.txt; vLLM's engine cores keep python3's name here).
+#   STACKS=1 with py-spy's wheel in .whl: every python3 and VLLM::* process's native stacks every
+#   few seconds from the 80th second on (pyspy-<pid>.txt).
 #   bash bench/device_plan.sh H   # two GPUs (kind nvidia-h200-x2): tests/gpu 2gpu, NIXL reads alone
 #                                 # over NVLink (cross-layer), then 0.5B throughput
 #
@@ -91,7 +91,7 @@ stack_sampler() {  # native stacks of every python3 process, while the letter ru
   sleep 80
   [ -x "$spy" ] || { echo "stacks: no py-spy in ${SITE:-/tmp/site}/bin" > "$OUT/pyspy-missing.txt"; return; }
   for _ in $(seq 1 150); do
-    for pid in $(pgrep -x python3); do
+    for pid in $(pgrep -x python3; pgrep '^VLLM::'); do  # vLLM renames its processes where it can
       timeout 8 "$spy" dump --native --pid "$pid" >> "$OUT/pyspy-$pid.txt" 2>&1
     done
     sleep 3

@@ -90,9 +90,11 @@ class Transport(Protocol):
         over the control plane."""
         ...
 
-    def add_peer(self, peer_id: str, metadata: bytes) -> None:
+    def add_peer(self, peer_id: str, metadata: bytes, *, background: bool = False) -> None:
         """Learn how to read from a peer; raises LayoutMismatch if its blocks differ from ours.
-        Adding a peer id again replaces the old entry (a restarted engine)."""
+        Adding a peer id again replaces the old entry (a restarted engine). With `background`
+        an implementation may connect later, off the caller's thread; reads started meanwhile
+        wait for the connection (and fail if it does)."""
         ...
 
     def start_read(self, read_id: str, peer_id: str, src_blocks: Sequence[int],

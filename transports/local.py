@@ -80,7 +80,7 @@ class LocalTransport:
         layout = self._require_layout()
         return _METADATA_ENCODER.encode(_LocalMetadata("local", self.engine_id, layout))
 
-    def add_peer(self, peer_id: str, metadata: bytes) -> None:
+    def add_peer(self, peer_id: str, metadata: bytes, *, background: bool = False) -> None:
         layout = self._require_layout()
         try:
             peer_metadata = _METADATA_DECODER.decode(metadata)

@@ -37,7 +37,11 @@ are posted one after another.
 
 Errors and time limits: NIXL raises (nixlRemoteDisconnectError, nixlNotFoundError...) rather than
 returning "ERR" in several cases; every such exception during a read becomes a failed ReadResult.
-`wait` never blocks longer than its timeout.
+`wait` never blocks longer than its timeout. Every read has a bound from the moment start_read
+accepts it (read_timeout_s), and poll and wait enforce it holding only the state lock: a NIXL call
+that never returns holds the agent lock, and the reads queued behind it must still end.
+`add_peer(background=True)` connects on the helper thread, so a caller that must never wait on
+NIXL (the engine worker's io thread) queues reads behind a connection instead of blocking in it.
 """
 
 from __future__ import annotations
@@ -83,7 +87,9 @@ class _Peer:
 
 @dataclass
 class _ReadJob:
-    """A validated read waiting to be posted to NIXL."""
+    """A validated read, from start_read until its result is handed over. `phase`, `landing`,
+    `given_up` and `flagged` are guarded by the state lock: the bound is enforced from them
+    without the agent lock (see _enforce_bounds)."""
 
     read_id: str
     peer_id: str
@@ -92,6 +98,21 @@ class _ReadJob:
     notif_msg: bytes
     inject_fault: bool
     started: float
+    nbytes: int = 0
+    bound_s: float = 0.0
+    deadline: float = float("inf")  # perf_counter past which the read is past its bound
+    phase: str = "queued"  # "queued" (nothing of it reached NIXL), "posting", "posted"
+    landing: bool = False  # its bytes go to the landing area (set before NIXL sees it)
+    given_up: bool = False  # failed at its bound; what NIXL does with it later is only cleanup
+    flagged: bool = False  # past its bound straight into engine blocks: counted, left to end
+
+
+@dataclass
+class _AddPeerJob:
+    """A peer to connect on the helper thread (add_peer(background=True))."""
+
+    peer_id: str
+    metadata: NixlPeerMetadata
 
 
 # The slowest rate a read may move at before its bound (read_timeout_s) counts it stalled: well
@@ -102,6 +123,7 @@ READ_TIMED_OUT = "read timed out"
 
 @dataclass
 class _InFlight:
+    job: _ReadJob
     read_id: str
     peer_id: str
     handle: Any
@@ -116,10 +138,6 @@ class _InFlight:
     # perf_counter of the last progress check that still saw the read in flight (0: none did).
     # NIXL saw the read end between it and the check that saw it done.
     seen_busy: float = 0.0
-    # perf_counter after which the read is cancelled (see read_timeout_s); how long that was.
-    deadline: float = float("inf")
-    bound_s: float = 0.0
-    overdue: bool = False  # past its bound already (flagged, or failed and retired)
 
 
 class NixlTransport:
@@ -164,12 +182,17 @@ class NixlTransport:
             landing_min_runs_saved: use the landing area for a read when it saves at least this
                 many runs (each run costs one descriptor per layer; the scatter costs about one
                 kernel launch per layer); 0 lands every read that fits.
-            read_timeout_s: a read still in flight this long plus its size at
-                `read_floor_bytes_per_s` after it was posted is past its bound. One that lands in
-                the landing area then fails (its request recomputes) and its slice is retired;
-                one straight into engine blocks is flagged and counted (`reads_overdue`) but left
-                in flight, because nothing stops a UCX GET that has been posted and its bytes would
-                land in blocks vLLM reuses. None: no bound.
+            read_timeout_s: a read not ended this long plus its size at
+                `read_floor_bytes_per_s` after start_read is past its bound, whatever holds it up
+                (a stalled transfer, or a post or peer connection that does not return: the
+                bound is enforced by poll and wait without the agent lock). One that never
+                reached NIXL, or one that lands in the landing area, then fails (its request
+                recomputes; its landing slice stays reserved until NIXL reports the read over,
+                so late bytes reach no other read). One straight into engine blocks is flagged
+                and counted (`reads_overdue`) but left in flight, because nothing stops a UCX
+                GET that has been posted and its bytes would land in blocks vLLM reuses. Both
+                outcomes are logged with the peer and what the agent was busy with. None: no
+                bound.
         """
         if descriptor_mode not in ("auto", "prepped", "per_read"):
             raise ValueError(f"descriptor_mode must be 'auto', 'prepped' or 'per_read', "
@@ -191,7 +214,9 @@ class NixlTransport:
         self._landing_min_runs_saved = int(landing_min_runs_saved)
         self._read_timeout_s = read_timeout_s
         self._read_floor_bytes_per_s = read_floor_bytes_per_s
-        self._retired: list[Any] = []  # handles of reads failed at their bound (never released)
+        # What the agent lock's holder is doing and since when (perf_counter), for the message
+        # of a read given up at its bound: ("posting read 'x'", t0), ("connecting peer 'P'", t0).
+        self._agent_busy: tuple[str, float] | None = None
         self._landing: LandingArea | None = None
         self._landing_events: dict[str, Any] = {}  # read id -> CUDA event its collector waits on
         self.stats = {"reads": 0, "landed": 0, "landing_full": 0, "descriptors": 0}
@@ -209,12 +234,18 @@ class NixlTransport:
         self._agent_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._read_finished = threading.Condition(self._state_lock)  # wakes wait() at once
-        self._in_flight: dict[str, _InFlight] = {}
+        self._in_flight: dict[str, _InFlight] = {}  # posted reads NIXL has not reported over
+        self._reads: dict[str, _ReadJob] = {}  # every read not yet ended (state lock)
+        # Peers being connected on the helper thread (add_peer(background=True)), and why the
+        # last background connection to a peer failed (state lock).
+        self._connecting: dict[str, NixlPeerMetadata] = {}
+        self._peer_errors: dict[str, str] = {}
         self._finished: dict[str, tuple[ReadResult, float]] = {}  # read id -> (result, when it ended)
         self._read_ids = PendingReadIds()
         self._notification_buffer: list[tuple[str, bytes]] = []  # collected by the helper
-        # The helper thread: posts READs (post_in_thread) and progresses the agent when idle.
-        self._jobs: queue.SimpleQueue[_ReadJob | None] = queue.SimpleQueue()
+        # The helper thread: posts READs (post_in_thread), connects peers added in the
+        # background, and progresses the agent when idle.
+        self._jobs: queue.SimpleQueue[_ReadJob | _AddPeerJob | None] = queue.SimpleQueue()
         self._helper: threading.Thread | None = None
         self._closed = False
 
@@ -263,7 +294,26 @@ class NixlTransport:
                 "nixl", METADATA_PROTOCOL, self.engine_id, self.agent_name,
                 self._agent.get_agent_metadata(), layout))
 
-    def add_peer(self, peer_id: str, metadata: bytes) -> None:
+    def add_peer(self, peer_id: str, metadata: bytes, *, background: bool = False) -> None:
+        """Learn how to read from a peer. Its metadata and layout are checked at once (ValueError,
+        LayoutMismatch). With `background`, the NIXL connection is made on the helper thread and
+        reads started meanwhile queue behind it, so a caller that must not block (the worker's io
+        thread) never waits on NIXL; a connection that fails there fails those reads, naming
+        why."""
+        peer_metadata = self._check_peer_metadata(peer_id, metadata)
+        if background and self._helper is not None:
+            with self._state_lock:
+                self._connecting[peer_id] = peer_metadata
+                self._peer_errors.pop(peer_id, None)
+            self._jobs.put(_AddPeerJob(peer_id, peer_metadata))
+            return
+        with self._agent_lock:
+            self._require_layout()
+            self._connect_peer(peer_id, peer_metadata)
+        with self._state_lock:
+            self._peer_errors.pop(peer_id, None)
+
+    def _check_peer_metadata(self, peer_id: str, metadata: bytes) -> NixlPeerMetadata:
         try:
             peer_metadata = METADATA_DECODER.decode(metadata)
         except msgspec.DecodeError as error:
@@ -275,14 +325,18 @@ class NixlTransport:
         if peer_metadata.protocol != METADATA_PROTOCOL:
             raise ValueError(f"peer {peer_id!r} speaks metadata protocol "
                              f"{peer_metadata.protocol}, we speak {METADATA_PROTOCOL}")
-        with self._agent_lock:
-            layout = self._require_layout()
-            layout.check_compatible(peer_metadata.layout)
-            old = self._peers.get(peer_id)
-            if old is not None:
-                if old.agent_name == peer_metadata.agent_name and old.agent_metadata == peer_metadata.agent_metadata:
-                    return  # same agent announced twice: keep the connection
-                self._drop_peer(peer_id)
+        self._require_layout().check_compatible(peer_metadata.layout)
+        return peer_metadata
+
+    def _connect_peer(self, peer_id: str, peer_metadata: NixlPeerMetadata) -> None:
+        """Add the peer's agent to ours (agent lock held)."""
+        old = self._peers.get(peer_id)
+        if old is not None:
+            if old.agent_name == peer_metadata.agent_name and old.agent_metadata == peer_metadata.agent_metadata:
+                return  # same agent announced twice: keep the connection
+            self._drop_peer(peer_id)
+        self._agent_busy = (f"connecting peer {peer_id!r}", time.perf_counter())
+        try:
             remote_name = self._agent.add_remote_agent(peer_metadata.agent_metadata)
             if as_str(remote_name) != peer_metadata.agent_name:
                 raise ValueError(f"peer {peer_id!r}: metadata names agent "
@@ -298,28 +352,44 @@ class NixlTransport:
             if self._local_dlist is not None and self._use_prepped(peer.layout):
                 peer.dlist, peer.group_offsets = self._prep_block_dlist(
                     remote_name, peer.layout, peer.mem_type)
-            # Published last: start_read reads _peers without the agent lock.
-            self._peers[peer_id] = peer
+        finally:
+            self._agent_busy = None
+        # Published last: start_read reads _peers without the agent lock.
+        self._peers[peer_id] = peer
 
     # ----------------------------------------------------------------------------- reads
 
     def start_read(self, read_id: str, peer_id: str, src_blocks: Sequence[int],
                    dst_blocks: Sequence[int], notify: bytes | None) -> None:
         layout = self._require_layout()
+        with self._state_lock:
+            connecting = self._connecting.get(peer_id)
+            failed = self._peer_errors.get(peer_id)
         peer = self._peers.get(peer_id)
-        if peer is None:
+        if connecting is not None:
+            peer_layout = connecting.layout  # the read queues behind the connection
+        elif failed is not None:
+            raise UnknownPeer(f"peer {peer_id!r} could not be connected: {failed}")
+        elif peer is None:
             raise UnknownPeer(f"unknown peer {peer_id!r}: call add_peer() first")
+        else:
+            peer_layout = peer.layout
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise TypeError(f"notify must be bytes or None, not {type(notify).__name__}")
-        check_block_ids(peer.layout, layout, src_blocks, dst_blocks)
+        check_block_ids(peer_layout, layout, src_blocks, dst_blocks)
         with self._state_lock:
             self._read_ids.claim(read_id)
         notif_msg = b"" if notify is None else NOTIFY_ENCODER.encode(
             NotifyEnvelope(self.engine_id, bytes(notify)))
         inject_fault = self.fault_hook is not None and bool(self.fault_hook(read_id))
         job = _ReadJob(read_id, peer_id, list(src_blocks), list(dst_blocks), notif_msg,
-                       inject_fault, time.perf_counter())
-        if self._post_in_thread:
+                       inject_fault, time.perf_counter(), nbytes=len(dst_blocks) * layout.block_nbytes)
+        if self._read_timeout_s is not None:
+            job.bound_s = self._read_timeout_s + job.nbytes / self._read_floor_bytes_per_s
+            job.deadline = job.started + job.bound_s
+        with self._state_lock:
+            self._reads[read_id] = job
+        if self._post_in_thread or connecting is not None:
             self._jobs.put(job)
         else:
             with self._agent_lock:
@@ -332,6 +402,7 @@ class NixlTransport:
                 self._progress()
             finally:
                 self._agent_lock.release()
+        self._enforce_bounds()
         with self._state_lock:
             now = time.perf_counter()
             results = [_collected(result, ended, now) for result, ended in self._finished.values()]
@@ -356,6 +427,7 @@ class NixlTransport:
                     self._progress()
                 finally:
                     self._agent_lock.release()
+            self._enforce_bounds()
             with self._read_finished:
                 if read_id not in self._read_ids:
                     raise KeyError(f"read {read_id!r} is unknown or was already collected")
@@ -428,11 +500,29 @@ class NixlTransport:
             if job is None:
                 return
             with self._agent_lock:
-                if self._closed:
-                    self._finish(job.read_id, ok=False, error="transport closed before the read "
-                                 "was posted", nbytes=0, started=job.started)
-                    continue
-                self._post_job(job)
+                if isinstance(job, _AddPeerJob):
+                    self._connect_in_background(job)
+                elif self._closed:
+                    self._finish(job, ok=False, error="transport closed before the read was posted")
+                else:
+                    self._post_job(job)
+
+    def _connect_in_background(self, job: _AddPeerJob) -> None:
+        """Connect a peer added with background=True (agent lock held). Never raises: a failure
+        is kept for the reads queued behind it and the ones started later."""
+        error = None
+        if not self._closed:
+            try:
+                self._connect_peer(job.peer_id, job.metadata)
+            except Exception as exc:  # NIXL refused the agent, or its metadata lied
+                error = f"{type(exc).__name__}: {exc}"
+                logger.warning("NIXL transport %s: cannot connect peer %r: %s", self.engine_id,
+                               job.peer_id, error)
+        with self._state_lock:
+            if self._connecting.get(job.peer_id) is job.metadata:
+                del self._connecting[job.peer_id]
+                if error is not None:
+                    self._peer_errors[job.peer_id] = error
 
     def _collect_notifications(self, *, blocking: bool) -> None:
         """Progress the agent: settle ended reads and move new notifications into the buffer."""
@@ -441,12 +531,14 @@ class NixlTransport:
         try:
             if self._agent is None:
                 return
+            self._agent_busy = ("progressing reads and notifications", time.perf_counter())
             self._progress()
             new = self._agent.get_new_notifs()
         except Exception as error:  # never let the helper thread die
             logger.warning("NIXL progress of %s failed: %s", self.engine_id, error)
             return
         finally:
+            self._agent_busy = None
             self._agent_lock.release()
         if not new:
             return
@@ -525,25 +617,35 @@ class NixlTransport:
     def _post_job(self, job: _ReadJob) -> None:
         """Turn a job into a posted NIXL READ (agent lock held). Never raises: a failure to post
         becomes a failed ReadResult."""
+        with self._state_lock:
+            if job.given_up:  # failed at its bound while it waited: nothing of it reached NIXL
+                return
+            job.phase = "posting"
+        self._agent_busy = (f"posting read {job.read_id!r}", time.perf_counter())
         try:
             self._post_read(job)
         except Exception as error:  # NIXL raises on disconnected peers, bad registrations...
-            self._finish(job.read_id, ok=False, error=f"NIXL could not post the read: "
-                         f"{type(error).__name__}: {error}", nbytes=0, started=job.started)
+            self._finish(job, ok=False, error=f"NIXL could not post the read: "
+                         f"{type(error).__name__}: {error}")
+        finally:
+            self._agent_busy = None
 
     def _post_read(self, job: _ReadJob) -> None:
         posting = time.perf_counter()
         layout = self._layout
         peer = self._peers.get(job.peer_id)
         if peer is None:
-            raise UnknownPeer(f"peer {job.peer_id!r} was removed before the read was posted")
-        nbytes = len(job.dst_blocks) * layout.block_nbytes
+            with self._state_lock:
+                failed = self._peer_errors.get(job.peer_id)
+            raise UnknownPeer(f"peer {job.peer_id!r} could not be connected: {failed}" if failed else
+                              f"peer {job.peer_id!r} was removed before the read was posted")
+        nbytes = job.nbytes
         descriptors, landing = 0, None  # reported for reads described here (not prepped/faulty)
         described = posting  # set again just before NIXL is called to initialise the transfer
         if not job.dst_blocks:
             if job.notif_msg:  # nothing to move, but the target still learns the read is done
                 self._agent.send_notif(peer.remote_name, job.notif_msg)
-            self._finish(job.read_id, ok=True, error=None, nbytes=0, started=job.started)
+            self._finish(job, ok=True, error=None)
             return
         if job.inject_fault:
             plan = _truncated(descriptors_for_runs(
@@ -576,6 +678,8 @@ class NixlTransport:
                 handle = self._initialize(plan, peer, job.notif_msg)
             else:
                 start, count, src_sorted, dst_sorted = landing
+                with self._state_lock:
+                    job.landing = True  # from here a late byte can only reach the slice
                 try:
                     plan = descriptors_for_runs(
                         peer.layout, self._landing.layout_for(start, count),
@@ -589,11 +693,8 @@ class NixlTransport:
             moved, error = nbytes, None
             descriptors = len(plan)
             self.stats["descriptors"] += descriptors
-        in_flight = _InFlight(job.read_id, job.peer_id, handle, job.started, moved, error,
+        in_flight = _InFlight(job, job.read_id, job.peer_id, handle, job.started, moved, error,
                               descriptors, landing)
-        if self._read_timeout_s is not None:
-            in_flight.bound_s = self._read_timeout_s + moved / self._read_floor_bytes_per_s
-            in_flight.deadline = job.started + in_flight.bound_s
         self.stats["reads"] += 1
         prepared = time.perf_counter()
         try:
@@ -606,6 +707,8 @@ class NixlTransport:
             raise
         in_flight.marks = (posting, described, prepared, time.perf_counter())
         self._in_flight[job.read_id] = in_flight
+        with self._state_lock:
+            job.phase = "posted"
         if state != "PROC":  # DONE (CMA copies inside transfer) or ERR: settle it now
             self._settle(in_flight, state)
 
@@ -642,38 +745,63 @@ class NixlTransport:
                 state = f"ERR ({type(error).__name__}: {error})"
             if state != "PROC":
                 self._settle(in_flight, state)
-            elif checked > in_flight.deadline:
-                self._cancel_overdue(in_flight)
             else:
                 in_flight.seen_busy = checked
 
-    def _cancel_overdue(self, in_flight: _InFlight) -> None:
-        """A read past its bound. Neither releasing its handle nor dropping the peer stops a
-        GET in flight (UCX lets it finish and land later), so a read may be given up only where
-        its late bytes cannot hurt: one that lands in the landing area fails now and its slice
-        is never reused (nor its handle released); one straight into engine blocks is flagged,
-        counted and left to end by itself, since vLLM would reuse those blocks at once."""
-
-        if in_flight.overdue:
+    def _enforce_bounds(self) -> None:
+        """Give up the reads past their bound (see read_timeout_s). Takes only the state lock, so
+        it works while the agent lock's holder is stuck inside NIXL. Neither releasing a handle
+        nor dropping the peer stops a GET in flight (UCX lets it finish and land later), so a read
+        fails here only where its late bytes cannot hurt: one nothing of which reached NIXL, or
+        one that lands in the landing area (its slice stays reserved until NIXL reports the read
+        over). One straight into engine blocks is flagged and counted, and left to end by itself,
+        since vLLM would reuse its blocks at once."""
+        if self._read_timeout_s is None:
             return
-        in_flight.overdue = True
-        if in_flight.landing is None:
+        now = time.perf_counter()
+        given_up: list[_ReadJob] = []
+        flagged: list[_ReadJob] = []
+        with self._state_lock:
+            for job in self._reads.values():
+                if now <= job.deadline or job.flagged:
+                    continue
+                if job.phase == "queued" or job.landing:
+                    job.given_up = True
+                    given_up.append(job)
+                else:
+                    job.flagged = True
+                    flagged.append(job)
+            busy = self._agent_busy
+        if not (given_up or flagged):
+            return
+        doing = "" if busy is None else f"; the agent has been {busy[0]} for {now - busy[1]:.1f} s"
+        for job in flagged:
             self.stats["reads_overdue"] = self.stats.get("reads_overdue", 0) + 1
-            logger.warning("NIXL read %r from peer %r (%d bytes) is past its %.1f s bound; it goes straight "
-                           "into engine blocks, so it is left to end by itself", in_flight.read_id,
-                           in_flight.peer_id, in_flight.nbytes, in_flight.bound_s)
-            return
-        self.stats["reads_timed_out"] = self.stats.get("reads_timed_out", 0) + 1
-        logger.warning("NIXL read %r from peer %r (%d bytes) did not end within its %.1f s bound: failed; "
-                       "its landing slice is retired", in_flight.read_id, in_flight.peer_id,
-                       in_flight.nbytes, in_flight.bound_s)
-        self._retired.append(in_flight.handle)  # kept: a released handle's GET would still land
-        self._settle(in_flight, "TIMEOUT", released=False)
+            logger.warning("NIXL read %r from peer %r (%d bytes) is past its %.1f s bound; it goes "
+                           "straight into engine blocks, so it is left to end by itself%s",
+                           job.read_id, job.peer_id, job.nbytes, job.bound_s, doing)
+        for job in given_up:
+            self.stats["reads_timed_out"] = self.stats.get("reads_timed_out", 0) + 1
+            where = ("it had not reached NIXL" if job.phase == "queued" else
+                     "its landing slice stays reserved until NIXL ends it")
+            error = (f"{READ_TIMED_OUT} after {job.bound_s:.1f} s (given up: {where}) from peer "
+                     f"{job.peer_id!r}{doing}")
+            logger.warning("NIXL read %r (%d bytes): %s", job.read_id, job.nbytes, error)
+            self._finish(job, ok=False, error=error, force=True)
 
-    def _settle(self, in_flight: _InFlight, state: str, released: bool | None = None) -> None:
+    def _settle(self, in_flight: _InFlight, state: str) -> None:
         del self._in_flight[in_flight.read_id]
-        if released is None:
-            released = release_quietly(in_flight.handle, f"read {in_flight.read_id!r}")
+        released = release_quietly(in_flight.handle, f"read {in_flight.read_id!r}")
+        job = in_flight.job
+        with self._state_lock:
+            given_up = job.given_up
+        if given_up:  # its result was handed over at its bound: only clean up
+            if in_flight.landing is not None and released:
+                self._landing.release(*in_flight.landing[:2])
+            logger.info("NIXL read %r from peer %r, given up at its bound, ended after %.1f s "
+                        "(state %s)", in_flight.read_id, in_flight.peer_id,
+                        time.perf_counter() - in_flight.started, state)
+            return
         if in_flight.landing is not None:
             start, count, dst_blocks = in_flight.landing
             if state != "DONE":
@@ -685,46 +813,45 @@ class NixlTransport:
                 except Exception as error:
                     # The engine's blocks may be partly written: the read failed (the caller
                     # recomputes them).
-                    self._finish(in_flight.read_id, ok=False, error=f"landing scatter failed: "
+                    self._finish(job, ok=False, error=f"landing scatter failed: "
                                  f"{type(error).__name__}: {error}", nbytes=in_flight.nbytes,
-                                 started=in_flight.started, descriptors=in_flight.descriptors,
-                                 landed=True)
+                                 descriptors=in_flight.descriptors, landed=True)
                     return
                 if event is not None:
                     with self._state_lock:
                         self._landing_events[in_flight.read_id] = event
         landed = in_flight.landing is not None
         if state == "DONE" and in_flight.injected_error is None:
-            self._finish(in_flight.read_id, ok=True, error=None, nbytes=in_flight.nbytes,
-                         started=in_flight.started, descriptors=in_flight.descriptors,
-                         landed=landed, marks=in_flight.marks, seen_busy=in_flight.seen_busy)
+            self._finish(job, ok=True, error=None, nbytes=in_flight.nbytes,
+                         descriptors=in_flight.descriptors, landed=landed, marks=in_flight.marks,
+                         seen_busy=in_flight.seen_busy)
         elif state == "DONE":
-            self._finish(in_flight.read_id, ok=False, error=in_flight.injected_error,
-                         nbytes=in_flight.nbytes, started=in_flight.started)
-        elif state == "TIMEOUT":
-            self._finish(in_flight.read_id, ok=False, error=f"{READ_TIMED_OUT} after "
-                         f"{in_flight.bound_s:.1f} s (given up; its landing slice retired) from peer "
-                         f"{in_flight.peer_id!r}", nbytes=in_flight.nbytes, started=in_flight.started)
+            self._finish(job, ok=False, error=in_flight.injected_error, nbytes=in_flight.nbytes)
         else:
-            self._finish(in_flight.read_id, ok=False, error=f"NIXL READ from peer "
-                         f"{in_flight.peer_id!r} failed: state {state}",
-                         nbytes=in_flight.nbytes, started=in_flight.started)
+            self._finish(job, ok=False, error=f"NIXL READ from peer {in_flight.peer_id!r} failed: "
+                         f"state {state}", nbytes=in_flight.nbytes)
 
-    def _finish(self, read_id: str, *, ok: bool, error: str | None, nbytes: int,
-                started: float, descriptors: int = 0, landed: bool = False,
+    def _finish(self, job: _ReadJob, *, ok: bool, error: str | None, nbytes: int = 0,
+                descriptors: int = 0, landed: bool = False,
                 marks: tuple[float, float, float, float] | None = None,
-                seen_busy: float = 0.0) -> None:
+                seen_busy: float = 0.0, force: bool = False) -> None:
+        """Hand the read's result over (once: a read given up at its bound already was, unless
+        this is that giving up, `force`)."""
         ended = time.perf_counter()
         phases: tuple[float, ...] = ()
         if marks is not None and marks[0]:
             posting, described, prepared, transferred = marks
             # settle_busy goes last: _collected puts collect before it (ReadResult.phases' order).
-            phases = (posting - started, described - posting, prepared - described,
+            phases = (posting - job.started, described - posting, prepared - described,
                       transferred - prepared, ended - transferred,
                       max(0.0, seen_busy - transferred) if seen_busy else 0.0)
-        result = ReadResult(read_id, ok, error, nbytes, ended - started, descriptors, landed, phases)
+        result = ReadResult(job.read_id, ok, error, nbytes, ended - job.started, descriptors,
+                            landed, phases)
         with self._read_finished:
-            self._finished[read_id] = (result, ended)
+            if self._reads.get(job.read_id) is not job or (job.given_up and not force):
+                return
+            del self._reads[job.read_id]
+            self._finished[job.read_id] = (result, ended)
             self._read_finished.notify_all()
 
     def _drop_peer(self, peer_id: str) -> None:

@@ -44,7 +44,7 @@ class WorkerIo:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
-        if self._thread.is_alive():  # stuck in a transfer: its sockets are still in use
+        if self._thread.is_alive():  # stuck: its sockets are still in use
             logger.warning("kvbaton worker io: thread did not stop within 5 s; sockets left open")
             return
         self.link.close()
@@ -67,7 +67,9 @@ class WorkerIo:
             self._post(msg)
         elif kind is m.AddPeer:
             try:
-                self.transport.add_peer(msg.engine, msg.metadata)
+                # Connected on the transport's own thread: this one never waits on NIXL, so
+                # the reads after it reach the transport, which bounds them whatever NIXL does.
+                self.transport.add_peer(msg.engine, msg.metadata, background=True)
                 self.bad_peers.pop(msg.engine, None)
             except Exception as exc:  # layout mismatch, bad metadata: every read fails
                 self.bad_peers[msg.engine] = str(exc)

@@ -85,14 +85,17 @@ class WorkerSide:
         else:
             from ...transports.nixl import NixlTransport
 
-            # The worker io thread posts reads itself (inline): a second thread in between
-            # would add a GIL handoff per read.
+            # Reads are posted (and peers connected) on the transport's helper thread, never on
+            # the worker io thread: a NIXL call that does not return then holds up only the
+            # reads behind it, which poll still ends at their bound; inline on the io thread it
+            # would hold up every later grant where no bound can see it. The cost is one thread
+            # handoff per read.
             landing, min_runs_saved = hooks.landing_bytes, hooks.landing_min_runs_saved
             if landing < 0 and self.conn.is_consumer:
                 landing, min_runs_saved = automatic_landing(layout, self.conn.max_model_len, min_runs_saved)
             elif landing < 0:
                 landing = 0  # P never reads
-            self.transport = NixlTransport(self.conn.engine_id, post_in_thread=False,
+            self.transport = NixlTransport(self.conn.engine_id, post_in_thread=True,
                                            descriptor_mode="auto",
                                            landing_bytes=landing,
                                            landing_min_runs_saved=min_runs_saved,

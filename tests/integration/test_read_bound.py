@@ -4,7 +4,7 @@ P's worker process (the one whose NIXL agent serves D's reads) is stopped with S
 hands a prompt off, so D's read over UCX's TCP transport makes no progress at all. D must give
 the read up at its bound (peer timeout plus its size at a floor rate), recompute the prompt with
 the right answer, keep its engine alive, and tell P the read ended so P returns its blocks. When
-P runs again the late bytes go to a retired landing slice, never into engine blocks: the next
+P runs again the late bytes go to the read's landing slice, held until NIXL ends the read, never into engine blocks: the next
 handoff is loaded and its answer is right."""
 
 from __future__ import annotations

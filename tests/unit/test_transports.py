@@ -14,6 +14,7 @@ import importlib.util
 import multiprocessing
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -513,9 +514,10 @@ def _check_blocks(decode_caches, expected, layout, src_blocks, dst_blocks):
 @pytest.mark.parametrize("landed", [True, False])
 def test_nixl_read_past_its_bound(prefill_process, landed):
     """Whatever stalls a read (here NIXL keeps answering "in progress"), past its bound a read
-    into the landing area fails (the request recomputes; the slice is retired, so a late write
-    cannot reach another read), while a read straight into engine blocks is only flagged: its
-    bytes could still land, so it is left to end by itself. Later reads are unaffected."""
+    into the landing area fails (the request recomputes; its slice stays reserved until NIXL
+    reports the read over, so a late write cannot reach another read), while a read straight
+    into engine blocks is only flagged: its bytes could still land, so it is left to end by
+    itself. Later reads are unaffected."""
 
     _, conn, metadata, expected = prefill_process
     caches = nixl_caches(NIXL_NUM_BLOCKS)
@@ -536,8 +538,10 @@ def test_nixl_read_past_its_bound(prefill_process, landed):
         if landed:
             result = decode.wait("stalled", 10.0)
             assert not result.ok and "read timed out after 0.3 s" in result.error, result
+            assert "landing slice stays reserved" in result.error, result
             assert 0.25 <= time.monotonic() - started < 5.0
             assert decode.stats["reads_timed_out"] == 1
+            reserved = decode._landing.free_blocks()
         else:
             with pytest.raises(TimeoutError):
                 decode.wait("stalled", 1.0)
@@ -548,6 +552,86 @@ def test_nixl_read_past_its_bound(prefill_process, landed):
         decode.start_read("after", "P", [7], [5], notify=None)
         assert decode.wait("after", NIXL_TIMEOUT_S).ok
         _check_blocks(caches, expected, layout, [7], [5])
+        if landed:  # NIXL reported the given-up read over: its slice came back, once
+            assert decode._landing.free_blocks() == reserved + 2
+            assert decode.poll() == [], "a read given up at its bound was reported twice"
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("stuck", ["connect", "post"])
+def test_nixl_reads_behind_a_call_that_does_not_return(prefill_process, stuck):
+    """A NIXL call that does not return holds the agent lock; the reads behind it still end at
+    their bound, naming what the agent is busy with. A peer connected in the background queues
+    the reads started meanwhile; a landing read whose post hangs fails at its bound and its
+    slice comes back only once the post returns and NIXL reports the read over."""
+    _, conn, metadata, expected = prefill_process
+    caches = nixl_caches(NIXL_NUM_BLOCKS)
+    layout = KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE)
+    decode = T.NixlTransport(f"D-stuck-{stuck}", descriptor_mode="per_read", post_in_thread=True,
+                             read_timeout_s=0.3, read_floor_bytes_per_s=1e12,
+                             landing_bytes=(4 << 20), landing_min_runs_saved=0)
+    release = threading.Event()
+    try:
+        decode.register(layout, caches)
+        agent = decode._agent
+        if stuck == "connect":
+            real_add = agent.add_remote_agent
+            agent.add_remote_agent = lambda data: (release.wait(30), real_add(data))[1]
+        else:
+            real_transfer = agent.transfer
+            agent.transfer = lambda handle: (release.wait(30), real_transfer(handle))[1]
+        decode.add_peer("P", metadata, background=True)
+        started = time.monotonic()
+        decode.start_read("first", "P", [3, 9], [4, 6], notify=None)
+        decode.start_read("second", "P", [11], [12], notify=None)
+        first, second = decode.wait("first", 10.0), decode.wait("second", 10.0)
+        assert time.monotonic() - started < 5.0
+        assert not first.ok and not second.ok
+        doing = "connecting peer 'P'" if stuck == "connect" else "posting read 'first'"
+        for result in (first, second):
+            assert "read timed out after 0.3 s" in result.error and doing in result.error, result
+        if stuck == "connect":
+            assert "it had not reached NIXL" in first.error
+        else:  # the first read was inside transfer(): only its landing slice can take late bytes
+            assert "landing slice stays reserved" in first.error
+            assert decode._landing.free_blocks() < decode._landing.capacity
+        assert "it had not reached NIXL" in second.error
+        assert decode.stats["reads_timed_out"] == 2
+        release.set()
+        deadline = time.monotonic() + NIXL_TIMEOUT_S
+        # The stuck call returns, NIXL ends the read, and only then does its slice come back.
+        while decode._in_flight or decode._connecting or decode._landing.free_blocks() < decode._landing.capacity:
+            assert time.monotonic() < deadline, "the stuck call's read never ended"
+            decode.poll()
+            time.sleep(0.01)
+        assert decode.poll() == [], "a read given up at its bound was reported twice"
+        decode.start_read("after", "P", [7], [5], notify=None)
+        assert decode.wait("after", NIXL_TIMEOUT_S).ok
+        _check_blocks(caches, expected, layout, [7], [5])
+    finally:
+        release.set()
+        decode.close()
+
+
+def test_nixl_background_connection_that_fails_fails_its_reads(prefill_process):
+    _, _conn, metadata, _ = prefill_process
+    caches = nixl_caches(NIXL_NUM_BLOCKS)
+    decode = T.NixlTransport("D-refused", descriptor_mode="per_read", post_in_thread=True)
+    try:
+        decode.register(KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE), caches)
+
+        def refuse(data):
+            time.sleep(0.2)  # the read below is started while the connection is being made
+            raise RuntimeError("agent refused")
+
+        decode._agent.add_remote_agent = refuse
+        decode.add_peer("P", metadata, background=True)
+        decode.start_read("queued", "P", [1], [1], notify=None)
+        result = decode.wait("queued", 10.0)
+        assert not result.ok and "could not be connected: RuntimeError: agent refused" in result.error
+        with pytest.raises(T.UnknownPeer, match="could not be connected: RuntimeError: agent refused"):
+            decode.start_read("later", "P", [1], [1], notify=None)
     finally:
         decode.close()
 

@@ -89,6 +89,11 @@ def _ephemeral_low() -> int:
 # Never the process-global `random`: vLLM seeds it (0 by default), so every engine on a host would
 # draw the same ports.
 _PORTS = random.SystemRandom()
+# Ports this process handed out: each one is bound later by someone else, so a second draw of the
+# same number (an engine's HTTP port and its sidecar's, say) would pass the bind check. vLLM's
+# server socket and the sidecar's both allow port reuse, so such a pair shares the port silently
+# and the kernel splits connections between them.
+_HANDED_OUT: set[int] = set()
 
 
 def free_port(host: str) -> int:
@@ -105,15 +110,23 @@ def free_port(host: str) -> int:
     if low > 12000:
         for _ in range(64):
             port = _PORTS.randrange(10000, low)
+            if port in _HANDED_OUT:
+                continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 try:
                     sock.bind((host, port))
                 except OSError:
                     continue
+                _HANDED_OUT.add(port)
                 return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free port on {host} that this process has not handed out already")
 
 
 class Link:

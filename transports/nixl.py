@@ -57,6 +57,7 @@ from typing import Any, Sequence
 import msgspec
 import numpy as np
 
+from .affinity import run_on, threads_started_on
 from .base import (NOTIFY_DECODER, NOTIFY_ENCODER, FaultHook, NotifyEnvelope, PendingReadIds,
                    ReadResult, TransportError, TransportUnavailable)
 from .landing import LandingArea, landing_order, run_counts
@@ -148,7 +149,8 @@ class NixlTransport:
                  post_in_thread: bool = True, progress_interval_s: float | None = 0.02,
                  landing_bytes: int = 0, landing_min_runs_saved: int = 2,
                  read_timeout_s: float | None = None,
-                 read_floor_bytes_per_s: float = READ_FLOOR_BYTES_PER_S) -> None:
+                 read_floor_bytes_per_s: float = READ_FLOOR_BYTES_PER_S,
+                 thread_cpus: frozenset[int] | None = None) -> None:
         """
         Args:
             engine_id: this engine's id as peers know it; names the agent and signs notifications.
@@ -193,6 +195,8 @@ class NixlTransport:
                 GET that has been posted and its bytes would land in blocks vLLM reuses. Both
                 outcomes are logged with the peer and what the agent was busy with. None: no
                 bound.
+            thread_cpus: CPUs for the helper thread and the threads NIXL and UCX start with the
+                agent (transports/affinity.py); None: wherever the caller's thread runs.
         """
         if descriptor_mode not in ("auto", "prepped", "per_read"):
             raise ValueError(f"descriptor_mode must be 'auto', 'prepped' or 'per_read', "
@@ -214,6 +218,7 @@ class NixlTransport:
         self._landing_min_runs_saved = int(landing_min_runs_saved)
         self._read_timeout_s = read_timeout_s
         self._read_floor_bytes_per_s = read_floor_bytes_per_s
+        self._thread_cpus = thread_cpus
         # What the agent lock's holder is doing and since when (perf_counter), for the message
         # of a read given up at its bound: ("posting read 'x'", t0), ("connecting peer 'P'", t0).
         self._agent_busy: tuple[str, float] | None = None
@@ -264,7 +269,8 @@ class NixlTransport:
                     os.environ.setdefault(name, value)
             elif self._dram_hugepages:
                 collapse_into_huge_pages((region.addr, region.nbytes) for region in layout.regions)
-            self._agent = self._create_agent()
+            with threads_started_on(self._thread_cpus):  # NIXL's progress thread, UCX's async one
+                self._agent = self._create_agent()
             regions = [(region.addr, region.nbytes, region.device_index, "")
                        for region in layout.regions]
             if self._landing_bytes:
@@ -491,6 +497,7 @@ class NixlTransport:
     # ----------------------------------------------------------------------------- internals
 
     def _helper_main(self) -> None:
+        run_on(self._thread_cpus)
         while True:
             try:
                 job = self._jobs.get(timeout=self._progress_interval_s)

@@ -21,8 +21,10 @@ class HistoryCopier:
 
     POLL_S = 0.1
 
-    def __init__(self, ipc_dir: str, store: SlotStore | None, broken: str = "") -> None:
+    def __init__(self, ipc_dir: str, store: SlotStore | None, broken: str = "",
+                 cpus: frozenset[int] | None = None) -> None:
         self.ipc_dir = ipc_dir
+        self.cpus = cpus  # where this thread runs (transports/affinity.py)
         self.store = store
         self.broken = broken  # why the store could not be built: every copy then fails
         self.stopping = threading.Event()
@@ -42,7 +44,9 @@ class HistoryCopier:
 
     def _run(self) -> None:
         from ...control.client import Link
+        from ...transports.affinity import run_on
 
+        run_on(self.cpus)
         link = Link(self.ipc_dir, "history")
         try:
             link.send(slot_stats(self.store, self.broken))

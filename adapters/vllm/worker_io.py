@@ -22,14 +22,17 @@ import zmq
 
 from ...control import messages as m
 from ...control.client import Link
+from ...transports.affinity import run_on
 
 logger = logging.getLogger("vllm.kvbaton.connector")
 
 WAIT_S = 0.05  # how often the thread checks for stop between messages
 
 class WorkerIo:
-    def __init__(self, ipc_dir: str, transport, bad_peers: dict[str, str]) -> None:
+    def __init__(self, ipc_dir: str, transport, bad_peers: dict[str, str],
+                 cpus: frozenset[int] | None = None) -> None:
         self.transport = transport
+        self.cpus = cpus  # where this thread runs (transports/affinity.py)
         self.bad_peers = bad_peers
         self.link = Link(ipc_dir, "worker")  # this thread's own sockets (zmq sockets are per thread)
         self.inbox: collections.deque[m.Msg] = collections.deque()  # for the engine thread
@@ -50,6 +53,7 @@ class WorkerIo:
         self.link.close()
 
     def _main(self) -> None:
+        run_on(self.cpus)
         while not self._stop.is_set():
             try:
                 for msg in self.link.wait(WAIT_S):

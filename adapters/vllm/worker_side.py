@@ -9,11 +9,13 @@ import faulthandler
 import signal
 import itertools
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
 from ...control import messages as m
 from ...control.client import Link
+from ...transports.affinity import engine_cpus
 from .settings import STEP_STALL_DUMP_S, automatic_landing
 from .worker_io import WorkerIo
 
@@ -61,6 +63,7 @@ class WorkerSide:
         # rejected end), the entry must not stay for the engine's lifetime.
         self.reported_received: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.history = None  # P's history copier (a thread), when history is on
+        self.thread_cpus: frozenset[int] | None = None  # where our threads run (register_kv_caches)
         self.restorer = None  # P's history restores (on this thread, from pump)
         self.stall_watchdog = False  # see install_stall_watchdog
 
@@ -78,6 +81,12 @@ class WorkerSide:
         layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self.conn.block_size,
                                          block_dim=block_dim)
         settings, hooks = self.conn.settings, self.conn.settings.test_hooks
+        # Our threads and NIXL's run on the engine's CPUs, not the core vLLM pinned this worker
+        # to: on a core two spinning workers share they could wait seconds (transports/affinity.py).
+        self.thread_cpus = engine_cpus()
+        if self.thread_cpus is not None:
+            logger.info("kvbaton worker: its threads and NIXL's run on CPUs %s (the worker is pinned "
+                        "to %s)", sorted(self.thread_cpus), sorted(os.sched_getaffinity(0)))
         if hooks.transport == "local":
             from ...transports.local import LocalTransport
 
@@ -101,7 +110,8 @@ class WorkerSide:
                                            landing_min_runs_saved=min_runs_saved,
                                            # No read outlives the peer timeout (plus its size at
                                            # a floor rate): a stalled one is cancelled and fails.
-                                           read_timeout_s=settings.peer_timeout_s)
+                                           read_timeout_s=settings.peer_timeout_s,
+                                           thread_cpus=self.thread_cpus)
         if layout.device_type == "cpu":
             request_amx_permission()
         self.transport.register(layout, kv_caches)
@@ -119,7 +129,7 @@ class WorkerSide:
             # copies of a batch (every torch copy call gives it up and must take it back from
             # the busy engine thread). See GIL_SWITCH_INTERVAL_S.
             sys.setswitchinterval(interval)
-        self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers)
+        self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers, self.thread_cpus)
         self.link = Link(self.conn.ipc_dir, None)
         self.link.send(m.WorkerReady(self.transport.local_metadata(), layout.fingerprint()))
         self.io.start()
@@ -142,7 +152,7 @@ class WorkerSide:
         except Exception as exc:  # out of memory, odd layout: history copies fail, serving goes on
             broken = f"history tiers could not be allocated: {exc}"
             logger.exception("kvbaton worker: %s", broken)
-        self.history = HistoryCopier(self.conn.ipc_dir, store, broken)
+        self.history = HistoryCopier(self.conn.ipc_dir, store, broken, self.thread_cpus)
         self.history.start()
         self.restorer = RestoreRunner(store, broken)
 

@@ -22,6 +22,8 @@
 #   bash bench/device_plan.sh L   # 7B revisit under load, interleaved rounds: native vs kvbaton
 #   bash bench/device_plan.sh M   # 0.5B open loop (Poisson arrivals at 3 rates), native vs kvbaton,
 #                                 # interleaved rounds, goodput under a stated SLO
+#   bash bench/device_plan.sh N   # 0.5B cold handoffs and throughput: reads posted on the transport's
+#                                 # helper thread (kvbaton) against the worker io thread (kvbaton-inline)
 #   (ROUNDS and BUDGET_S override L's and M's rounds and time bound, TAG their tag; arguments after
 #   the letter go to pd_compare, the last of a repeated option winning, e.g. `L --systems native,kvbaton`.
 #   A run cut by its bound keeps the systems it finished. Several files' rounds as one:
@@ -168,6 +170,12 @@ case "${1:-}" in
       --scenarios openloop --rates 8,16,32 --openloop-seconds 12 --slo-ttft-ms 500 --slo-tpot-ms 25 \
       --rounds "${ROUNDS:-2}" "${@:2}"
     ;;
+  N)
+    # Reads posted on the transport's helper thread (kvbaton) against the worker io thread
+    # (kvbaton-inline): per-handoff latency alone (cold) and under load (throughput), 0.5B.
+    compare ${TAG:-inline05} "${BUDGET_S:-420}" --device 1gpu --shape 0.5b --systems kvbaton,kvbaton-inline \
+      --baseline kvbaton-inline --scenarios cold,throughput --rounds "${ROUNDS:-3}" "${@:2}"
+    ;;
   H)
     KVBATON_GPU_TOPOLOGIES=2gpu KVBATON_GPU_CUDA_GRAPHS=1 BUDGET_S=${GPU_TESTS_S:-240} \
       bash "$REPO/tests/gpu/run_on_device.sh" > /dev/null 2>&1
@@ -178,7 +186,7 @@ case "${1:-}" in
     compare thru05two 240 --device 2gpu --shape 0.5b --systems native,kvbaton --scenarios throughput
     ;;
   *)
-    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H|I|J|L|M" >&2
+    echo "usage: bash bench/device_plan.sh A|B|C|D|E|F|G|H|I|J|L|M|N" >&2
     exit 2
     ;;
 esac

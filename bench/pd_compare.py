@@ -393,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                                  timed=timed),
         "kvbaton-perlayer": System("kvbaton-perlayer", "kvbaton",
                                    settings={"test_hooks": {"cross_layer_blocks": False}}, timed=timed),
+        # D posts reads on its worker io thread (the A/B for posting on the transport's thread).
+        "kvbaton-inline": System("kvbaton-inline", "kvbaton", settings={"test_hooks": {"post_reads_inline": True}},
+                                 timed=timed),
     }
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]

@@ -105,6 +105,9 @@ class TestHooks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "Hold each read this long after P granted it, before posting it (P sees a read in flight).",
         ge=0)] = 0.0
     fail_every_nth_read: Annotated[int, _doc("The transport fails every Nth read (0: none).", ge=0)] = 0
+    post_reads_inline: Annotated[bool, _doc(
+        "Post reads on the worker io thread instead of the transport's helper thread (the A/B for "
+        "the thread handoff; a NIXL post that hangs then holds up every later grant).")] = False
     cross_layer_blocks: Annotated[bool, _doc(
         "false: ask vLLM for per-layer KV caches instead of one cross-layer tensor (both sides must "
         "agree).")] = True

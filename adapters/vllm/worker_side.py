@@ -104,7 +104,7 @@ class WorkerSide:
                 landing, min_runs_saved = automatic_landing(layout, self.conn.max_model_len, min_runs_saved)
             elif landing < 0:
                 landing = 0  # P never reads
-            self.transport = NixlTransport(self.conn.engine_id, post_in_thread=True,
+            self.transport = NixlTransport(self.conn.engine_id, post_in_thread=not hooks.post_reads_inline,
                                            descriptor_mode="auto",
                                            landing_bytes=landing,
                                            landing_min_runs_saved=min_runs_saved,

@@ -71,7 +71,7 @@ def _stack(root: Path, model_dir: Path, hosts: Hosts):
     specs = [engine_spec(hosts, "prefill", "p", 0, events, claim_lease_s=CLAIM_LEASE_S),
              engine_spec(hosts, "prefill", "p2", 1, events, claim_lease_s=CLAIM_LEASE_S),
              # Default settings: a CPU decode engine lands every read, so a read past its bound
-             # fails safely (its late bytes go to a retired landing slice).
+             # fails safely (its late bytes go to its landing slice, held until NIXL ends it).
              engine_spec(hosts, "decode", "d", 1, events),
              engine_spec(hosts, "decode", "d2", 0, events,
                          hooks={"hold_first_read_s": HOLD_S, "hold_post_s": HOLD_S})]
@@ -172,9 +172,7 @@ def test_handoff_across_hosts_equals_a_single_engine(net, words):
     after = d_state(deployment)
     done = after["counters"].get("loads.done", 0) - before.get("loads.done", 0)
     failed = after["counters"].get("loads.failed", 0) - before.get("loads.failed", 0)
-    # From the transfer, or (reads from the second P host have been seen to stall) ended by the
-    # read bound and recomputed: never a hang, never a wrong answer.
-    assert (done, failed) in ((1, 0), (0, 1)), (done, failed)
+    assert (done, failed) == (1, 0), (done, failed)  # the prompt came from the transfer
     assert after["transfer"]["bytes"] > 0
     assert text == reference(deployment, prompt, 10)
     wait_closed(deployment)
@@ -196,11 +194,9 @@ def test_two_prefill_hosts_and_one_decode_host_serve_a_stream_with_no_read_past_
     done = after_d["counters"].get("loads.done", 0) - before_d.get("loads.done", 0)
     failed = after_d["counters"].get("loads.failed", 0) - before_d.get("loads.failed", 0)
     timed_out = after_d["transfer"].get("timed_out", 0) - before_transfer.get("timed_out", 0)
-    # Every handoff is either loaded or ended by the read bound (a recompute with the right
-    # text, never a hang). On a loaded 2-core machine the first reads from the second P host
-    # have been seen to stall until the bound (cause not yet found); each such read is counted.
-    assert done + failed == len(prompts) and failed == timed_out, (done, failed, timed_out)
-    assert done >= len(prompts) // 2, (done, failed)
+    # Every handoff loaded, none ended by the read bound (P2 shares D's core: their workers' spin
+    # once starved the transport's threads until the bound, docs/reference/FAILURES.md).
+    assert (done, failed, timed_out) == (len(prompts), 0, 0), (done, failed, timed_out)
     issued = [p_state(deployment, i)["counters"].get("tickets.issued", 0) - before_p[i].get("tickets.issued", 0)
               for i in range(2)]
     assert issued == [3, 3], issued  # round robin: both prefill hosts handed off

@@ -219,3 +219,13 @@ def test_router_metrics_name_the_routing_counters(fleet):
         for name in ("kvbaton_router_routed_total", "kvbaton_router_index_blocks",
                      "kvbaton_router_prompt_token_mismatches_total"):
             assert re.search(rf"^{name}", text, re.M), name
+
+
+def test_every_handoff_was_loaded_and_no_read_reached_its_bound(fleet):
+    """Runs last: every handoff of the tests above (two P, one of them on D's core) was read, none
+    ended by the read bound."""
+    (control,) = fleet.controls("decode").values()
+    state = call_authority_sync(control, "debug_state")
+    counters, transfer = state["counters"], state["transfer"]
+    assert counters.get("loads.done", 0) > 0, counters
+    assert counters.get("loads.failed", 0) == 0 and transfer.get("timed_out", 0) == 0, (counters, transfer)

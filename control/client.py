@@ -96,6 +96,12 @@ _PORTS = random.SystemRandom()
 _HANDED_OUT: set[int] = set()
 
 
+def reserve_ports(ports) -> None:
+    """Ports this process will give out by other means (an engine's fixed HTTP port): free_port
+    never returns them."""
+    _HANDED_OUT.update(int(port) for port in ports)
+
+
 def free_port(host: str) -> int:
     """A port free now, chosen below the kernel's ephemeral range when it can be (for processes
     that must be told their port before they start: `kvbaton serve`'s engines; a sidecar binds

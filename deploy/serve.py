@@ -170,7 +170,10 @@ class Deployment:
                 process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
             self.engines.append(Engine(spec, f"http://{spec.host}:{spec.port}", process, log_path))
-            progress(f"starting {spec.role} engine on {spec.placement} at :{spec.port} (log {log_path})")
+            metrics = spec.extra_config.get("metrics_port")
+            progress(f"starting {spec.role} engine on {spec.placement} at :{spec.port}"
+                     + (f", kvbaton metrics at http://{spec.host}:{metrics}/metrics" if metrics else "")
+                     + f" (log {log_path})")
         self.wait_healthy(progress, timeout_s)
 
     def wait_healthy(self, progress, timeout_s: float) -> None:
@@ -291,7 +294,16 @@ def _die_with_parent() -> None:
 
 
 def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, prefill_kv_cache_bytes: int | None,
-                 gpu_history_bytes: int | None, engine_port_base: int) -> list[EngineSpec]:
+                 gpu_history_bytes: int | None, engine_port_base: int, metrics_port_base: int = 0) -> list[EngineSpec]:
+    """Engine i listens at engine_port_base + i and, with a metrics_port_base, serves kvbaton's
+    Prometheus metrics at metrics_port_base + i; its sidecar's control port is drawn free, never
+    one of those."""
+    from kvbaton.control.client import reserve_ports
+
+    count = prefill + decode
+    reserve_ports(range(engine_port_base, engine_port_base + count))
+    if metrics_port_base:
+        reserve_ports(range(metrics_port_base, metrics_port_base + count))
     if device == "auto":
         device = "gpu" if cuda_device_count() > 0 else "cpu"
     slots = max(1, cuda_device_count()) if device == "gpu" else max(1, os.cpu_count() or 1)
@@ -303,6 +315,8 @@ def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, pr
         extra = {}
         if role == "prefill" and gpu_history_bytes is not None:
             extra["gpu_history_bytes"] = gpu_history_bytes
+        if metrics_port_base:
+            extra["metrics_port"] = metrics_port_base + index
         kv = prefill_kv_cache_bytes if (role == "prefill" and prefill_kv_cache_bytes) else kv_cache_bytes
         specs.append(EngineSpec(role, port, free_port(), placement, kv, extra))
         port += 1
@@ -362,6 +376,10 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="router port")
     parser.add_argument("--engine-port-base", type=int, default=8100)
+    parser.add_argument("--metrics-port-base", type=int, default=0,
+                        help="engine i's sidecar serves kvbaton's Prometheus metrics (kvbaton_*) at "
+                             "this port + i on the engine's control host (default 0: not served; the "
+                             "router's /metrics has its routing counters either way)")
     parser.add_argument("--log-dir", default="runs/serve")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra argument for every engine")
     parser.add_argument("--api-key", default=None,
@@ -389,7 +407,7 @@ def deployment_from_args(args) -> Deployment:
     block_size = args.block_size or (16 if device == "gpu" else 32)
     specs = [] if attached else plan_engines(args.prefill, args.decode, device, args.kv_cache_bytes,
                                              args.prefill_kv_cache_bytes, args.gpu_history_bytes,
-                                             args.engine_port_base)
+                                             args.engine_port_base, args.metrics_port_base)
     served = args.served_model_name or (Path(model).name if args.model else "tiny")
     from ..router.routing import RoutingConfig
 

@@ -28,9 +28,7 @@ from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
 
 from .hosts import Hosts, can_make_hosts  # noqa: E402
 
-# A known failure, kept running so that a fix shows as XPASS.
-FREEZE = pytest.mark.xfail(strict=False, reason="a decode engine's worker can freeze inside an engine step while it first reads from a prefill engine over UCX/TCP (vLLM ends the engine when its execute_model call passes 300 s); cause not yet fixed, see docs/reference/FAILURES.md")
-pytestmark = [pytest.mark.integration, FREEZE]
+pytestmark = pytest.mark.integration
 MODEL = "tiny"
 
 _why_not = can_make_hosts()

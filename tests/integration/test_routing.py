@@ -28,9 +28,7 @@ from kvbaton.control.client import call_authority_sync  # noqa: E402
 from kvbaton.deploy.demo import RouterThread  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec, free_port  # noqa: E402
 
-# A known failure, kept running so that a fix shows as XPASS.
-FREEZE = pytest.mark.xfail(strict=False, reason="a decode engine's worker can freeze inside an engine step while it first reads from a prefill engine over UCX/TCP (vLLM ends the engine when its execute_model call passes 300 s); cause not yet fixed, see docs/reference/FAILURES.md")
-pytestmark = [pytest.mark.integration, FREEZE]
+pytestmark = pytest.mark.integration
 MODEL = "tiny"
 BLOCK = 32
 BLOCK_BYTES = 16384  # the tiny model: 2 layers x 2 KV heads x 32 tokens x 2 x 64 x bf16

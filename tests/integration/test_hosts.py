@@ -283,7 +283,7 @@ def test_p_dies_after_a_claim_and_comes_back_at_the_same_address(net):
     wait_closed(deployment)
 
 
-# Seen once in four runs: P's restarted sidecar answered nothing for 13 s right after granting
+# Seen once in three runs: P's restarted sidecar answered nothing for 13 s right after granting
 # D2's read (its event loop stalled: D2's heartbeats arrived in one burst, D2's read from it hit
 # its bound), so the test's own calls to P timed out before D2's host was killed. Cause not yet
 # found (docs/reference/FAILURES.md); kept running so a fix or a recurrence shows.

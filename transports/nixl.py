@@ -337,12 +337,12 @@ class NixlTransport:
     def _connect_peer(self, peer_id: str, peer_metadata: NixlPeerMetadata) -> None:
         """Add the peer's agent to ours (agent lock held)."""
         old = self._peers.get(peer_id)
-        if old is not None:
-            if old.agent_name == peer_metadata.agent_name and old.agent_metadata == peer_metadata.agent_metadata:
-                return  # same agent announced twice: keep the connection
-            self._drop_peer(peer_id)
+        if old is not None and old.agent_name == peer_metadata.agent_name and old.agent_metadata == peer_metadata.agent_metadata:
+            return  # same agent announced twice: keep the connection
         self._agent_busy = (f"connecting peer {peer_id!r}", time.perf_counter())
         try:
+            if old is not None:  # a restarted peer: its old agent goes first (may wait on a dead host)
+                self._drop_peer(peer_id)
             remote_name = self._agent.add_remote_agent(peer_metadata.agent_metadata)
             if as_str(remote_name) != peer_metadata.agent_name:
                 raise ValueError(f"peer {peer_id!r}: metadata names agent "

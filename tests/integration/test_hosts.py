@@ -283,11 +283,11 @@ def test_p_dies_after_a_claim_and_comes_back_at_the_same_address(net):
     wait_closed(deployment)
 
 
-# Seen once in three runs: P's restarted sidecar answered nothing for 13 s right after granting
-# D2's read (its event loop stalled: D2's heartbeats arrived in one burst, D2's read from it hit
-# its bound), so the test's own calls to P timed out before D2's host was killed. Cause not yet
-# found (docs/reference/FAILURES.md); kept running so a fix or a recurrence shows.
-@pytest.mark.xfail(strict=False, reason="a restarted P's sidecar has been seen to stall for 13 s after a grant; "
+# Seen in 3 of 7 runs: right after P's restart, the sidecars stopped answering for 6-13 s (the
+# restarted P's and, once, the other P's too), so D2's read hit its bound or the test's own calls
+# to P timed out. Cause not yet found (docs/reference/FAILURES.md); kept running so a fix or a
+# recurrence shows.
+@pytest.mark.xfail(strict=False, reason="sidecars have been seen to stop answering for 6-13 s right after P's restart; "
                    "see docs/reference/FAILURES.md")
 def test_d_dies_mid_read_and_p_gets_its_blocks_back(net):
     """D2's host dies with a read P granted still open: nobody speaks for it, so P ends the

@@ -309,7 +309,8 @@ def test_d_dies_mid_read_and_p_gets_its_blocks_back(net):
     silent reader's read as failed, its idle lease then ends the claim, and P returns the blocks
     (a recompute elsewhere is all it cost). Should the read end before D2 dies (D2's own bound,
     when a process waits for a core longer than that), P must still end with nothing open and
-    no broken invariant; the path's counters are checked when the read was open as D2 died."""
+    no broken invariant, and the test says it skipped the path's counters (checked when the read
+    was open as D2 died)."""
 
     hosts, deployment, _url, _root = net
     prompt = words_for(tiny_prompt(180, seed=821))
@@ -332,7 +333,10 @@ def test_d_dies_mid_read_and_p_gets_its_blocks_back(net):
     assert state["open"] == {"tickets": 0, "loads": 0, "leases": 0}, state["open"]
     assert state["violations"] == []
     assert open_reads(state["counters"]) == 0
-    if read_open_as_d2_died:  # the path this test is for: P alone ended the read and the claim
-        assert state["counters"].get("reads.finished.ok", 0) == ok
-        assert state["counters"].get("reads.finished.failed", 0) == failed + 1
-        assert state["counters"].get("tickets.closed.expired", 0) == expired + 1
+    if not read_open_as_d2_died:
+        pytest.skip("D2's read had ended before D2 died (a process waited for a core longer than D2 "
+                    "waits): P's end state was checked, the silent-reader path was not exercised")
+    # The path this test is for: P alone ended the read and the claim.
+    assert state["counters"].get("reads.finished.ok", 0) == ok
+    assert state["counters"].get("reads.finished.failed", 0) == failed + 1
+    assert state["counters"].get("tickets.closed.expired", 0) == expired + 1

@@ -71,16 +71,26 @@ def summarize(samples: list[Sample], wall: float | None = None) -> dict:
     ttft = [x.ttft * 1e3 for x in ok]
     tpot = [x.tpot * 1e3 for x in ok if x.tpot is not None]
     out = {"requests": len(samples), "failed": len(samples) - len(ok),
-           "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p95_ms": percentile(ttft, 0.95),
+           "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p90_ms": percentile(ttft, 0.9),
+           "ttft_p95_ms": percentile(ttft, 0.95), "ttft_p99_ms": percentile(ttft, 0.99),
            "ttft_mean_ms": statistics.fmean(ttft) if ttft else float("nan"),
            "tpot_p50_ms": percentile(tpot, 0.5)}
     if wall:
         out["wall_s"] = wall
         out["output_tok_s"] = sum(x.tokens for x in ok) / wall
+    out["samples"] = raw_samples(samples)
     errors = sorted({x.error for x in samples if not x.ok})
     if errors:
         out["errors"] = errors[:5]
     return out
+
+
+def raw_samples(samples: list[Sample]) -> list[list]:
+    """Every request as [ok, TTFT ms, TPOT ms or None, tokens, latency ms], so SLO attainment or
+    any percentile can be recomputed from the result file."""
+
+    return [[x.ok, round(x.ttft * 1e3, 3), None if x.tpot is None else round(x.tpot * 1e3, 4), x.tokens,
+             round(x.total * 1e3, 3)] for x in samples]
 
 
 def prompts(rng: random.Random, vocab: int, count: int, low: int, high: int) -> list[list[int]]:
@@ -247,18 +257,25 @@ def summarize_open(samples: list[Sample], duration: float, rate: float, slo_ttft
     tpot = [x.tpot * 1e3 for x in ok if x.tpot is not None]
     itl = [gap * 1e3 for x in ok for gap in x.itl]
     good = [x for x in ok if x.ttft * 1e3 <= slo_ttft_ms and (x.tpot or 0.0) * 1e3 <= slo_tpot_ms]
+    e2el = [x.total * 1e3 for x in ok]
     out = {"rate_rps": rate, "requests": len(samples), "failed": len(samples) - len(ok), "duration_s": duration,
            "request_rps": len(ok) / duration if duration else float("nan"),
            "output_tok_s": sum(x.tokens for x in ok) / duration if duration else float("nan"),
            "good": len(good), "goodput_rps": len(good) / duration if duration else float("nan"),
+           # The share of every request sent (failures included) that met both SLOs.
+           "slo_attainment": len(good) / len(samples) if samples else float("nan"),
            "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
-           "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
+           "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p90_ms": percentile(ttft, 0.9),
+           "ttft_p99_ms": percentile(ttft, 0.99),
            "ttft_mean_ms": statistics.fmean(ttft) if ttft else float("nan"),
-           "tpot_p50_ms": percentile(tpot, 0.5), "tpot_p99_ms": percentile(tpot, 0.99),
+           "tpot_p50_ms": percentile(tpot, 0.5), "tpot_p90_ms": percentile(tpot, 0.9),
+           "tpot_p99_ms": percentile(tpot, 0.99),
+           "e2el_p50_ms": percentile(e2el, 0.5), "e2el_p99_ms": percentile(e2el, 0.99),
            "itl_p50_ms": percentile(itl, 0.5), "itl_p99_ms": percentile(itl, 0.99),
            # How late the load generator sent (its own ceiling): should stay far below the TTFTs.
            "send_lag_p99_ms": percentile([x * 1e3 for x in lags], 0.99),
            "send_lag_max_ms": max(lags) * 1e3 if lags else float("nan")}
+    out["samples"] = raw_samples(samples)
     errors = sorted({x.error for x in samples if not x.ok})
     if errors:
         out["errors"] = errors[:5]

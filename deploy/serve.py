@@ -325,14 +325,17 @@ def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, pr
 
 async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio.Event, *,
                      api_key: str | None = None, max_body_bytes: int | None = None,
-                     max_in_flight: int | None = None) -> None:
+                     max_in_flight: int | None = None, max_batch_prompts: int | None = None) -> None:
     import uvicorn
 
-    from ..router.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, Router, build_app
+    from ..router.app import (DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, Router,
+                              build_app)
 
     router = Router(deployment.prefill_urls, deployment.decode_urls, models=[deployment.served_model_name],
                     api_key=api_key, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                    max_in_flight=max_in_flight or DEFAULT_MAX_IN_FLIGHT, routing=deployment.routing_config())
+                    max_in_flight=max_in_flight or DEFAULT_MAX_IN_FLIGHT,
+                    max_batch_prompts=max_batch_prompts or DEFAULT_MAX_BATCH_PROMPTS,
+                    routing=deployment.routing_config())
     config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we own the signals
@@ -390,6 +393,8 @@ def add_serve_arguments(parser) -> None:
                              "$KVBATON_SECRET, else this user's per-host secret)")
     parser.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (413 above)")
     parser.add_argument("--max-in-flight", type=int, default=None, help="requests in flight (429 above)")
+    parser.add_argument("--max-batch-prompts", type=int, default=None,
+                        help="prompts in one completion request, each its own handoff (400 above; default 16)")
 
 
 def deployment_from_args(args) -> Deployment:
@@ -431,6 +436,9 @@ def run_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         progress(f"warning: the router listens on {args.host} without an API key (--api-key or "
                  f"KVBATON_API_KEY): anyone who reaches it can use it")
+    if args.max_batch_prompts is not None and args.max_batch_prompts < 1:
+        progress(f"--max-batch-prompts must be at least 1, not {args.max_batch_prompts}")
+        return 2
     try:
         ensure_frame_key(args.secret_file or "")
     except SecretError as exc:
@@ -461,7 +469,8 @@ def run_serve(args) -> int:
         progress(f"router at http://{args.host}:{args.port}/v1 (model {deployment.served_model_name}); "
                  f"metrics at /metrics; Ctrl-C stops everything")
         await run_router(deployment, args.host, args.port, stop, api_key=api_key,
-                         max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight)
+                         max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
+                         max_batch_prompts=args.max_batch_prompts)
 
     try:
         asyncio.run(main())

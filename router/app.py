@@ -2,8 +2,11 @@
 
 For each completion or chat request: send it to a prefill engine (P) with `max_tokens=1` and
 `kv_transfer_params={"do_remote_decode": true}`, take the handoff P returns, send the original
-request to a decode engine (D) with it, and return (or stream) D's answer. Which P and D, and
-whether P is needed at all (D alone when it already holds most of the prompt), is `routing.py`'s
+request to a decode engine (D) with it, and return (or stream) D's answer. A completion request
+with a list of prompts (at most `max_batch_prompts`) is one such handoff per prompt, run side by
+side, their answers merged into one (choice `index` = prompt's index × n + the choice's own): P
+gets one prompt per request, so issues at most one ticket per request the router sends it. Which
+P and D, and whether P is needed at all (D alone when it already holds most of the prompt), is `routing.py`'s
 choice: by where the prompt's KV lives, weighed against load, or round robin. When D fails, the client goes away or the request times out after P answered, the
 router abandons the ticket on P's sidecar so P's blocks come back at once (a claimed ticket belongs
 to D, which releases it itself).
@@ -17,8 +20,10 @@ What it trusts: nothing from the client reaches an engine's handoff path. A clie
 `kv_transfer_params` and `request_id` are dropped; D gets only what P returned, minus the abandon
 capability the router keeps for itself. With an API key (`--api-key`, `KVBATON_API_KEY`) every
 route but `/health` needs `Authorization: Bearer KEY`. Bodies are bounded (413), requests in
-flight are bounded (429), and upstream failures are answered without internal addresses or
-exception text (those go to the router's log).
+flight are bounded (429), prompts per request are bounded (400), and upstream failures are
+answered without internal addresses or exception text (those go to the router's log). Every
+ticket P issues for a request is either D's (D answered for its prompt) or abandoned by the
+router, whatever fails or leaves first (`Held`).
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class EngineSidecarCollector:
 # Requests larger than this are refused (413): prompts of a 128k context are ~1 MB of JSON.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_IN_FLIGHT = 1024
+# A completion request may carry at most this many prompts (each is its own handoff).
+DEFAULT_MAX_BATCH_PROMPTS = 16
 # The router refreshes sidecar states for /metrics at most this often.
 STATE_REFRESH_S = 5.0
 
@@ -88,25 +95,131 @@ def _short(ident) -> str:
 
 
 class BadRequest(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+PROMPT_SHAPES = ("'prompt' must be a string, a list of token ids, or a non-empty list of strings or of "
+                 "token-id lists (one kind, not a mix)")
+
+
+def split_prompts(body: dict) -> list[dict]:
+    """A completion request's prompts, one request body each, in vLLM's order (`prompt_embeds`
+    first, then `prompt`), each carrying exactly one of the two fields. Empty when the body names
+    no prompt (the engine answers that). BadRequest for a shape the router will not split."""
+
+    items: list[tuple[str, object]] = []
+    embeds = body.get("prompt_embeds")
+    if isinstance(embeds, str):
+        items.append(("prompt_embeds", embeds))
+    elif isinstance(embeds, list):
+        if not all(isinstance(e, str) for e in embeds):
+            raise BadRequest(400, "'prompt_embeds' must be a string or a list of strings (base64)",
+                             param="prompt_embeds")
+        items.extend(("prompt_embeds", e) for e in embeds)
+    elif embeds is not None:
+        raise BadRequest(400, "'prompt_embeds' must be a string or a list of strings (base64)", param="prompt_embeds")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        items.append(("prompt", prompt))
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise BadRequest(400, "'prompt' is an empty list: " + PROMPT_SHAPES, param="prompt")
+        if all(type(t) is int for t in prompt):
+            items.append(("prompt", prompt))  # one prompt given as token ids
+        elif all(isinstance(p, str) for p in prompt):
+            items.extend(("prompt", p) for p in prompt)
+        elif all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
+            items.extend(("prompt", p) for p in prompt)
+        else:
+            raise BadRequest(400, PROMPT_SHAPES, param="prompt")
+    elif prompt is not None:
+        raise BadRequest(400, PROMPT_SHAPES, param="prompt")
+    bodies = []
+    for field, value in items:
+        one = {k: v for k, v in body.items() if k not in ("prompt", "prompt_embeds")}
+        one[field] = value
+        bodies.append(one)
+    return bodies
+
+
+class Held:
+    """One handoff's ticket while the router answers for its prompt. It is D's once D answered
+    for the prompt (D claimed it, or its claim was refused and D recomputed); before that, any
+    failure or cancel makes the router abandon it, exactly once."""
+
+    def __init__(self, router: "Router", params: dict | None = None) -> None:
+        self.router = router
+        self.params: dict | None = None
+        self.open = False
+        self.keep(params)
+
+    def keep(self, params: dict | None) -> None:
+        section = (params or {}).get("kvbaton")
+        self.params = params
+        self.open = isinstance(section, dict) and isinstance(section.get("abandon"), str)
+
+    def settle(self) -> None:
+        """D answered for the prompt: the ticket is D's to release."""
+
+        self.open = False
+
+    async def abandon(self, cause: str) -> None:
+        if self.open:
+            self.open = False
+            # On a task of its own: cancelling the caller (a sibling prompt failed, the client
+            # left) must not cut the abandon short.
+            await asyncio.shield(self.router.spawn(self.router.abandon(self.params, cause)))
+
+    def abandon_soon(self, cause: str) -> None:
+        """Abandon on a task of its own (from code being cancelled, which may not await)."""
+
+        if self.open:
+            self.open = False
+            self.router.spawn(self.router.abandon(self.params, cause))
+
+
+class Batch:
+    """The handoffs of one request with several prompts, one `Held` per prompt. Once the request
+    is over (`abandon_soon`), a prefill that answers later has its ticket abandoned at once."""
+
+    def __init__(self, router: "Router", k: int) -> None:
+        self.held = [Held(router) for _ in range(k)]
+        self.over: str | None = None  # why the request ended early, once it did
+
+    def keep(self, i: int, params: dict | None) -> None:
+        self.held[i].keep(params)
+        if self.over:
+            self.held[i].abandon_soon(self.over)
+
+    async def abandon(self, cause: str) -> None:
+        await asyncio.gather(*(held.abandon(cause) for held in self.held))
+
+    def abandon_soon(self, cause: str) -> None:
+        self.over = self.over or cause
+        for held in self.held:
+            held.abandon_soon(cause)
 
 
 class Router:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, timeout_s: float = 600.0,
                  models: list[str] | None = None, api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 routing: RoutingConfig | None = None) -> None:
+                 max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS, routing: RoutingConfig | None = None) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode engine URL")
+        if max_batch_prompts < 1:
+            raise ValueError(f"max_batch_prompts must be at least 1, not {max_batch_prompts}")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in decode_urls]
         self.timeout_s = timeout_s
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.max_in_flight = max_in_flight
+        self.max_batch_prompts = max_batch_prompts
         self.active = 0
+        self._background: set[asyncio.Task] = set()  # abandons and handoffs run on tasks of their own
         self._states_at = float("-inf")
         self.models = set(models or [])
         self.controls: dict[str, str] = {}  # P engine id -> its sidecar address (learned from handoffs)
@@ -117,6 +230,11 @@ class Router:
         self.abandons = Counter("kvbaton_router_abandons", "Tickets the router abandoned, by cause",
                                 ["cause"], registry=self.registry)
         self.in_flight = Gauge("kvbaton_router_in_flight", "Requests in flight", registry=self.registry)
+        self.batches = Counter("kvbaton_router_batch_requests", "Completion requests with several prompts",
+                               registry=self.registry)
+        self.batch_prompts = Counter("kvbaton_router_batch_prompts",
+                                     "Prompts of completion requests with several prompts (one handoff each)",
+                                     registry=self.registry)
         self.ttft = Histogram("kvbaton_router_ttft_seconds", "Time to the first byte of D's answer",
                               registry=self.registry,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
@@ -181,6 +299,14 @@ class Router:
             self.abandons.labels(cause + "_unreachable").inc()
             logger.warning("could not abandon ticket %s on %s: %r", _short(section.get("ticket")),
                            section.get("control"), exc)
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` on a task of its own, kept until it is done."""
+
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def authorized(self, request: Request) -> bool:
         if self.api_key is None:
@@ -265,6 +391,23 @@ class Router:
         if type(n) is not int or n < 1:
             self.requests.labels(endpoint, "bad_request").inc()
             return openai_error(400, "'n' must be a positive integer", param="n")
+        if endpoint == "/v1/completions":
+            # vLLM makes one engine request, so P one ticket, per prompt of a list, and answers
+            # with the first one's handoff only: P gets one prompt per request, always.
+            try:
+                prompts = split_prompts(body)
+            except BadRequest as exc:
+                self.requests.labels(endpoint, "bad_request").inc()
+                return openai_error(exc.status, exc.message, param=exc.param)
+            if len(prompts) > self.max_batch_prompts:
+                self.requests.labels(endpoint, "too_many_prompts").inc()
+                return openai_error(400, f"a request may carry at most {self.max_batch_prompts} prompts (the "
+                                         f"router's --max-batch-prompts); this one carries {len(prompts)}",
+                                    param="prompt", code="too_many_prompts")
+            if len(prompts) > 1:
+                return await self._batch(request, endpoint, prompts, n)
+            if prompts:
+                body = prompts[0]
         pick = await self.placement.pick(endpoint, body)
         self.routing.routed(None if pick.p_url is None else pick.how, disaggregated=pick.p_url is not None)
         if n > 1:
@@ -275,45 +418,26 @@ class Router:
                      pick: Pick | None = None) -> Response:
         started = time.perf_counter()
         params = None
-        d_body = dict(body)
         if p_url is not None:
             prefilled = await self._prefill(endpoint, body, p_url, started, pick)
-            if isinstance(prefilled, Response):
-                return prefilled
+            if isinstance(prefilled, tuple):
+                self.requests.labels(endpoint, prefilled[0]).inc()
+                return prefilled[1]
             params = prefilled
         # (p_url None: D alone, it holds most of the prompt; no handoff, nothing to abandon.)
-        section = (params or {}).get("kvbaton")
-        if params:
-            forwarded = dict(params)
-            if isinstance(section, dict):  # the abandon capability stays with the router
-                forwarded["kvbaton"] = {k: v for k, v in section.items() if k != "abandon"}
-            d_body["kv_transfer_params"] = forwarded
+        held = Held(self, params)
+        d_body = with_handoff(body, params)
         if await request.is_disconnected():
-            await self.abandon(params, "client_gone")
+            await held.abandon("client_gone")
             self.requests.labels(endpoint, "client_gone").inc()
             return Response(status_code=499)
         if body.get("stream"):
-            return HeldStream(self._stream(request, endpoint, d_url, d_body, params, started),
+            return HeldStream(self._stream(endpoint, d_url, d_body, held, started), held=held,
                               media_type="text/event-stream")
-        d_reply = None
-        for attempt, url in enumerate(self._decode_order(d_url)):
-            try:
-                with self.placement.busy(url):
-                    d_reply = await self.client.post(f"{url}{endpoint}", json=d_body)
-                break
-            except httpx.TransportError as exc:
-                # D is down. The handoff is still good for another D: unclaimed, it is claimed
-                # there; claimed by the dead D, the claim is refused and that D recomputes.
-                logger.warning("decode engine %s failed (%r); trying the next one", url, exc)
-                if attempt == len(self.decode_urls) - 1:
-                    await self.abandon(params, "decode_failed")
-                    self.requests.labels(endpoint, "decode_unreachable").inc()
-                    return openai_error(502, "the decode engines are unreachable", kind="upstream_error")
-        self.ttft.observe(time.perf_counter() - started)
-        if d_reply.status_code != 200:
-            await self.abandon(params, "decode_failed")
-            self.requests.labels(endpoint, f"decode_{d_reply.status_code}").inc()
-            return upstream_error(d_reply.status_code, d_reply.content, "decode", url)
+        d_reply = await self._decode(endpoint, d_url, d_body, held, started)
+        if isinstance(d_reply, tuple):
+            self.requests.labels(endpoint, d_reply[0]).inc()
+            return d_reply[1]
         if p_url is None and pick is not None:
             with contextlib.suppress(ValueError):
                 self.placement.check_tokens(pick, d_reply.json())
@@ -321,9 +445,10 @@ class Router:
         return Response(d_reply.content, status_code=d_reply.status_code, media_type="application/json")
 
     async def _prefill(self, endpoint: str, body: dict, p_url: str, started: float,
-                       pick: Pick | None) -> dict | None | Response:
+                       pick: Pick | None) -> dict | None | tuple[str, Response]:
         """P computes the prompt (max_tokens=1) and answers with the handoff: its
-        kv_transfer_params (None when it gave none), or the error Response for the client."""
+        kv_transfer_params (None when it gave none), or (outcome, the error Response for the
+        client)."""
 
         p_body = dict(body)
         # n > 1 is one prefill and one handoff: P computes the prompt once (n=1 there, so one
@@ -339,12 +464,11 @@ class Router:
             with self.placement.busy(p_url):
                 p_reply = await self.client.post(f"{p_url}{endpoint}", json=p_body)
         except httpx.HTTPError as exc:
-            self.requests.labels(endpoint, "prefill_unreachable").inc()
             logger.warning("prefill engine %s failed: %r", p_url, exc)
-            return openai_error(502, "the prefill engine is unreachable", kind="upstream_error")
+            return "prefill_unreachable", openai_error(502, "the prefill engine is unreachable", kind="upstream_error")
         if p_reply.status_code != 200:
-            self.requests.labels(endpoint, f"prefill_{p_reply.status_code}").inc()
-            return upstream_error(p_reply.status_code, p_reply.content, "prefill", p_url)
+            return (f"prefill_{p_reply.status_code}",
+                    upstream_error(p_reply.status_code, p_reply.content, "prefill", p_url))
         self.prefill_time.observe(time.perf_counter() - started)
         try:
             reply_json = p_reply.json()
@@ -361,12 +485,40 @@ class Router:
             self.placement.watch_history(p_url, str(section["control"]))
         return params
 
+    async def _decode(self, endpoint: str, d_url: str, d_body: dict, held: Held,
+                      started: float) -> httpx.Response | tuple[str, Response]:
+        """D's answer (status 200; the handoff is then D's), or (outcome, the error Response for
+        the client) with the handoff abandoned."""
+
+        d_reply = None
+        for attempt, url in enumerate(self._decode_order(d_url)):
+            try:
+                with self.placement.busy(url):
+                    d_reply = await self.client.post(f"{url}{endpoint}", json=d_body)
+                break
+            except httpx.TransportError as exc:
+                # D is down. The handoff is still good for another D: unclaimed, it is claimed
+                # there; claimed by the dead D, the claim is refused and that D recomputes.
+                logger.warning("decode engine %s failed (%r); trying the next one", url, exc)
+                if attempt == len(self.decode_urls) - 1:
+                    await held.abandon("decode_failed")
+                    return "decode_unreachable", openai_error(502, "the decode engines are unreachable",
+                                                              kind="upstream_error")
+        self.ttft.observe(time.perf_counter() - started)
+        if d_reply.status_code != 200:
+            await held.abandon("decode_failed")
+            return f"decode_{d_reply.status_code}", upstream_error(d_reply.status_code, d_reply.content, "decode", url)
+        held.settle()
+        return d_reply
+
     def _decode_order(self, first: str) -> list[str]:
         index = self.decode_urls.index(first)
         return self.decode_urls[index:] + self.decode_urls[:index]
 
-    async def _stream(self, request: Request, endpoint: str, d_url: str, d_body: dict, params: dict | None,
-                      started: float) -> AsyncIterator[bytes]:
+    async def _stream(self, endpoint: str, d_url: str, d_body: dict, held: Held, started: float,
+                      record=None) -> AsyncIterator[bytes]:
+        """D's streamed answer, as it comes. `record` takes the outcome (default: counted)."""
+
         sent = False
         outcome = "ok"
         order = self._decode_order(d_url)
@@ -377,7 +529,7 @@ class Router:
                         async with self.client.stream("POST", f"{url}{endpoint}", json=d_body) as reply:
                             if reply.status_code != 200:
                                 outcome = f"decode_{reply.status_code}"
-                                await self.abandon(params, "decode_failed")
+                                await held.abandon("decode_failed")
                                 payload = await reply.aread()
                                 error = upstream_error(reply.status_code, payload, "decode", url)
                                 yield b"data: " + error.body + b"\n\n"
@@ -386,6 +538,7 @@ class Router:
                                 if not sent:
                                     self.ttft.observe(time.perf_counter() - started)
                                     sent = True
+                                    held.settle()
                                 yield chunk
                     return
                 except httpx.TransportError as exc:
@@ -393,7 +546,7 @@ class Router:
                         logger.warning("decode engine %s failed (%r); trying the next one", url, exc)
                         continue
                     outcome = "decode_unreachable"
-                    await self.abandon(params, "decode_failed")
+                    await held.abandon("decode_failed")
                     logger.warning("decode engine %s failed mid-stream: %r", url, exc)
                     error = {"error": {"message": "the decode engine failed", "type": "upstream_error"}}
                     yield f"data: {json.dumps(error)}\n\n".encode()
@@ -401,13 +554,201 @@ class Router:
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away mid-stream. Nothing may be awaited here (the task is being
             # cancelled), so the abandon runs on its own. Once D sent a token it had claimed the
-            # ticket (or recomputed), which is then D's to release: no call. (A client that
-            # closes right after `[DONE]` lands here too, and cost a sidecar call per request.)
+            # ticket (or recomputed), which is then D's to release: no call (`held` is settled).
+            # (A client that closes right after `[DONE]` lands here too, and cost a sidecar call
+            # per request.)
             outcome = "client_gone"
-            if not sent:
-                asyncio.get_running_loop().create_task(self.abandon(params, "client_gone"))
+            held.abandon_soon("client_gone")
             raise
         finally:
+            if record is None:
+                self.requests.labels(endpoint, outcome).inc()
+            else:
+                record(outcome)
+
+    # -- several prompts in one completion request -------------------------------------------------
+
+    async def _batch(self, request: Request, endpoint: str, bodies: list[dict], n: int) -> Response:
+        """One handoff per prompt (each picked, prefilled and decoded as if sent alone), side by
+        side; one answer, choices indexed as vLLM and OpenAI do (prompt's index × n + choice's)."""
+
+        k = len(bodies)
+        self.batches.inc()
+        self.batch_prompts.inc(k)
+        picks = []
+        for one in bodies:
+            pick = await self.placement.pick(endpoint, one)
+            self.routing.routed(None if pick.p_url is None else pick.how, disaggregated=pick.p_url is not None)
+            if n > 1:
+                self.routing.parallel(n)
+            picks.append(pick)
+        started = time.perf_counter()
+        batch = Batch(self, k)
+
+        async def prefill(i: int):
+            if picks[i].p_url is None:
+                return None  # D alone
+            result = await self._prefill(endpoint, bodies[i], picks[i].p_url, started, picks[i])
+            if not isinstance(result, tuple):
+                batch.keep(i, result)
+            return result
+
+        # Every prefill runs to its end, even when the client leaves: one cut short could leave a
+        # ticket the router never hears of. A prefill answering after the request ended has its
+        # ticket abandoned at once (`Batch.keep`).
+        results = await self._all(batch, [self.spawn(prefill(i)) for i in range(k)], cancel=False)
+        failed = next((r for r in results if isinstance(r, tuple)), None)
+        if failed is not None:
+            await batch.abandon("batch_failed")
+            self.requests.labels(endpoint, failed[0]).inc()
+            return failed[1]
+        try:
+            gone = await request.is_disconnected()
+        except BaseException:
+            batch.abandon_soon("client_gone")
+            raise
+        if gone:
+            await batch.abandon("client_gone")
+            self.requests.labels(endpoint, "client_gone").inc()
+            return Response(status_code=499)
+        d_bodies = [with_handoff(one, held.params) for one, held in zip(bodies, batch.held)]
+        if bodies[0].get("stream"):
+            return HeldStream(self._stream_batch(endpoint, picks, d_bodies, batch, n, started), held=batch,
+                              media_type="text/event-stream")
+
+        async def decode(i: int):
+            reply = await self._decode(endpoint, picks[i].d_url, d_bodies[i], batch.held[i], started)
+            if isinstance(reply, tuple):
+                return reply
+            try:
+                answer = reply.json()
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+                logger.warning("decode engine %s answered without choices: %.300r", picks[i].d_url, reply.content)
+                return "decode_malformed", openai_error(502, "the decode engine could not serve the request",
+                                                        kind="upstream_error")
+            if picks[i].p_url is None:
+                with contextlib.suppress(ValueError):
+                    self.placement.check_tokens(picks[i], answer)
+            return answer
+
+        answers = await self._all(batch, [self.spawn(decode(i)) for i in range(k)], cancel=True)
+        failed = next((r for r in answers if isinstance(r, tuple)), None)
+        if failed is not None:
+            await batch.abandon("batch_failed")
+            self.requests.labels(endpoint, failed[0]).inc()
+            return failed[1]
+        self.requests.labels(endpoint, "ok").inc()
+        return JSONResponse(merge_completions(answers, n))
+
+    async def _all(self, batch: Batch, tasks: list[asyncio.Task], *, cancel: bool) -> list:
+        """Every task's result, in order. With `cancel`, the first failure (an error answer)
+        cancels the tasks still running. When this request is cancelled (the client left), the
+        tasks are cancelled too (with `cancel`) and what is not D's is abandoned."""
+
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if cancel and any(not t.cancelled() and (t.exception() is not None or isinstance(t.result(), tuple))
+                                  for t in done):
+                    for task in pending:
+                        task.cancel()
+                    if pending:
+                        await asyncio.wait(pending)
+                    break
+        except BaseException:
+            if cancel:
+                for task in tasks:
+                    task.cancel()
+            batch.abandon_soon("client_gone")
+            raise
+        results = []
+        for task in tasks:
+            if task.cancelled():
+                results.append(None)
+            elif task.exception() is not None:
+                await batch.abandon("batch_failed")
+                raise task.exception()
+            else:
+                results.append(task.result())
+        return results
+
+    async def _stream_batch(self, endpoint: str, picks: list[Pick], d_bodies: list[dict], batch: Batch, n: int,
+                            started: float) -> AsyncIterator[bytes]:
+        """D's streamed answers for every prompt, merged as they come: each chunk's choices
+        re-indexed (prompt's index × n + choice's), one id, the usage chunks (with
+        `stream_options.include_usage`) summed into one, one `[DONE]`. An error for one prompt ends
+        the stream after the error (the other prompts' handoffs are abandoned unless D's)."""
+
+        k = len(d_bodies)
+        queue: asyncio.Queue = asyncio.Queue()
+        outcomes: dict[int, str] = {}
+
+        async def produce(i: int) -> None:
+            buffer = b""
+            try:
+                chunks = self._stream(endpoint, picks[i].d_url, d_bodies[i], batch.held[i], started,
+                                      record=lambda outcome: outcomes.setdefault(i, outcome))
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        buffer = (buffer + chunk).replace(b"\r\n", b"\n")
+                        *events, buffer = buffer.split(b"\n\n")
+                        for event in events:
+                            queue.put_nowait((i, event))
+                if buffer.strip():
+                    queue.put_nowait((i, buffer))
+            finally:
+                queue.put_nowait((i, None))
+
+        # (The tasks run their first step, into `_stream`, before this generator resumes: from
+        # then on each answers for its handoff.)
+        tasks = [self.spawn(produce(i)) for i in range(k)]
+        outcome, ended, usages, usage_event, merged_id = "ok", 0, [], None, None
+        try:
+            while ended < k:
+                i, event = await queue.get()
+                if event is None:
+                    ended += 1
+                    continue
+                payload = sse_json(event)
+                if payload is None:
+                    continue  # `[DONE]` (one is sent at the end), comments, anything not an event
+                if "error" in payload:
+                    batch.abandon_soon("batch_failed")
+                    for task in tasks:
+                        if task is not tasks[i]:
+                            task.cancel()
+                    yield b"data: " + compact(payload) + b"\n\n"
+                    await asyncio.wait([tasks[i]], timeout=10.0)
+                    outcome = outcomes.get(i, "ok")
+                    outcome = "decode_error" if outcome == "ok" else outcome
+                    return
+                merged_id = merged_id or payload.get("id")
+                if merged_id is not None:
+                    payload["id"] = merged_id
+                choices = payload.get("choices")
+                if isinstance(choices, list) and not choices and isinstance(payload.get("usage"), dict):
+                    usages.append(payload["usage"])
+                    usage_event = payload
+                    continue
+                for choice in choices if isinstance(choices, list) else ():
+                    if isinstance(choice, dict):
+                        choice["index"] = i * n + int_or_zero(choice.get("index"))
+                yield b"data: " + compact(payload) + b"\n\n"
+            if usage_event is not None:
+                usage_event["usage"] = sum_usage(usages)
+                yield b"data: " + compact(usage_event) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "client_gone"
+            raise
+        finally:
+            # (All well, every handoff is D's by now; one D answered without a byte is abandoned.)
+            batch.abandon_soon({"ok": "decode_failed", "client_gone": "client_gone"}.get(outcome, "batch_failed"))
+            for task in tasks:
+                task.cancel()
             self.requests.labels(endpoint, outcome).inc()
 
     async def health(self) -> Response:
@@ -437,21 +778,100 @@ class Router:
 
     async def close(self) -> None:
         await self.placement.stop()
+        if self._background:  # abandons under way
+            await asyncio.wait(set(self._background), timeout=6.0)
         await self.client.aclose()
 
 
 class HeldStream(StreamingResponse):
-    """A streamed answer that gives its place in flight back exactly once when it is over."""
+    """A streamed answer that, once it is over however it ended, abandons what of its handoffs is
+    not D's (a client that left before the stream began included) and gives its place in flight
+    back, exactly once."""
 
     on_close = None
+
+    def __init__(self, content, *, held: "Held | Batch", **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.held = held
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self.held.abandon_soon("client_gone")
             release, self.on_close = self.on_close, None
             if release is not None:
                 release()
+
+
+def with_handoff(body: dict, params: dict | None) -> dict:
+    """D's request: the client's, with P's handoff less the abandon capability, which stays with
+    the router."""
+
+    d_body = dict(body)
+    if params:
+        forwarded = dict(params)
+        section = params.get("kvbaton")
+        if isinstance(section, dict):
+            forwarded["kvbaton"] = {k: v for k, v in section.items() if k != "abandon"}
+        d_body["kv_transfer_params"] = forwarded
+    return d_body
+
+
+def compact(payload: dict) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def int_or_zero(value) -> int:
+    return value if type(value) is int else 0
+
+
+def sum_usage(usages: list) -> dict | None:
+    """The usage of several answers as one: counts added, nested counts too (vLLM's
+    `prompt_tokens_details`)."""
+
+    total: dict = {}
+    for usage in usages:
+        if not isinstance(usage, dict):
+            continue
+        for key, value in usage.items():
+            if type(value) is int:
+                total[key] = int_or_zero(total.get(key)) + value
+            elif isinstance(value, dict):
+                total[key] = sum_usage([total.get(key), value])
+            else:
+                total.setdefault(key, value)
+    return total or None
+
+
+def merge_completions(answers: list[dict], n: int) -> dict:
+    """D's answers to the prompts of one request (in the prompts' order) as the one answer vLLM
+    gives for them: choice `index` = prompt's index × n + the choice's own, usage summed, the first
+    answer's id."""
+
+    merged = dict(answers[0])
+    choices = []
+    for i, answer in enumerate(answers):
+        for choice in answer.get("choices", []):
+            if isinstance(choice, dict):
+                choices.append({**choice, "index": i * n + int_or_zero(choice.get("index"))})
+    merged["choices"] = sorted(choices, key=lambda choice: choice["index"])
+    merged["usage"] = sum_usage([answer.get("usage") for answer in answers])
+    return merged
+
+
+def sse_json(event: bytes) -> dict | None:
+    """The JSON object a server-sent event carries in its data lines, else None (`[DONE]`,
+    comments, anything else)."""
+
+    lines = [line[5:] for line in event.split(b"\n") if line.startswith(b"data:")]
+    if not lines:
+        return None
+    try:
+        payload = json.loads(b"\n".join(lines))
+    except (ValueError, RecursionError):
+        return None
+    return payload if isinstance(payload, dict) else None
 
 
 def upstream_error(status: int, content: bytes, role: str, url: str) -> JSONResponse:

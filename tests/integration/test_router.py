@@ -1,6 +1,7 @@
 """The router in front of real `vllm serve` engines (one P, two D) on CPU, driven by the `openai`
-client: completions and chat, streamed and not, errors in OpenAI's shape, a client that walks away
-and a decode engine that dies, with P's open tickets read from the router's /metrics."""
+client: completions and chat, streamed and not, a list of prompts (one handoff each), errors in
+OpenAI's shape, a client that walks away and a decode engine that dies, with P's open tickets read
+from the router's /metrics."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ httpx = pytest.importorskip("httpx")
 from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
 from kvbaton.deploy.demo import RouterThread  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec, free_port  # noqa: E402
+from kvbaton.router.app import STATE_REFRESH_S  # noqa: E402
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -52,8 +54,9 @@ def client_for(router) -> "openai.OpenAI":
     return openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="test", max_retries=0, timeout=120)
 
 
-def reference_completion(deployment, prompt: str, max_tokens: int) -> str:
-    """The same prompt computed by one engine alone (a D engine, without a handoff)."""
+def reference_completion(deployment, prompt, max_tokens: int) -> str:
+    """The same prompt (text or token ids) computed by one engine alone (a D engine, without a
+    handoff)."""
 
     direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key="test", max_retries=0)
     return direct.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
@@ -73,6 +76,47 @@ def wait_no_open_tickets(router, timeout_s: float = 20.0) -> None:
     assert open_tickets(router) == 0
 
 
+def ticket_counts(router) -> tuple[int, int]:
+    """(issued, claimed) tickets, over every P, as the router's /metrics last read them."""
+
+    text = httpx.get(f"http://127.0.0.1:{router.port}/metrics", timeout=10).text
+
+    def count(name: str) -> int:
+        found = re.findall(r'kvbaton_engine_events\{engine="[^"]+",name="' + re.escape(name) + r'"\} ([0-9.]+)', text)
+        return int(sum(float(v) for v in found))
+
+    return count("tickets.issued"), count("tickets.claimed")
+
+
+def ticket_baseline(router) -> tuple[int, int]:
+    """(issued, claimed) tickets before a test's requests. A small request first makes sure the
+    router knows P's sidecar; the read past the router's refresh interval is a fresh one."""
+
+    client_for(router).completions.create(model=MODEL, prompt=words_for(tiny_prompt(5, seed=610)), max_tokens=1)
+    wait_no_open_tickets(router)
+    time.sleep(STATE_REFRESH_S + 0.5)
+    return ticket_counts(router)
+
+
+def wait_tickets(router, issued: int, claimed: int, timeout_s: float = 20.0) -> tuple[int, int]:
+    """The counts once they reach (issued, claimed), or the last read (the router reads the sidecars'
+    states at most every few seconds)."""
+
+    deadline = time.monotonic() + timeout_s
+    counts = ticket_counts(router)
+    while (counts[0] < issued or counts[1] < claimed) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        counts = ticket_counts(router)
+    return counts
+
+
+def fresh_prompts(seed: int, as_ids: bool) -> list:
+    """Three prompts no engine holds yet (so each goes P then D), of 40, 7 and 130 tokens."""
+
+    ids = [tiny_prompt(n, seed=seed + n) for n in (40, 7, 130)]
+    return ids if as_ids else [words_for(p) for p in ids]
+
+
 @pytest.mark.parametrize("words", [5, 33, 300])
 def test_completion_equals_single_engine(stack, words):
     deployment, router = stack
@@ -87,6 +131,47 @@ def test_streamed_completion_equals_non_streamed(stack):
     prompt = words_for(tiny_prompt(150, seed=501))
     chunks = client_for(router).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in chunks) == reference_completion(deployment, prompt, 12)
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_a_list_of_prompts_is_one_handoff_each_and_equals_each_prompt_alone(stack, as_ids):
+    deployment, router = stack
+    prompts = fresh_prompts(700 + 100 * as_ids, as_ids)
+    sampling = {"max_tokens": 8, "n": 2, "temperature": 0.8, "seed": 11}
+    issued, claimed = ticket_baseline(router)
+    reply = client_for(router).completions.create(model=MODEL, prompt=prompts, **sampling)
+    # P issued one ticket per prompt, D claimed each, and none is left open (before, P issued
+    # three and D was named one: two stayed open for the ticket TTL).
+    assert wait_tickets(router, issued + 3, claimed + 3) == (issued + 3, claimed + 3)
+    wait_no_open_tickets(router)
+    assert [c.index for c in reply.choices] == list(range(6))
+    # Each prompt alone on one engine (after the request: D then holds these prompts).
+    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key="test", max_retries=0)
+    alone = [direct.completions.create(model=MODEL, prompt=p, **sampling) for p in prompts]
+    for i, single in enumerate(alone):
+        assert [c.text for c in reply.choices[2 * i:2 * i + 2]] == [c.text for c in single.choices]
+    assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone) == 3 * 2 * 8
+
+
+def test_a_streamed_list_of_prompts_equals_each_prompt_alone(stack):
+    deployment, router = stack
+    prompts = fresh_prompts(900, as_ids=False)
+    issued, claimed = ticket_baseline(router)
+    chunks = list(client_for(router).completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert wait_tickets(router, issued + 3, claimed + 3) == (issued + 3, claimed + 3)
+    wait_no_open_tickets(router)
+    assert sorted(texts) == [0, 1, 2]
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens == 3 * 8
+    assert len({c.id for c in chunks}) == 1
+    for i, prompt in enumerate(prompts):
+        assert texts[i] == reference_completion(deployment, prompt, 8)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -116,6 +201,16 @@ def test_bad_requests_get_openai_errors(stack):
         client.completions.create(model=MODEL, prompt="w5", max_tokens=2, n=0)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=words_for(tiny_prompt(3000, seed=503)), max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="at most 16 prompts"):
+        client.completions.create(model=MODEL, prompt=[f"w{i}" for i in range(17)], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="not a mix"):
+        client.completions.create(model=MODEL, prompt=["w5", [5, 6]], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="empty list"):
+        client.completions.create(model=MODEL, prompt=[], max_tokens=2)
+    # One prompt of a list too long for the engine: the engine's 400, no ticket left open.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[words_for(tiny_prompt(20, seed=508)),
+                                                       words_for(tiny_prompt(3000, seed=509))], max_tokens=2)
     assert httpx.get(f"http://127.0.0.1:{router.port}/health").status_code == 200
     wait_no_open_tickets(router)
 

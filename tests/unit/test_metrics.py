@@ -238,6 +238,19 @@ def test_n_above_one_is_one_prefill_and_n_samples_on_d():
     assert sample(text, "kvbaton_router_parallel_samples_total") == 3
 
 
+def test_a_list_of_prompts_is_counted_as_one_handoff_per_prompt():
+    seen, replies, text = route([{"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 4, "n": 2}])
+    assert [r.status_code for r in replies] == [200]
+    assert [c["index"] for c in replies[0].json()["choices"]] == [0, 1, 2, 3, 4, 5]
+    assert sorted(body["prompt"] for role, body in seen if role == "p") == ["a", "b", "c"]
+    assert sample(text, "kvbaton_router_routed_total", prefill="round_robin", disaggregated="true") == 3
+    assert sample(text, "kvbaton_router_parallel_requests_total") == 3
+    assert sample(text, "kvbaton_router_parallel_samples_total") == 6
+    assert sample(text, "kvbaton_router_batch_requests_total") == 1
+    assert sample(text, "kvbaton_router_batch_prompts_total") == 3
+    assert sample(text, "kvbaton_router_requests_total", endpoint="/v1/completions", outcome="ok") == 1
+
+
 @pytest.mark.parametrize("n", [0, -1, "2", 1.5, True])
 def test_a_bad_n_is_refused_before_any_engine_works(n):
     seen, replies, text = route([{"model": "tiny", "prompt": "hello", "max_tokens": 4, "n": n}])

@@ -198,3 +198,362 @@ def test_vllm_xargs_cannot_carry_handoff_params():
     call(engines, "POST", "/v1/completions", headers=bearer(), json_body=forged)
     d_body = next(body for role, body in engines.seen if role == "d" and "prompt" in body)
     assert d_body["vllm_xargs"] == {"other": 1}
+
+
+# -- several prompts in one completion request (N5) ----------------------------------------------
+
+
+def engine_prompts(body: dict) -> list:
+    """The engine requests vLLM 0.32 makes of a completion body, in its order: `prompt_embeds`
+    first, then `prompt` (a string or one list of token ids is one prompt, any other list one per
+    element)."""
+
+    prompts: list = []
+    embeds = body.get("prompt_embeds")
+    if embeds is not None:
+        prompts += [embeds] if isinstance(embeds, str) else list(embeds)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
+        prompts.append(prompt)
+    elif isinstance(prompt, list):
+        prompts += prompt
+    return prompts
+
+
+def prompt_words(prompt) -> list[str]:
+    return prompt.split() if isinstance(prompt, str) else [str(t) for t in prompt]
+
+
+def sampled(prompt, choice: int, step: int) -> str:
+    """What the fake D generates: a token that depends on the prompt, the sample and the step."""
+
+    words = prompt_words(prompt)
+    return f" {words[step % len(words)][::-1]}{choice}.{step}"
+
+
+class Fleet:
+    """P and D as vLLM with kvbaton: P issues one ticket per engine request with
+    `do_remote_decode` and answers with the first one's handoff (as vLLM does); D claims the ticket
+    it is given when it starts answering. The router's abandons reach this ledger (its
+    `call_authority`). D fails for prompts holding the word `d_fails`, P for `p_fails`; D waits
+    on `d_waits` before it claims and answers for prompts holding the word "slow"."""
+
+    def __init__(self, p_fails: str = "", d_fails: str = "") -> None:
+        self.p_fails, self.d_fails = p_fails, d_fails
+        self.issued: dict[str, object] = {}  # ticket -> its prompt
+        self.claimed: set[str] = set()
+        self.abandoned: set[str] = set()
+        self.p_bodies: list[dict] = []
+        self.d_bodies: list[dict] = []
+        self.d_waits = asyncio.Event()
+        self.d_waits.set()
+
+    def open(self) -> set[str]:
+        return set(self.issued) - self.claimed - self.abandoned
+
+    def _fails(self, prompts: list, words: str) -> bool:
+        return bool(words) and any(words in prompt_words(p) for p in prompts)
+
+    def _claim(self, body: dict) -> None:
+        section = (body.get("kv_transfer_params") or {}).get("kvbaton") or {}
+        ticket = section.get("ticket")
+        if ticket in self.issued and ticket not in self.abandoned:
+            self.claimed.add(ticket)
+
+    async def call_authority(self, address, method, ticket, proof, timeout_s=None):
+        assert method == "abandon" and proof == "b" * 32
+        if ticket not in self.issued or ticket in self.claimed or ticket in self.abandoned:
+            return False
+        self.abandoned.add(ticket)
+        return True
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
+        chat = request.url.path == "/v1/chat/completions"
+        prompts = [body["messages"][-1]["content"]] if chat else engine_prompts(body)
+        if request.url.host.startswith("p-"):
+            self.p_bodies.append(body)
+            if self._fails(prompts, self.p_fails):
+                return httpx.Response(400, json={"error": {"message": "This prompt is too long", "type": "Bad"}})
+            handoffs = []
+            for prompt in prompts:
+                if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                    ticket = f"t{len(self.issued):04d}" + "x" * 27
+                    self.issued[ticket] = prompt
+                    handoffs.append({"do_remote_prefill": True, "kvbaton": {
+                        "ticket": ticket, "control": "127.0.0.1:9", "engine": "P0", "num_tokens": 40,
+                        "layout": "L", "keepalive": "a" * 32, "abandon": "b" * 32}})
+            return httpx.Response(200, json={
+                "id": "cmpl-p", "choices": [{"index": i, "text": "x"} for i in range(len(prompts))],
+                "usage": {"prompt_tokens": 4}, "kv_transfer_params": handoffs[0] if handoffs else None})
+        self.d_bodies.append(body)
+        if self._fails(prompts, self.d_fails):
+            return httpx.Response(500, text="Traceback: engine died")
+        n, steps = body.get("n", 1), body.get("max_tokens", 3)
+        usage = {"prompt_tokens": sum(len(prompt_words(p)) for p in prompts),
+                 "completion_tokens": len(prompts) * n * steps,
+                 "total_tokens": sum(len(prompt_words(p)) for p in prompts) + len(prompts) * n * steps,
+                 "prompt_tokens_details": {"cached_tokens": 32 * len(prompts)}}
+        rid = f"cmpl-d{len(self.d_bodies)}"
+        if not body.get("stream"):
+            if any("slow" in prompt_words(p) for p in prompts):
+                await self.d_waits.wait()
+            self._claim(body)
+            return httpx.Response(200, json={
+                "id": rid, "object": "text_completion", "model": "tiny", "usage": usage,
+                "choices": [{"index": i * n + j, "text": "".join(sampled(p, j, s) for s in range(steps)),
+                             "finish_reason": "length", "logprobs": None}
+                            for i, p in enumerate(prompts) for j in range(n)]})
+
+        async def chunks():
+            if any("slow" in prompt_words(p) for p in prompts):
+                await self.d_waits.wait()
+            self._claim(body)
+            for s in range(steps):
+                for i, p in enumerate(prompts):
+                    for j in range(n):
+                        chunk = {"id": rid, "object": "text_completion", "model": "tiny", "usage": None,
+                                 "choices": [{"index": i * n + j, "text": sampled(p, j, s),
+                                              "finish_reason": "length" if s == steps - 1 else None}]}
+                        yield f"data: {json.dumps(chunk)}\n\n".encode()
+                        await asyncio.sleep(0)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield f"data: {json.dumps({'id': rid, 'object': 'text_completion', 'choices': [], 'usage': usage})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=chunks(), headers={"content-type": "text/event-stream"})
+
+
+def through_router(fleet: Fleet, bodies: list[dict], monkeypatch, path: str = "/v1/completions",
+                   **router_kw) -> list[httpx.Response]:
+    """Each body in turn, through the router in process; every abandon the router started is
+    done before this returns."""
+
+    monkeypatch.setattr("kvbaton.control.client.call_authority", fleet.call_authority)
+
+    async def go():
+        router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY, **router_kw)
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(fleet))
+        app = build_app(router)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            replies = [await client.post(path, headers=bearer(), json=body) for body in bodies]
+        background = set(getattr(router, "_background", ()))
+        if background:
+            await asyncio.wait(background, timeout=10)
+        return replies
+
+    return asyncio.run(go())
+
+
+def events(reply: httpx.Response) -> list:
+    """A streamed reply's events: JSON objects, and "[DONE]"."""
+
+    found = []
+    for event in reply.text.split("\n\n"):
+        if event.startswith("data: "):
+            data = event[len("data: "):]
+            found.append(data if data == "[DONE]" else json.loads(data))
+    return found
+
+
+PROMPT_LISTS = {
+    "strings": ["the cat sat on the mat", "a dog ran far", "one two three four five six"],
+    "token_ids": [[11, 12, 13, 14], [21, 22], [31, 32, 33, 34, 35, 36, 37]],
+}
+
+
+@pytest.mark.parametrize("shape", sorted(PROMPT_LISTS))
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_list_of_prompts_is_one_handoff_per_prompt_and_answers_as_each_alone(shape, n, monkeypatch):
+    prompts = PROMPT_LISTS[shape]
+    fleet = Fleet()
+    batch, *alone = through_router(fleet, [{"model": "tiny", "prompt": prompts, "max_tokens": 3, "n": n}] + [
+        {"model": "tiny", "prompt": p, "max_tokens": 3, "n": n} for p in prompts], monkeypatch)
+    assert batch.status_code == 200, batch.text
+    # P got one prompt per request, so issued one ticket per prompt: 3 for the batch, 3 alone.
+    assert [engine_prompts(b) for b in fleet.p_bodies] == [[p] for p in prompts] * 2
+    assert all(b["n"] == 1 and b["max_tokens"] == 1 for b in fleet.p_bodies)
+    assert len(fleet.issued) == 6 and fleet.open() == set()
+    assert fleet.claimed == set(fleet.issued)  # each claimed by D, none expired unclaimed
+    d_tickets = [b["kv_transfer_params"]["kvbaton"]["ticket"] for b in fleet.d_bodies]
+    assert sorted(d_tickets) == sorted(fleet.issued)
+    choices = batch.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(len(prompts) * n))
+    for i, reply in enumerate(alone):
+        assert reply.status_code == 200
+        for j, choice in enumerate(reply.json()["choices"]):
+            assert choices[i * n + j]["text"] == choice["text"] and choices[i * n + j]["index"] == i * n + j
+    usage = batch.json()["usage"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert usage[key] == sum(r.json()["usage"][key] for r in alone)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 32 * len(prompts)}
+
+
+def test_prompt_embeds_and_a_prompt_are_two_handoffs_in_vllms_order(monkeypatch):
+    fleet = Fleet()
+    [reply] = through_router(fleet, [{"model": "tiny", "prompt": "after the embeds", "prompt_embeds": ["QUJD"],
+                                      "max_tokens": 2}], monkeypatch)
+    assert reply.status_code == 200, reply.text
+    assert [(b.get("prompt_embeds"), b.get("prompt")) for b in fleet.p_bodies] == [("QUJD", None),
+                                                                                   (None, "after the embeds")]
+    assert len(fleet.issued) == 2 and fleet.open() == set()
+    assert [c["text"] for c in reply.json()["choices"]] == [
+        "".join(sampled("QUJD", 0, s) for s in range(2)), "".join(sampled("after the embeds", 0, s) for s in range(2))]
+
+
+def test_one_prompt_in_a_list_is_sent_as_that_prompt(monkeypatch):
+    fleet = Fleet()
+    [reply] = through_router(fleet, [{"model": "tiny", "prompt": ["just me"], "prompt_embeds": [],
+                                      "max_tokens": 2}], monkeypatch)
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 1
+    assert fleet.p_bodies[0]["prompt"] == "just me" and "prompt_embeds" not in fleet.p_bodies[0]
+    assert len(fleet.issued) == 1 and fleet.open() == set()
+
+
+@pytest.mark.parametrize("limit,k", [(None, 17), (4, 5)])
+def test_more_prompts_than_the_limit_are_refused_naming_it(limit, k, monkeypatch):
+    fleet = Fleet()
+    kw = {} if limit is None else {"max_batch_prompts": limit}
+    [reply] = through_router(fleet, [{"model": "tiny", "prompt": [f"p {i}" for i in range(k)], "max_tokens": 2}],
+                             monkeypatch, **kw)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert f"at most {limit or 16} prompts" in error["message"] and f"carries {k}" in error["message"]
+    assert "--max-batch-prompts" in error["message"]
+    assert error["param"] == "prompt"
+    assert fleet.p_bodies == [] and fleet.d_bodies == []
+    [reply] = through_router(fleet, [{"model": "tiny", "prompt": [f"p {i}" for i in range(k - 1)],
+                                      "max_tokens": 2}], monkeypatch, **kw)
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == k - 1
+
+
+@pytest.mark.parametrize("prompt,embeds,says", [
+    ([], None, "empty list"), (["a b", [1, 2]], None, "not a mix"), ([[1, 2], "a b"], None, "not a mix"),
+    ([1, "a"], None, "not a mix"), ([[1, 2], []], None, "not a mix"), ([[1, 2.5]], None, "not a mix"),
+    ({"text": "a"}, None, "must be a string"), (7, None, "must be a string"), ("a", 5, "prompt_embeds"),
+    ("a", ["QUJD", 3], "prompt_embeds"),
+])
+def test_prompts_of_a_bad_shape_are_refused_before_any_engine_works(prompt, embeds, says, monkeypatch):
+    fleet = Fleet()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    if embeds is not None:
+        body["prompt_embeds"] = embeds
+    [reply] = through_router(fleet, [body], monkeypatch)
+    assert reply.status_code == 400 and says in reply.json()["error"]["message"]
+    assert fleet.p_bodies == [] and fleet.d_bodies == []
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_streamed_list_of_prompts_merges_every_prompts_stream(n, monkeypatch):
+    prompts = PROMPT_LISTS["strings"]
+    fleet = Fleet()
+    options = {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 3, "n": n}
+    batch, *alone = through_router(fleet, [{"model": "tiny", "prompt": prompts, **options}] + [
+        {"model": "tiny", "prompt": p, **options} for p in prompts], monkeypatch)
+    assert batch.status_code == 200 and batch.headers["content-type"].startswith("text/event-stream")
+    got = events(batch)
+    assert got[-1] == "[DONE]" and got.count("[DONE]") == 1
+    texts: dict[int, str] = {}
+    for chunk in got[:-2]:
+        assert chunk["choices"] and chunk["id"] == got[0]["id"]
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert sorted(texts) == list(range(len(prompts) * n))
+    usage_chunk = got[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["id"] == got[0]["id"]
+    singles = [events(r) for r in alone]
+    for i, single in enumerate(singles):
+        for j in range(n):
+            assert texts[i * n + j] == "".join(c["choices"][0]["text"] for c in single[:-2]
+                                               if c["choices"][0]["index"] == j)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert usage_chunk["usage"][key] == sum(single[-2]["usage"][key] for single in singles)
+    assert all(engine_prompts(b) in ([p] for p in prompts) for b in fleet.p_bodies + fleet.d_bodies)
+    assert len(fleet.issued) == 2 * len(prompts) and fleet.claimed == set(fleet.issued)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_failure_for_one_prompt_leaves_no_ticket_open(stream, monkeypatch):
+    """D fails one prompt while it has not begun another (which it would only after the
+    failure): the request ends on the failure, the unbegun prompt's ticket is abandoned."""
+
+    fleet = Fleet(d_fails="broken")
+    fleet.d_waits.clear()  # never set: D answers the slow prompt only if the router waits for it
+    prompts = ["fine one here", "this is broken", "a slow one", "fine three"]
+    [reply] = through_router(fleet, [{"model": "tiny", "prompt": prompts, "max_tokens": 2, "stream": stream}],
+                             monkeypatch)
+    if stream:
+        got = events(reply)
+        assert "[DONE]" not in got and "error" in got[-1]
+        assert "Traceback" not in reply.text and "internal" not in reply.text
+    else:
+        assert reply.status_code == 502 and "Traceback" not in reply.text
+    assert len(fleet.issued) == len(prompts)
+    assert fleet.open() == set()  # each claimed by D, or abandoned by the router
+    broken = next(t for t, p in fleet.issued.items() if p == "this is broken")
+    slow = next(t for t, p in fleet.issued.items() if p == "a slow one")
+    assert broken in fleet.abandoned and slow in fleet.abandoned
+
+
+def test_a_prefill_failure_for_one_prompt_abandons_the_others(monkeypatch):
+    fleet = Fleet(p_fails="huge")
+    [reply] = through_router(fleet, [{"model": "tiny", "prompt": ["ok a", "a huge prompt", "ok b"],
+                                      "max_tokens": 2}], monkeypatch)
+    assert reply.status_code == 400 and reply.json()["error"]["message"] == "This prompt is too long"
+    assert len(fleet.p_bodies) == 3 and fleet.d_bodies == []
+    assert len(fleet.issued) == 2 and fleet.abandoned == set(fleet.issued) and fleet.open() == set()
+
+
+def test_chat_is_one_handoff_whatever_it_carries(monkeypatch):
+    fleet = Fleet()
+    [reply] = through_router(fleet, [{"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                      "prompt": ["a", "b", "c"], "max_tokens": 2}], monkeypatch,
+                             path="/v1/chat/completions")
+    assert reply.status_code == 200
+    assert len(fleet.p_bodies) == 1 and fleet.p_bodies[0]["prompt"] == ["a", "b", "c"]
+    assert len(fleet.issued) == 1 and fleet.open() == set()
+
+
+def test_a_client_leaving_a_streamed_batch_leaves_no_ticket_open(monkeypatch):
+    """Over a real socket. D answers the first prompt at once and the second not before the client
+    has left: its ticket, never D's, is abandoned; the first is D's (claimed)."""
+
+    uvicorn = pytest.importorskip("uvicorn")
+    from kvbaton.control.client import free_port
+
+    fleet = Fleet()
+    monkeypatch.setattr("kvbaton.control.client.call_authority", fleet.call_authority)
+
+    async def go():
+        fleet.d_waits.clear()
+        router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY)
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(fleet))
+        port = free_port("127.0.0.1")
+        server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.02)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                async with client.stream("POST", "/v1/completions", headers=bearer(), json={
+                        "model": "tiny", "prompt": ["quick one", "slow one"], "max_tokens": 50,
+                        "stream": True}) as reply:
+                    assert reply.status_code == 200
+                    await reply.aiter_bytes().__anext__()
+            for _ in range(100):
+                if not fleet.open() and router.active == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return router.active
+        finally:
+            fleet.d_waits.set()
+            server.should_exit = True
+            await serving
+
+    active = asyncio.run(go())
+    assert active == 0 and len(fleet.issued) == 2 and fleet.open() == set()
+    slow = next(t for t, p in fleet.issued.items() if p == "slow one")
+    quick = next(t for t, p in fleet.issued.items() if p == "quick one")
+    assert slow in fleet.abandoned and quick in fleet.claimed

@@ -71,3 +71,12 @@ def test_attach_mode_takes_one_events_endpoint_per_engine(tmp_path):
     with pytest.raises(ValueError, match="not a ZeroMQ endpoint"):
         deployment_from_args(parse("--model", "m", "--log-dir", str(tmp_path), "--prefill-url", "http://a:1",
                                    "--prefill-events", "http://a:5557", "--decode-url", "http://c:1"))
+
+
+def test_a_batch_prompt_limit_below_one_is_refused_before_anything_starts(tmp_path, capsys):
+    from kvbaton.deploy.serve import run_serve
+
+    assert parse("--log-dir", str(tmp_path)).max_batch_prompts is None  # the router's default (16)
+    assert run_serve(parse("--log-dir", str(tmp_path), "--max-batch-prompts", "0")) == 2
+    assert "--max-batch-prompts must be at least 1, not 0" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())  # no engine, no model was set up

@@ -159,10 +159,13 @@ def build_app(engine, model_name: str, takes_text: bool | None = None):
             if final is None or not final.outputs:
                 return error(500, f"request {request_id} produced no output")
             completion = final.outputs[0]
+            choice = {"index": 0, "text": (completion.text or "") if text_prompt else "",
+                      "token_ids": list(completion.token_ids), "finish_reason": completion.finish_reason}
+            if body.get("return_token_ids"):  # as vLLM's server (the router's first-token path reads it)
+                choice["prompt_token_ids"] = list(final.prompt_token_ids or (() if text_prompt else prompt))
             return JSONResponse({
                 "id": request_id, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "text": (completion.text or "") if text_prompt else "",
-                             "token_ids": list(completion.token_ids), "finish_reason": completion.finish_reason}],
+                "choices": [choice],
                 "usage": usage(prompt_len(final), len(completion.token_ids)),
                 "kv_transfer_params": final.kv_transfer_params,
             })
@@ -173,16 +176,19 @@ def build_app(engine, model_name: str, takes_text: bool | None = None):
         async def events():
             prompt_tokens = 0 if text_prompt else len(prompt)
             completion_tokens = 0
+            first = True
             try:
                 async for output in generator:
                     completion = output.outputs[0]
                     prompt_tokens = prompt_len(output)
                     completion_tokens += len(completion.token_ids)
+                    choice = {"index": 0, "text": (completion.text or "") if text_prompt else "",
+                              "token_ids": list(completion.token_ids), "finish_reason": completion.finish_reason}
+                    if first and body.get("return_token_ids"):  # as vLLM's server: in the first chunk
+                        choice["prompt_token_ids"] = list(output.prompt_token_ids or (() if text_prompt else prompt))
+                    first = False
                     chunk = {"id": request_id, "object": "text_completion", "created": created,
-                             "model": model_name,
-                             "choices": [{"index": 0, "text": (completion.text or "") if text_prompt else "",
-                                          "token_ids": list(completion.token_ids),
-                                          "finish_reason": completion.finish_reason}]}
+                             "model": model_name, "choices": [choice]}
                     if continuous_usage:
                         chunk["usage"] = usage(prompt_tokens, completion_tokens)
                     yield f"data: {json.dumps(chunk)}\n\n".encode()

@@ -147,6 +147,8 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
             print(f"[{system.name}] {scenario} done in {time.perf_counter() - t0:.1f} s: "
                   f"{json.dumps({k: v for k, v in result.items() if k.startswith(scenario[:5])}, default=str)[:600]}",
                   flush=True)
+        if system.connector != "single":
+            result["router"] = router_first_tokens(stack.router_url)
         if stack.controls:
             time.sleep(1.0)
             states = stack.sidecar_states()
@@ -164,6 +166,22 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
         except Exception as exc:  # noqa: BLE001 - a figure, never a reason to lose the run
             result["timings"] = {"error": repr(exc)}
     return result
+
+
+def router_first_tokens(url: str) -> dict:
+    """The router's count of handed-off requests by where their first token came from (source,
+    reason), e.g. {"prefill/continued": 300}: a first-token run that took the decode path shows."""
+
+    import re
+
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError as exc:
+        return {"error": repr(exc)}
+    found = re.findall(r'kvbaton_router_first_token_total\{reason="([^"]+)",source="([^"]+)"\} ([0-9.]+)', text)
+    return {"first_token": {f"{source}/{reason}": int(float(value)) for reason, source, value in found}}
 
 
 def model_tokenizer(model: Path) -> str | None:
@@ -250,6 +268,8 @@ def build_systems(timed: bool, history_blocks: int, history_bytes: int, cap_bloc
         "single": System("single", "single", history=False),
         "kvbaton": System("kvbaton", "kvbaton", timed=timed),
         "kvbaton-nohist": System("kvbaton-nohist", "kvbaton", history=False, timed=timed),
+        # D computes the first token too (the A/B for the router's first-token path).
+        "kvbaton-decode": System("kvbaton-decode", "kvbaton", first_token="decode", timed=timed),
         # P and D keep Python's 5 ms GIL switch interval (the A/B for GIL_SWITCH_INTERVAL_S).
         "kvbaton-gil5": System("kvbaton-gil5", "kvbaton", settings={"test_hooks": {"gil_switch_interval_s": 0}},
                                timed=timed),

@@ -101,6 +101,14 @@ class System:
     native_extra: dict = field(default_factory=dict)
     # native: P also runs vLLM's OffloadingConnector (MultiConnector) with this many CPU bytes.
     p_offload_bytes: int = 0
+    # The router's --first-token: kvbaton's default (prefill: the client gets P's token and D
+    # continues from it) for kvbaton, decode (D computes the first token, the flow of vLLM's own
+    # P/D proxy) for native connectors; "" picks by connector.
+    first_token: str = ""
+
+    @property
+    def router_first_token(self) -> str:
+        return self.first_token or ("prefill" if self.connector == "kvbaton" else "decode")
 
     @property
     def hook_dir(self) -> str:
@@ -223,7 +231,8 @@ class Stack:
             # process it shared one GIL with the load generator, and the two carried ~4,600 tok/s
             # at C32 on this machine's CPU with engines that cost nothing (bench/harness_ceiling.py).
             log = self.s.log_dir / self.system.name / "router.log"
-            cmd = router_command(self.urls["prefill"], self.urls["decode"], port, log.parent)
+            cmd = router_command(self.urls["prefill"], self.urls["decode"], port, log.parent,
+                                 self.system.router_first_token)
             with open(log, "wb") as out:
                 process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True)
@@ -234,7 +243,7 @@ class Stack:
 
         from kvbaton.router.app import Router, build_app
 
-        router = Router([self.urls["prefill"]], [self.urls["decode"]])
+        router = Router([self.urls["prefill"]], [self.urls["decode"]], first_token=self.system.router_first_token)
         config = uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning")
         server = uvicorn.Server(config)
         self._router_stop = server
@@ -341,10 +350,11 @@ def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = 
         time.sleep(0.2)
 
 
-def router_command(prefill_url: str, decode_url: str, port: int, log_dir: Path) -> list[str]:
+def router_command(prefill_url: str, decode_url: str, port: int, log_dir: Path,
+                   first_token: str = "prefill") -> list[str]:
     """`kvbaton serve` attached to running engines: the router alone, in its own process, routing
     round robin (a transport comparison: no cache-aware choices, no history polls)."""
 
     return [sys.executable, "-m", "kvbaton.cli", "serve", "--model", "model", "--served-model-name", "model",
             "--prefill-url", prefill_url, "--decode-url", decode_url, "--port", str(port),
-            "--log-dir", str(log_dir), "--routing", "round-robin"]
+            "--log-dir", str(log_dir), "--routing", "round-robin", "--first-token", first_token]

@@ -31,10 +31,13 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 class RouterThread:
-    def __init__(self, deployment: Deployment, port: int, api_key: str | None = None) -> None:
+    def __init__(self, deployment: Deployment, port: int, api_key: str | None = None,
+                 first_token: str = "prefill", routing=None) -> None:
         self.deployment = deployment
+        self.routing = routing  # a RoutingConfig; None: the deployment's
         self.port = port
         self.api_key = api_key
+        self.first_token = first_token
         self.loop = asyncio.new_event_loop()
         self.stop_event: asyncio.Event | None = None
         self.thread = threading.Thread(target=self._main, name="kvbaton-router", daemon=True)
@@ -44,7 +47,8 @@ class RouterThread:
 
         async def serve() -> None:
             self.stop_event = asyncio.Event()
-            await run_router(self.deployment, "127.0.0.1", self.port, self.stop_event, api_key=self.api_key)
+            await run_router(self.deployment, "127.0.0.1", self.port, self.stop_event, api_key=self.api_key,
+                             first_token=self.first_token, routing=self.routing)
             # Wind down what the control-plane client left running (xoscar's listeners).
             pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in pending:

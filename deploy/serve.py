@@ -325,7 +325,8 @@ def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, pr
 
 async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio.Event, *,
                      api_key: str | None = None, max_body_bytes: int | None = None,
-                     max_in_flight: int | None = None, max_batch_prompts: int | None = None) -> None:
+                     max_in_flight: int | None = None, max_batch_prompts: int | None = None,
+                     first_token: str = "prefill", routing=None) -> None:
     import uvicorn
 
     from ..router.app import (DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, Router,
@@ -335,7 +336,7 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
                     api_key=api_key, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                     max_in_flight=max_in_flight or DEFAULT_MAX_IN_FLIGHT,
                     max_batch_prompts=max_batch_prompts or DEFAULT_MAX_BATCH_PROMPTS,
-                    routing=deployment.routing_config())
+                    routing=routing or deployment.routing_config(), first_token=first_token)
     config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we own the signals
@@ -395,6 +396,11 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--max-in-flight", type=int, default=None, help="requests in flight (429 above)")
     parser.add_argument("--max-batch-prompts", type=int, default=None,
                         help="prompts in one completion request, each its own handoff (400 above; default 16)")
+    parser.add_argument("--first-token", choices=("prefill", "decode"), default="prefill",
+                        help="prefill (default): the client gets the first token P sampled at once and D "
+                             "continues from it; decode: D computes the first token too (the flow of "
+                             "NixlConnector's proxy). Requests P's token cannot start exactly (n > 1, "
+                             "structured outputs, tools, ...) take the decode flow either way")
 
 
 def deployment_from_args(args) -> Deployment:
@@ -470,7 +476,7 @@ def run_serve(args) -> int:
                  f"metrics at /metrics; Ctrl-C stops everything")
         await run_router(deployment, args.host, args.port, stop, api_key=api_key,
                          max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
-                         max_batch_prompts=args.max_batch_prompts)
+                         max_batch_prompts=args.max_batch_prompts, first_token=args.first_token)
 
     try:
         asyncio.run(main())

@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from . import first_token as ft
 from .metrics import RoutingMetrics
 from .routing import CacheRouting, Pick, RoutingCollector, RoutingConfig
 
@@ -206,9 +207,12 @@ class Router:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, timeout_s: float = 600.0,
                  models: list[str] | None = None, api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS, routing: RoutingConfig | None = None) -> None:
+                 max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS, routing: RoutingConfig | None = None,
+                 first_token: str = "prefill") -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode engine URL")
+        if first_token not in ft.MODES:
+            raise ValueError(f"first_token must be one of {', '.join(ft.MODES)}, not {first_token!r}")
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be at least 1, not {max_batch_prompts}")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
@@ -218,6 +222,7 @@ class Router:
         self.max_body_bytes = max_body_bytes
         self.max_in_flight = max_in_flight
         self.max_batch_prompts = max_batch_prompts
+        self.first_token = first_token
         self.active = 0
         self._background: set[asyncio.Task] = set()  # abandons and handoffs run on tasks of their own
         self._states_at = float("-inf")
@@ -235,7 +240,12 @@ class Router:
         self.batch_prompts = Counter("kvbaton_router_batch_prompts",
                                      "Prompts of completion requests with several prompts (one handoff each)",
                                      registry=self.registry)
-        self.ttft = Histogram("kvbaton_router_ttft_seconds", "Time to the first byte of D's answer",
+        self.first_tokens = Counter("kvbaton_router_first_token",
+                                    "Handed-off requests by where their first token came from (prefill: P's, "
+                                    "sent at once; decode: D computed it) and why not from P",
+                                    ["source", "reason"], registry=self.registry)
+        self.ttft = Histogram("kvbaton_router_ttft_seconds",
+                              "Time to the first token the router has for the client (P's, or D's first byte)",
                               registry=self.registry,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.prefill_time = Histogram("kvbaton_router_prefill_seconds", "Time P took to answer",
@@ -418,14 +428,18 @@ class Router:
                      pick: Pick | None = None) -> Response:
         started = time.perf_counter()
         params = None
+        first: ft.FirstToken | None = None
         if p_url is not None:
             prefilled = await self._prefill(endpoint, body, p_url, started, pick)
-            if isinstance(prefilled, tuple):
+            if isinstance(prefilled[0], str):
                 self.requests.labels(endpoint, prefilled[0]).inc()
                 return prefilled[1]
-            params = prefilled
+            params, answer = prefilled
+            first = self._first_token(endpoint, body, answer)
         # (p_url None: D alone, it holds most of the prompt; no handoff, nothing to abandon.)
         held = Held(self, params)
+        if first is not None:
+            return await self._continue(request, endpoint, body, d_url, params, held, first, started)
         d_body = with_handoff(body, params)
         if await request.is_disconnected():
             await held.abandon("client_gone")
@@ -444,21 +458,102 @@ class Router:
         self.requests.labels(endpoint, "ok").inc()
         return Response(d_reply.content, status_code=d_reply.status_code, media_type="application/json")
 
-    async def _prefill(self, endpoint: str, body: dict, p_url: str, started: float,
-                       pick: Pick | None) -> dict | None | tuple[str, Response]:
-        """P computes the prompt (max_tokens=1) and answers with the handoff: its
-        kv_transfer_params (None when it gave none), or (outcome, the error Response for the
-        client)."""
+    def _first_token(self, endpoint: str, body: dict, answer) -> ft.FirstToken | None:
+        """P's first token for the client (`first_token="prefill"`), or None: D computes it
+        (the decode path), counted with the reason."""
 
-        p_body = dict(body)
+        if self.first_token != "prefill":
+            self.first_tokens.labels("decode", "configured").inc()
+            return None
+        why = ft.refusal(endpoint, body)
+        first = ft.read_first_token(endpoint, body, answer) if why is None else why
+        if isinstance(first, str):
+            self.first_tokens.labels("decode", first).inc()
+            return None
+        self.first_tokens.labels("prefill", "ended" if first.ends else "continued").inc()
+        return first
+
+    async def _continue(self, request: Request, endpoint: str, body: dict, d_url: str, params: dict | None,
+                        held: Held, first: ft.FirstToken, started: float) -> Response:
+        """The client gets P's token at once; D continues from the prompt plus that token (a
+        completion, whatever the client's endpoint) and its answer is joined to P's."""
+
+        self.ttft.observe(time.perf_counter() - started)
+        if first.ends:
+            # P's token ended the request: D is never called, P's blocks come back at once.
+            await held.abandon("ended_on_prefill")
+            self.requests.labels(endpoint, "ok").inc()
+            if body.get("stream"):
+                stream = ft.ContinuedStream(first, body)
+                return StreamingResponse(iter(stream.opening()), media_type="text/event-stream")
+            return JSONResponse(ft.answer_from_prefill(first))
+        d_body = with_handoff(ft.continuation_body(body, first), params)
+        if body.get("stream"):
+            return HeldStream(self._stream_continued(endpoint, d_url, d_body, held, started, first, body),
+                              held=held, media_type="text/event-stream")
+        if await request.is_disconnected():
+            await held.abandon("client_gone")
+            self.requests.labels(endpoint, "client_gone").inc()
+            return Response(status_code=499)
+        d_reply = await self._decode(ft.CONTINUE_ENDPOINT, d_url, d_body, held, started, observe=False)
+        if isinstance(d_reply, tuple):
+            self.requests.labels(endpoint, d_reply[0]).inc()
+            return d_reply[1]
+        try:
+            joined = ft.joined_answer(first, d_reply.json())
+        except ValueError:
+            joined = None
+        if joined is None:
+            logger.warning("decode engine %s answered a continuation without a completion: %.300r", d_url,
+                           d_reply.content)
+            self.requests.labels(endpoint, "decode_malformed").inc()
+            return openai_error(502, "the decode engine could not serve the request", kind="upstream_error")
+        self.requests.labels(endpoint, "ok").inc()
+        return JSONResponse(joined)
+
+    async def _stream_continued(self, endpoint: str, d_url: str, d_body: dict, held: Held, started: float,
+                                first: ft.FirstToken, body: dict) -> AsyncIterator[bytes]:
+        """P's token, then D's continuation as it comes, as one engine's stream."""
+
+        stream = ft.ContinuedStream(first, body)
+        for chunk in stream.opening():
+            yield chunk
+        d_usage = None
+        failed = False
+        buffer = b""
+        chunks = self._stream(ft.CONTINUE_ENDPOINT, d_url, d_body, held, started, observe=False,
+                              record=lambda outcome: self.requests.labels(endpoint, outcome).inc())
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                buffer = (buffer + chunk).replace(b"\r\n", b"\n")
+                *events, buffer = buffer.split(b"\n\n")
+                for event in events:
+                    payload = sse_json(event)
+                    if payload is None:
+                        continue  # `[DONE]` (the closing one is ours), comments
+                    if "error" in payload:
+                        failed = True
+                        yield b"data: " + compact(payload) + b"\n\n"
+                        continue
+                    if isinstance(payload.get("usage"), dict):
+                        d_usage = payload["usage"]
+                    rewritten = stream.rewrite(payload)
+                    if rewritten is not None:
+                        yield rewritten
+        if not failed:
+            for chunk in stream.closing(d_usage):
+                yield chunk
+
+    async def _prefill(self, endpoint: str, body: dict, p_url: str, started: float,
+                       pick: Pick | None) -> tuple[dict | None, dict | None] | tuple[str, Response]:
+        """P computes the prompt and its first token (max_tokens=1) and answers with the handoff:
+        (its kv_transfer_params or None when it gave none, its answer), or (outcome, the error
+        Response for the client)."""
+
         # n > 1 is one prefill and one handoff: P computes the prompt once (n=1 there, so one
         # ticket), D samples n times from it (its children share the one handoff, see
         # PROTOCOL.md).
-        p_body.update({"max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True}})
-        p_body.pop("best_of", None)
-        if "max_completion_tokens" in p_body:
-            p_body["max_completion_tokens"] = 1
-        p_body.pop("stream_options", None)
+        p_body = ft.prefill_body(body)
         p_body["request_id"] = f"kvb-{uuid.uuid4().hex}"
         try:
             with self.placement.busy(p_url):
@@ -483,10 +578,10 @@ class Router:
         if isinstance(section, dict) and section.get("engine") and section.get("control"):
             self.controls[str(section["engine"])] = str(section["control"])
             self.placement.watch_history(p_url, str(section["control"]))
-        return params
+        return params, reply_json if isinstance(reply_json, dict) else None
 
     async def _decode(self, endpoint: str, d_url: str, d_body: dict, held: Held,
-                      started: float) -> httpx.Response | tuple[str, Response]:
+                      started: float, observe: bool = True) -> httpx.Response | tuple[str, Response]:
         """D's answer (status 200; the handoff is then D's), or (outcome, the error Response for
         the client) with the handoff abandoned."""
 
@@ -504,7 +599,8 @@ class Router:
                     await held.abandon("decode_failed")
                     return "decode_unreachable", openai_error(502, "the decode engines are unreachable",
                                                               kind="upstream_error")
-        self.ttft.observe(time.perf_counter() - started)
+        if observe:
+            self.ttft.observe(time.perf_counter() - started)
         if d_reply.status_code != 200:
             await held.abandon("decode_failed")
             return f"decode_{d_reply.status_code}", upstream_error(d_reply.status_code, d_reply.content, "decode", url)
@@ -516,7 +612,7 @@ class Router:
         return self.decode_urls[index:] + self.decode_urls[:index]
 
     async def _stream(self, endpoint: str, d_url: str, d_body: dict, held: Held, started: float,
-                      record=None) -> AsyncIterator[bytes]:
+                      record=None, observe: bool = True) -> AsyncIterator[bytes]:
         """D's streamed answer, as it comes. `record` takes the outcome (default: counted)."""
 
         sent = False
@@ -536,7 +632,8 @@ class Router:
                                 return
                             async for chunk in reply.aiter_bytes():
                                 if not sent:
-                                    self.ttft.observe(time.perf_counter() - started)
+                                    if observe:
+                                        self.ttft.observe(time.perf_counter() - started)
                                     sent = True
                                     held.settle()
                                 yield chunk
@@ -589,9 +686,10 @@ class Router:
             if picks[i].p_url is None:
                 return None  # D alone
             result = await self._prefill(endpoint, bodies[i], picks[i].p_url, started, picks[i])
-            if not isinstance(result, tuple):
-                batch.keep(i, result)
-            return result
+            if isinstance(result[0], str):
+                return result  # (outcome, error response)
+            batch.keep(i, result[0])
+            return result[0]
 
         # Every prefill runs to its end, even when the client leaves: one cut short could leave a
         # ticket the router never hears of. A prefill answering after the request ended has its

@@ -70,6 +70,11 @@ def test_small_runs_of_the_baseline_kvbaton_and_the_ceiling_on_cpu_engines(tmp_p
         run = result["throughput_c4"]
         assert run["failed"] == 0 and run["requests"] == 24, (name, run.get("errors"))
         assert len(run["samples"]) == 24 and all(sample[0] for sample in run["samples"])
+    # kvbaton's router sent every handed-off request's first token from P (warm-up included);
+    # native's took the decode path, the flow of vLLM's own proxy.
+    kvbaton_first = found["results"]["kvbaton"]["router"]["first_token"]
+    assert kvbaton_first.get("prefill/continued", 0) >= 24 and not any(k.startswith("decode/") for k in kvbaton_first)
+    assert set(found["results"]["native-xlayer"]["router"]["first_token"]) == {"decode/configured"}
     # Fresh prompts at every concurrency: the plan keeps one prompt set per concurrency.
     assert found["meta"]["plan"]["throughput"] == {"4": 24}
     summary = found["summary"]["systems"]["kvbaton"]["throughput_c4.output_tok_s"]

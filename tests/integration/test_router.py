@@ -6,6 +6,7 @@ from the router's /metrics."""
 from __future__ import annotations
 
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -189,6 +190,154 @@ def test_chat_completion_equals_single_engine(stack, stream):
     assert text == expected.choices[0].message.content
 
 
+@pytest.fixture(scope="module")
+def rr_router(stack):
+    """A second router on the same engines, routing round robin: every request goes P then D
+    (the stack's cache-aware router sends a prompt a D already holds to that D alone)."""
+
+    from kvbaton.router.routing import RoutingConfig
+
+    deployment, _router = stack
+    router = RouterThread(deployment, free_port(), routing=RoutingConfig(mode="round-robin"))
+    router.start()
+    yield router
+    router.stop()
+
+
+def reference(deployment, endpoint: str, body: dict) -> dict:
+    """One engine's answer to the same request (a D engine, without a handoff)."""
+
+    reply = httpx.post(f"{deployment.decode_urls[0]}{endpoint}", json={"model": MODEL, **body}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def routed(router, endpoint: str, body: dict) -> dict:
+    reply = httpx.post(f"http://127.0.0.1:{router.port}{endpoint}", json={"model": MODEL, **body}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def streamed(port: int, endpoint: str, body: dict) -> tuple[list[dict], list[float]]:
+    """The events of a streamed answer, and when each arrived (seconds after the request)."""
+
+    events, times = [], []
+    started = time.perf_counter()
+    with httpx.stream("POST", f"http://127.0.0.1:{port}{endpoint}", json={"model": MODEL, "stream": True, **body},
+                      timeout=120) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(__import__("json").loads(line[6:]))
+                times.append(time.perf_counter() - started)
+    return events, times
+
+
+def first_token_counts(router) -> dict[tuple[str, str], int]:
+    text = httpx.get(f"http://127.0.0.1:{router.port}/metrics", timeout=10).text
+    found = re.findall(r'kvbaton_router_first_token_total\{reason="([^"]+)",source="([^"]+)"\} ([0-9.]+)', text)
+    return {(source, reason): int(float(value)) for reason, source, value in found}
+
+
+def test_a_first_token_that_ends_the_request_ends_it_on_p(stack, rr_router):
+    """max_tokens 1, or a first token that is a stop: P's answer is the client's (equal to one
+    engine's), D is never asked and P's ticket is given back at once."""
+
+    deployment, router = stack
+    issued, claimed = ticket_baseline(router)
+    prompt = words_for(tiny_prompt(70, seed=1101))
+    one = routed(rr_router, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    expected = reference(deployment, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    assert one["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert one["choices"][0]["finish_reason"] == "length" and one["usage"] == expected["usage"]
+    assert "kv_transfer_params" not in one and "token_ids" not in one["choices"][0]
+    # The first word as a stop string: P's first token holds it.
+    stop = {"prompt": prompt, "max_tokens": 9, "temperature": 0, "stop": [one["choices"][0]["text"].strip()]}
+    stopped = routed(rr_router, "/v1/completions", stop)
+    alone = reference(deployment, "/v1/completions", stop)
+    assert stopped["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert stopped["choices"][0]["finish_reason"] == alone["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"] == 1
+    # Both tickets issued, neither claimed, none open.
+    assert wait_tickets(router, issued + 2, claimed) == (issued + 2, claimed)
+    wait_no_open_tickets(router)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_usage_and_token_ids_equal_one_engine_s(stack, rr_router, stream):
+    deployment, _router = stack
+    router = rr_router
+    body = {"prompt": words_for(tiny_prompt(140, seed=1110 + stream)), "max_tokens": 7, "temperature": 0,
+            "logprobs": 2, "return_token_ids": True}
+    expected = reference(deployment, "/v1/completions", body)["choices"][0]
+    if stream:
+        events, _ = streamed(router.port, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        alone, _ = streamed(int(deployment.decode_urls[0].rsplit(":", 1)[1]), "/v1/completions",
+                            {**body, "stream_options": {"include_usage": True}})
+        choices = [c for e in events for c in e["choices"]]
+        assert "".join(c["text"] for c in choices) == expected["text"]
+        assert [t for c in choices for t in c["logprobs"]["tokens"]] == expected["logprobs"]["tokens"]
+        assert [t for c in choices for t in c["token_ids"]] == expected["token_ids"]
+        assert [e["usage"] for e in events if e.get("usage")] == [e["usage"] for e in alone if e.get("usage")]
+        assert len({e["id"] for e in events}) == 1
+        return
+    choice = routed(router, "/v1/completions", body)["choices"][0]
+    assert choice["text"] == expected["text"] and choice["token_ids"] == expected["token_ids"]
+    assert choice["prompt_token_ids"] == expected["prompt_token_ids"]
+    assert choice["logprobs"]["tokens"] == expected["logprobs"]["tokens"]
+    assert choice["logprobs"]["text_offset"] == expected["logprobs"]["text_offset"]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-3)
+
+
+def test_a_stop_string_spanning_p_s_token_and_d_s_is_honoured(stack, rr_router):
+    """P's token ends with the start of a stop string whose end D produces: the request takes the
+    decode path (D computes from the handoff) and stops where one engine stops."""
+
+    deployment, _router = stack
+    router = rr_router
+    prompt = words_for(tiny_prompt(60, seed=1120))
+    words = reference(deployment, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 0})
+    first, second = words["choices"][0]["text"].split()[:2]
+    before = first_token_counts(router)
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": [f"{first} {second[:2]}"]}
+    expected = reference(deployment, "/v1/completions", body)
+    answer = routed(router, "/v1/completions", body)
+    assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert answer["choices"][0]["finish_reason"] == expected["choices"][0]["finish_reason"] == "stop"
+    assert first_token_counts(router).get(("decode", "stop_prefix"), 0) == before.get(("decode", "stop_prefix"), 0) + 1
+
+
+def test_the_first_token_reaches_the_client_before_d_s_and_sooner_than_from_d(stack, rr_router):
+    """Streamed: with first_token="prefill" the client's first token is P's; with "decode" it is
+    D's. The ratio of their TTFT medians (interleaved, one run) is printed and must be below 1."""
+
+    from kvbaton.router.routing import RoutingConfig
+
+    deployment, _router = stack
+    router = rr_router
+    decode_router = RouterThread(deployment, free_port(), first_token="decode",
+                                 routing=RoutingConfig(mode="round-robin"))
+    decode_router.start()
+    try:
+        ttft = {"prefill": [], "decode": []}
+        for i in range(8):
+            for mode, port in (("prefill", router.port), ("decode", decode_router.port))[::1 if i % 2 else -1]:
+                body = {"prompt": words_for(tiny_prompt(400, seed=1200 + 2 * i + (mode == "decode"))),
+                        "max_tokens": 4, "temperature": 0}
+                events, times = streamed(port, "/v1/completions", body)
+                text = "".join(c["text"] for e in events for c in e["choices"])
+                assert text == reference(deployment, "/v1/completions", body)["choices"][0]["text"]
+                ttft[mode].append(next(t for t, e in zip(times, events) if any(c["text"] for c in e["choices"])))
+        ratio = statistics.median(ttft["prefill"]) / statistics.median(ttft["decode"])
+        print(f"TTFT P50 first_token=prefill / decode: {ratio:.2f} "
+              f"({statistics.median(ttft['prefill']) * 1e3:.1f} / {statistics.median(ttft['decode']) * 1e3:.1f} ms)")
+        assert ratio < 1.0
+        assert first_token_counts(decode_router).get(("decode", "configured"), 0) == 8
+    finally:
+        decode_router.stop()
+    wait_no_open_tickets(router)
+
+
 def test_bad_requests_get_openai_errors(stack):
     _deployment, router = stack
     base = f"http://127.0.0.1:{router.port}/v1"
@@ -236,6 +385,9 @@ def test_the_api_key_is_enforced_in_front_of_real_engines(stack):
 
 
 def test_client_walking_away_mid_stream_leaves_nothing_open(stack):
+    """The client takes the first token (P's) and leaves: the ticket is abandoned or released,
+    whether D had claimed it yet or not."""
+
     deployment, router = stack
     prompt = words_for(tiny_prompt(400, seed=504))
     chunks = client_for(router).completions.create(model=MODEL, prompt=prompt, max_tokens=300, temperature=0, stream=True)
@@ -278,7 +430,8 @@ def test_decode_engine_killed_mid_request(stack):
         chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1500, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         iterator = iter(chunks)
-        first = next(iterator)
+        first = next(iterator)  # P's token (the router sends it before D is asked)
+        next(iterator)  # D's first: the stream now runs on a D
         after = running_on_victim()
         seen.append((before, after, running_on(other), running_on(victim, "waiting"), running_on(other, "waiting"),
                      str(first)[:160]))

@@ -31,6 +31,7 @@ class Sample:
     ok: bool
     error: str = ""
     itl: list[float] = field(default_factory=list)  # seconds between successive streamed chunks
+    second: float | None = None  # seconds to the second token (what follows P's first one)
 
 
 async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> Sample:
@@ -39,7 +40,7 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> S
     body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     started = time.perf_counter()
-    first = last = None
+    first = last = second = None
     tokens = 0
     itl: list[float] = []
     try:
@@ -60,12 +61,15 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> S
                     first = first or now
                     last = now
                     tokens += got
+                    if second is None and tokens >= 2:
+                        second = now
     except Exception as exc:  # noqa: BLE001 - a benchmark records the failure and goes on
         return Sample(0, 0, tokens, None, False, repr(exc)[:200])
     if first is None:
         return Sample(0, 0, 0, None, False, "no tokens")
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Sample(first - started, last - started, tokens, tpot, True, itl=itl)
+    return Sample(first - started, last - started, tokens, tpot, True, itl=itl,
+                  second=None if second is None else second - started)
 
 
 def summarize(samples: list[Sample], wall: float | None = None) -> dict:
@@ -76,7 +80,7 @@ def summarize(samples: list[Sample], wall: float | None = None) -> dict:
            "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p90_ms": percentile(ttft, 0.9),
            "ttft_p95_ms": percentile(ttft, 0.95), "ttft_p99_ms": percentile(ttft, 0.99),
            "ttft_mean_ms": statistics.fmean(ttft) if ttft else float("nan"),
-           "tpot_p50_ms": percentile(tpot, 0.5)}
+           "tpot_p50_ms": percentile(tpot, 0.5), **second_token(ok)}
     if wall:
         out["wall_s"] = wall
         out["output_tok_s"] = sum(x.tokens for x in ok) / wall
@@ -85,6 +89,16 @@ def summarize(samples: list[Sample], wall: float | None = None) -> dict:
     if errors:
         out["errors"] = errors[:5]
     return out
+
+
+def second_token(ok: list[Sample]) -> dict:
+    """When the second token arrived (P50, P99 ms after the request) and how long after the first
+    (P50): with the first token from P, the client's wait for D (its claim, read and step)."""
+
+    second = [x.second * 1e3 for x in ok if x.second is not None]
+    gap = [(x.second - x.ttft) * 1e3 for x in ok if x.second is not None]
+    return {"t2_p50_ms": percentile(second, 0.5), "t2_p99_ms": percentile(second, 0.99),
+            "t2_gap_p50_ms": percentile(gap, 0.5)}
 
 
 def raw_samples(samples: list[Sample]) -> list[list]:
@@ -271,7 +285,7 @@ def summarize_open(samples: list[Sample], duration: float, rate: float, slo_ttft
            "ttft_p99_ms": percentile(ttft, 0.99),
            "ttft_mean_ms": statistics.fmean(ttft) if ttft else float("nan"),
            "tpot_p50_ms": percentile(tpot, 0.5), "tpot_p90_ms": percentile(tpot, 0.9),
-           "tpot_p99_ms": percentile(tpot, 0.99),
+           "tpot_p99_ms": percentile(tpot, 0.99), **second_token(ok),
            "e2el_p50_ms": percentile(e2el, 0.5), "e2el_p99_ms": percentile(e2el, 0.99),
            "itl_p50_ms": percentile(itl, 0.5), "itl_p99_ms": percentile(itl, 0.99),
            # How late the load generator sent (its own ceiling): should stay far below the TTFTs.

@@ -222,14 +222,14 @@ def round_ratios(rounds: list[dict[str, dict]], baseline: str = "native") -> dic
 # Each scenario's figures in the rounds' summary: (result key, figure path, True when higher is
 # better, None for a count that gets no verdict).
 SUMMARY_FIGURES = {
-    "throughput_c": [("output_tok_s", True), ("ttft_p50_ms", False), ("tpot_p50_ms", False)],
-    "cold": [("ttft_p50_ms", False)],
+    "throughput_c": [("output_tok_s", True), ("ttft_p50_ms", False), ("tpot_p50_ms", False), ("t2_p50_ms", False)],
+    "cold": [("ttft_p50_ms", False), ("t2_p50_ms", False)],
     "revisit": [("ttft_p50_ms", False), ("ttft_p95_ms", False)],
     "churn": [("ttft_p50_ms", False)],
     "openloop_goodput": [("rate_rps", True)],
     "vllmbench_r": [("p50_ttft_ms", False), ("p99_ttft_ms", False), ("p50_tpot_ms", False),
                     ("request_goodput", True), ("output_throughput", True)],
-    "openloop_r": [("slo_attainment", True), ("ttft_p50_ms", False), ("ttft_p99_ms", False), ("tpot_p50_ms", False), ("tpot_p99_ms", False),
+    "openloop_r": [("slo_attainment", True), ("ttft_p50_ms", False), ("ttft_p99_ms", False), ("t2_p50_ms", False), ("tpot_p50_ms", False), ("tpot_p99_ms", False),
                    ("itl_p50_ms", False), ("itl_p99_ms", False), ("goodput_rps", True), ("output_tok_s", True)],
     "revisitload": [("ttft_p50_ms", False), ("ttft_p95_ms", False), ("first_visit.ttft_p50_ms", False),
                     ("load.output_tok_s", True), ("load.ttft_p50_ms", False), ("load.tpot_p50_ms", False),

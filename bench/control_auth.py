@@ -64,10 +64,10 @@ async def round_trips(address: str, calls: int) -> float:
     ref = await xo.actor_ref(address, "kvbaton-authority")
     claim = pc.Claim(uuid.uuid4().hex, "decode-engine-0", 1)
     for _ in range(50):  # warm the connection
-        await pc.ask(ref, claim)
+        await pc.ask(ref, claim, to="", sender="decode-engine-0")
     started = time.perf_counter()
     for _ in range(calls):
-        await pc.ask(ref, claim)
+        await pc.ask(ref, claim, to="", sender="decode-engine-0")
     return (time.perf_counter() - started) / calls
 
 

@@ -422,11 +422,13 @@ def private_log_dir(path: str) -> None:
         os.chmod(path, 0o700)
 
 
-async def call_peer(address: str, call: pc.PeerCall, timeout_s: float = 10.0):
+async def call_peer(address: str, call: pc.PeerCall, timeout_s: float = 10.0, *, to: str = "",
+                    sender: str = "router"):
     """Call an engine's sidecar (the router's `Abandon`, `State`) from any asyncio program; the
-    answer is decoded as `call`'s typed answer. Frames are signed with this process's key
-    (installed from the deployment secret if it has none yet). Raises CallTimeout when the
-    sidecar does not answer within `timeout_s`."""
+    answer is decoded as `call`'s typed answer. `to` is the engine's instance epoch (the handoff
+    section's `instance`; "" only for `State` and `Residency`). Frames are signed with this
+    process's key (installed from the deployment secret if it has none yet). Raises CallTimeout
+    when the sidecar does not answer within `timeout_s`."""
 
     import xoscar as xo
 
@@ -436,23 +438,24 @@ async def call_peer(address: str, call: pc.PeerCall, timeout_s: float = 10.0):
 
     async def call_once():
         ref = await xo.actor_ref(address, AUTHORITY_UID)
-        return await pc.ask(ref, call)
+        return await pc.ask(ref, call, to=to, sender=sender)
 
     return await bounded(call_once(), timeout_s, f"sidecar {address} ({call.__struct_config__.tag})")
 
 
-async def call_authority(address: str, method: str, *args, timeout_s: float = 10.0):
+async def call_authority(address: str, method: str, *args, timeout_s: float = 10.0, to: str = ""):
     """The state of a sidecar (`method` "debug_state") or an abandon (`"abandon", ticket,
-    capability`), as plain values: the typed calls behind a name, for scripts and tests."""
+    capability`, addressed `to` the instance that issued the ticket), as plain values: the typed
+    calls behind a name, for scripts and tests."""
 
     if method == "debug_state":
         return (await call_peer(address, pc.State(), timeout_s)).state
     if method == "abandon":
-        return (await call_peer(address, pc.Abandon(*args), timeout_s)).ok
+        return (await call_peer(address, pc.Abandon(*args), timeout_s, to=to)).ok
     raise ValueError(f"no peer call named {method!r}")
 
 
-def call_authority_sync(address: str, method: str, *args, timeout_s: float = 10.0):
+def call_authority_sync(address: str, method: str, *args, timeout_s: float = 10.0, to: str = ""):
     """The same, for scripts and tests without an event loop. Returns within about
     `timeout_s` + 1 s whatever the peer does."""
 
@@ -460,7 +463,7 @@ def call_authority_sync(address: str, method: str, *args, timeout_s: float = 10.
 
     loop = asyncio.new_event_loop()
     try:
-        return loop.run_until_complete(call_authority(address, method, *args, timeout_s=timeout_s))
+        return loop.run_until_complete(call_authority(address, method, *args, timeout_s=timeout_s, to=to))
     finally:
         # xoscar leaves a listener task per connection (and an abandoned call, after a timeout):
         # cancel them and give them a moment, but never wait on a peer that does not answer.

@@ -28,6 +28,9 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     debug_hold_first_read_s: float = 0.0
     debug_delay_claim_s: float = 0.0
     debug_hold_post_s: float = 0.0
+    # The instance epoch to speak as (tests that address a sidecar before it starts); "" (always,
+    # outside tests): 128 random bits, new at every start.
+    debug_instance: str = ""
     # What a claim grant must name to be read here (D), and what P's grants name: the engine's
     # layout fingerprint and block size.
     layout: str = ""

@@ -12,10 +12,19 @@ hostile pickles; see the README's security model.)
 
 Answers are typed too (`ClaimAnswer`, `Answer`, `MetadataAnswer`, `StateAnswer`), so the side
 that asked decodes them the same way and never trusts an unpickled object.
+
+Every call travels in an `Envelope`, inside the authenticated frame: the sender, the instance of
+the engine it is for, the sender's clock and a nonce. A sidecar answers only calls addressed to
+its own instance (the read-only `State` and `Residency` may be unaddressed), sent within
+`FRESH_WINDOW_NS` of its clock, whose nonce it has not seen (`ReplayWindow`): a recorded call
+replayed later, to another engine that shares the secret, or to a restarted one is refused and
+counted (`misaddressed`, `stale`, `replayed`).
 """
 
 from __future__ import annotations
 
+import secrets
+import time
 from typing import Annotated, Union
 
 import msgspec
@@ -152,8 +161,77 @@ class ResidencyAnswer(msgspec.Struct, frozen=True):
     events: bytes
 
 
+# How far a call's send time may lie from the receiver's clock, either way, and so how long its
+# nonce is remembered. Hosts kept by NTP agree to well under a second; a call takes milliseconds.
+FRESH_WINDOW_NS = 30 * 10**9
+Nonce = Annotated[str, msgspec.Meta(min_length=32, max_length=32, pattern=r"^[0-9a-f]+$")]
+# What a sidecar answers to a call it refused before reading it: "refused: " and the reason.
+REFUSED = "refused: "
+MISADDRESSED_ANSWER = REFUSED + "misaddressed"
+# The calls an unaddressed envelope may carry: they read counts and residency, and change nothing.
+UNADDRESSED_CALLS = (State, Residency)
+
+
+class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A peer call as it travels: `sender` (the caller's engine id, or "router"), `to` (the
+    instance epoch of the engine it is for; "" only for UNADDRESSED_CALLS), `sent_ns` (the
+    sender's wall clock), `nonce` (128 random bits) and the call."""
+
+    sender: Id
+    to: Instance
+    sent_ns: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    nonce: Nonce
+    call: AnyPeerCall
+
+
+def seal(call: PeerCall, to: str, sender: str, now_ns: int | None = None) -> bytes:
+    """`call` in its envelope, encoded: for the engine instance `to`, from `sender`, sent now."""
+
+    return ENCODER.encode(Envelope(sender, to, time.time_ns() if now_ns is None else now_ns,
+                                   secrets.token_hex(16), call))
+
+
+class ReplayWindow:
+    """What a sidecar remembers to refuse calls that are not fresh: the nonces of the calls it
+    accepted within the freshness window. When more than `capacity` calls arrive within one
+    window, the oldest nonces are forgotten and every call sent before the newest forgotten one
+    is refused as stale from then on (`floor_ns`), so a forgotten nonce can never be replayed."""
+
+    def __init__(self, window_ns: int = FRESH_WINDOW_NS, capacity: int = 1 << 20) -> None:
+        self.window_ns = window_ns
+        self.capacity = capacity
+        self.seen: dict[str, int] = {}  # nonce -> sent_ns, in arrival order
+        self.floor_ns = 0
+
+    def refusal(self, envelope: Envelope, instance: str, now_ns: int) -> str | None:
+        """Why `envelope` must not be answered by the engine instance `instance` at `now_ns`
+        (a counter's name), or None (then its nonce is remembered)."""
+
+        if envelope.to != instance and not (envelope.to == "" and isinstance(envelope.call, UNADDRESSED_CALLS)):
+            return "misaddressed"
+        if abs(now_ns - envelope.sent_ns) > self.window_ns or envelope.sent_ns <= self.floor_ns:
+            return "stale"
+        if envelope.nonce in self.seen:
+            return "replayed"
+        self.seen[envelope.nonce] = envelope.sent_ns
+        self._forget(now_ns)
+        return None
+
+    def _forget(self, now_ns: int) -> None:
+        seen = self.seen
+        horizon = now_ns - self.window_ns
+        while seen:
+            nonce = next(iter(seen))
+            sent = seen[nonce]
+            if sent >= horizon and len(seen) <= self.capacity:
+                break
+            del seen[nonce]
+            if sent >= horizon:  # forgotten while still fresh: nothing sent before it passes now
+                self.floor_ns = max(self.floor_ns, sent)
+
+
 ENCODER = msgspec.msgpack.Encoder()
-CALL_DECODER = msgspec.msgpack.Decoder(AnyPeerCall)
+CALL_DECODER = msgspec.msgpack.Decoder(Envelope)
 ANSWER_DECODERS = {
     Claim: msgspec.msgpack.Decoder(ClaimAnswer),
     Metadata: msgspec.msgpack.Decoder(MetadataAnswer),
@@ -187,8 +265,8 @@ class PeerRefusal(Exception):
         self.detail = detail
 
 
-def decode_call(payload: object) -> PeerCall:
-    """The typed request in `payload`, or PeerRefusal naming what was wrong."""
+def decode_call(payload: object) -> Envelope:
+    """The typed request in `payload`, in its envelope, or PeerRefusal naming what was wrong."""
 
     if type(payload) is not bytes:
         raise PeerRefusal("malformed", f"payload is a {type(payload).__name__}, not bytes")
@@ -202,11 +280,11 @@ def decode_call(payload: object) -> PeerCall:
         raise PeerRefusal("malformed", str(exc)[:200]) from None
 
 
-async def ask(ref, call: PeerCall):
-    """Send `call` through an xoscar actor ref to a sidecar; its typed answer (TypeError when
-    what came back is not an encoded answer)."""
+async def ask(ref, call: PeerCall, *, to: str, sender: str):
+    """Send `call` through an xoscar actor ref to the sidecar of engine instance `to` (see
+    Envelope); its typed answer (TypeError when what came back is not an encoded answer)."""
 
-    raw = await ref.call(ENCODER.encode(call))
+    raw = await ref.call(seal(call, to, sender))
     if type(raw) is not bytes:
         raise TypeError(f"{call.__struct_config__.tag}: the answer is a {type(raw).__name__}, not bytes")
     return decode_answer(call, raw)

@@ -4,6 +4,8 @@ turned into ledger events, refusals counted and logged. A part of `Authority` (`
 from __future__ import annotations
 
 import logging
+import time
+
 from xoscar.core import CALL_METHOD_DEFAULT
 
 from ..core import effects as fx
@@ -44,10 +46,16 @@ class PeerAnswers:
 
     async def call(self, payload) -> bytes:
         try:
-            request = pc.decode_call(payload)
+            envelope = pc.decode_call(payload)
         except pc.PeerRefusal as refusal:
             self._refuse(refusal.reason, refusal.detail)
-            return pc.ENCODER.encode(pc.Answer(False, "refused: " + refusal.reason))
+            return pc.ENCODER.encode(pc.Answer(False, pc.REFUSED + refusal.reason))
+        request = envelope.call
+        stale = self.replay_window.refusal(envelope, self.instance, time.time_ns())
+        if stale is not None:
+            self._refuse(stale, f"{request.__struct_config__.tag} from {envelope.sender!r} for instance "
+                                f"{envelope.to[:8] or '(none)'}, sent {(time.time_ns() - envelope.sent_ns) / 1e9:.1f} s ago")
+            return pc.ENCODER.encode(pc.Answer(False, pc.REFUSED + stale))
         try:
             answer = self._answer(request)
         except Exception:  # a bug must not take the authority down, nor leak its text to the peer

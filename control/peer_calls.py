@@ -30,17 +30,22 @@ class PeerCalls:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
-            by_source: dict[str, list[pc.HeartbeatTicket]] = {}
+            by_source: dict[tuple[str, str], list[pc.HeartbeatTicket]] = {}
             for load in self.ledger.loads.loads.values():
                 if load.state not in ("DONE", "MISSED", "FAILED", "CANCELLED"):
                     ctx = self.loads.get(load.request) or {}
-                    by_source.setdefault(load.source, []).append(
+                    by_source.setdefault((load.source, self._issuer(load.ticket)), []).append(
                         pc.HeartbeatTicket(load.ticket, ctx.get("keepalive", "")))
-            for source, tickets in by_source.items():
+            for (source, instance), tickets in by_source.items():
                 for lo in range(0, len(tickets), pc.MAX_HEARTBEAT_TICKETS):
                     self._spawn(self._call(source, pc.Heartbeat(
                         self.cfg.engine_id, tickets[lo:lo + pc.MAX_HEARTBEAT_TICKETS], self.instance,
-                        self.bound_address)))
+                        self.bound_address), instance))
+
+    def _issuer(self, ticket: str) -> str:
+        """The instance of the P that issued `ticket`: calls about it are addressed to it."""
+
+        return self.ticket_instances.get(ticket, "")
 
     # -- calls to peers (D side) -------------------------------------------------------------------
 
@@ -51,7 +56,7 @@ class PeerCalls:
             self.peer_refs[address] = ref
         return ref
 
-    async def _try_call(self, address: str, call: pc.PeerCall) -> tuple[str, object]:
+    async def _try_call(self, address: str, call: pc.PeerCall, to: str = "") -> tuple[str, object]:
         """Call a peer's authority: `("ok", answer)`, `("refused", exc)` when the call provably
         never reached it (nobody listens at the address yet, or its pool is up but its authority
         is not created yet), or `("failed", exc)` for any other failure (it may have got it).
@@ -62,15 +67,16 @@ class PeerCalls:
             # Bounded: a peer that is stopped or wedged (or whose port another program took)
             # never answers, and xoscar would wait for it forever. A timeout may have reached it.
             ref = await bounded(self._ref(address), self.cfg.call_timeout_s, f"connect to {address}")
-            return "ok", await bounded(pc.ask(ref, call), self.cfg.call_timeout_s, f"{what} at {address}")
+            return "ok", await bounded(pc.ask(ref, call, to=to, sender=self.cfg.engine_id), self.cfg.call_timeout_s,
+                                       f"{what} at {address}")
         except Exception as exc:
             self.peer_refs.pop(address, None)
             return ("refused" if _never_arrived(exc) else "failed"), exc
 
-    async def _call(self, address: str, call: pc.PeerCall):
-        """A peer's answer, or None when the call failed (logged)."""
+    async def _call(self, address: str, call: pc.PeerCall, to: str = ""):
+        """A peer's answer, or None when the call failed (logged). `to`: the peer's instance."""
 
-        status, value = await self._try_call(address, call)
+        status, value = await self._try_call(address, call, to)
         if status == "ok":
             return value
         logger.warning("call %s to %s failed: %r", call.__struct_config__.tag, address, value)
@@ -125,8 +131,15 @@ class PeerCalls:
         call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch, self.instance, self.bound_address)
         expected_instance = (self.loads.get(effect.request) or {}).get("instance", "")
         while True:
-            status, value = await self._try_call(effect.source, call)
+            status, value = await self._try_call(effect.source, call, self._issuer(effect.ticket))
             reply = value if status == "ok" else None
+            if reply is not None and not reply.granted and reply.reason == pc.MISADDRESSED_ANSWER:
+                # The sidecar at this address is not the instance that issued the ticket: P
+                # restarted (its tickets died with the old instance). A miss at once.
+                reply = pc.ClaimAnswer(False, "source restarted: the ticket was issued by an earlier "
+                                              "instance of P")
+                self.refused["stale_instance"] += 1
+                break
             if reply is not None and expected_instance and reply.instance and reply.instance != expected_instance:
                 # P restarted at this address: its tickets died with the old instance. A miss at
                 # once (never the unknown-ticket retries), and nothing of the old peer is used.
@@ -176,7 +189,7 @@ class PeerCalls:
             effects = self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
             if _forgotten(effects):  # the load was pruned meanwhile: give the ticket back
                 self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
-                                                                 effect.epoch)))
+                                                                 effect.epoch), self._issuer(effect.ticket)))
         else:
             reason = problem or (reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE)
             self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
@@ -185,7 +198,7 @@ class PeerCalls:
                 # this request must not read): give the ticket back rather than leave P's blocks
                 # claimed for a whole idle lease.
                 self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
-                                                                 effect.epoch)))
+                                                                 effect.epoch), self._issuer(effect.ticket)))
 
     async def _announce_peer(self, source: str, engine: str, instance: str) -> bool:
         """Give the worker P's transport metadata once per (address, engine, instance); the
@@ -194,7 +207,7 @@ class PeerCalls:
 
         if (source, engine, instance) in self.peers_announced:
             return True
-        answer = await self._call(source, pc.Metadata())
+        answer = await self._call(source, pc.Metadata(), instance)
         if answer is None or answer.metadata is None:
             return False
         if answer.engine != engine or answer.instance != instance:
@@ -219,14 +232,15 @@ class PeerCalls:
             self._apply(ev.ReadRefused(self._now(), effect.request, effect.read, Reason.NO_TRANSPORT_METADATA))
             return
         reply = await self._call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
-                                                             effect.epoch, effect.read))
+                                                             effect.epoch, effect.read), self._issuer(effect.ticket))
         now = self._now()
         if reply is not None and reply.ok:
             effects = self._apply(ev.ReadGranted(now, effect.request, effect.read))
             if _forgotten(effects):
                 # The load was pruned meanwhile: nobody will end the read P pinned for; end it.
                 self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id,
-                                                                 effect.epoch, effect.read, False, True)))
+                                                                 effect.epoch, effect.read, False, True),
+                                       self._issuer(effect.ticket)))
         else:
             reason = reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE
             self._apply(ev.ReadRefused(now, effect.request, effect.read, reason))

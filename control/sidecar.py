@@ -75,7 +75,11 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         self.bound_address = address  # what the pool listens at (announced once the actor is up)
         # This instance's epoch: a sidecar restarted at the same address is a new peer, whose
         # predecessor's tickets and claims are over (peers compare it on every answer).
-        self.instance = secrets.token_hex(16)
+        self.instance = self.cfg.debug_instance or secrets.token_hex(16)
+        # The nonces of the peer calls answered lately: a call that is not fresh is refused.
+        self.replay_window = pc.ReplayWindow()
+        # D: the instance of the P that issued each ticket this engine loads (calls are addressed).
+        self.ticket_instances: collections.OrderedDict[str, str] = collections.OrderedDict()
         # P: the instance last heard from each decode engine at each control address ((address,
         # claimer) -> instance): the same engine at the same address with a new instance restarted.
         self.peer_instances: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
@@ -300,9 +304,11 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             self._spawn(self._post_read(effect))
         elif kind is fx.SendReadEnd:
             self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id, effect.epoch,
-                                                             effect.read, effect.ok, effect.release)))
+                                                             effect.read, effect.ok, effect.release),
+                                   self._issuer(effect.ticket)))
         elif kind is fx.SendRelease:
-            self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id, effect.epoch)))
+            self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id, effect.epoch),
+                                   self._issuer(effect.ticket)))
         elif kind is fx.ReportInvalidBlocks:
             self._send(self.to_worker, m.InvalidBlocks(effect.request, effect.blocks))
         elif kind is fx.LoadFinished:
@@ -441,6 +447,10 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             # The blocks to read and the engine that holds them come from P's grant (see _claim),
             # never from the request: until then the load knows only what it asks for. (A request
             # the ledger knows already is refused there and keeps its own context.)
+            # Every call about this ticket is addressed to the P instance that issued it.
+            self.ticket_instances[event.ticket] = event.source_instance
+            while len(self.ticket_instances) > 65536:
+                self.ticket_instances.popitem(last=False)
             self.loads[event.request] = {"source": event.source, "engine": "", "ticket": event.ticket,
                                          "instance": event.source_instance, "granted_instance": "",
                                          "num_tokens": event.num_tokens, "digest": event.digest,

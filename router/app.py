@@ -303,7 +303,7 @@ class Router:
 
         try:
             closed = await call_authority(section["control"], "abandon", section["ticket"], section["abandon"],
-                                          timeout_s=5.0)
+                                          timeout_s=5.0, to=str(section.get("instance") or ""))
             self.abandons.labels(cause if closed else cause + "_already_claimed").inc()
         except Exception as exc:
             self.abandons.labels(cause + "_unreachable").inc()

@@ -183,7 +183,7 @@ def test_router_abandons_after_p_answered(pd):
     prompt = tiny_prompt(150, seed=14)
     params = prefill(pd, prompt)
     section = params["kvbaton"]
-    assert call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"]) is True
+    assert call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"]) is True
     before = counters(pd.d)
     assert decode(pd, prompt, params) == reference(pd, prompt)
     assert delta(before, counters(pd.d), "loads.missed") == 1
@@ -214,7 +214,7 @@ def test_malformed_or_stale_params_recompute_locally(pd, damage):
         bad["kvbaton"]["ticket"] = "t" * (1 << 20)
     assert decode(pd, prompt, bad) == reference(pd, prompt)
     section = params["kvbaton"]
-    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"])  # the real ticket
+    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])  # the real ticket
     assert_nothing_held(pd)
 
 
@@ -338,7 +338,7 @@ def test_forged_block_ids_are_only_a_hint(pd):
     assert decode(pd, own, params) == reference(pd, own)
     assert delta(before, counters(pd.d), "loads.done") == 1
     section = victim_params["kvbaton"]
-    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"])
+    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
     assert_nothing_held(pd)
 
 
@@ -380,7 +380,7 @@ def test_a_control_address_answering_a_pickle_runs_nothing_and_the_request_compl
         listener.close()
     assert listener.served >= 1 and not marker.exists()
     section = params["kvbaton"]
-    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"])
+    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
     assert_nothing_held(pd)
 
 

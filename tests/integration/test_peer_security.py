@@ -85,12 +85,15 @@ async def raw_calls(address: str, payloads: list) -> list:
     return answers
 
 
-def forged_payloads(seed: int = 7) -> list[tuple[str, object]]:
+def forged_payloads(instance: str, seed: int = 7) -> list[tuple[str, object]]:
     """(expected refusal reason, payload): wrong types, huge ids, out-of-range ints, huge lists,
-    unknown operations and fields, pickles, random bytes, not bytes at all."""
+    unknown operations and fields (in a fresh envelope addressed to `instance`: what is refused is
+    the call), calls without an envelope, pickles, random bytes, not bytes at all."""
 
-    enc = msgspec.msgpack.encode
     tid = uuid.uuid4().hex
+
+    def enc(call) -> bytes:
+        return msgspec.msgpack.encode(["forger", instance, time.time_ns(), uuid.uuid4().hex, call])
     cases: list[tuple[str, object]] = [
         ("invalid", enc({"op": "claim", "ticket": 12345, "claimer": "D", "epoch": 1})),
         ("invalid", enc({"op": "claim", "ticket": tid, "claimer": 12345, "epoch": 1})),
@@ -110,6 +113,7 @@ def forged_payloads(seed: int = 7) -> list[tuple[str, object]]:
         ("invalid", enc({"op": "heartbeat", "claimer": "D",
                          "tickets": [[uuid.uuid4().hex, ""] for _ in range(pc.MAX_HEARTBEAT_TICKETS + 1)]})),
         ("oversized", enc({"op": "claim", "ticket": "x" * (1 << 20), "claimer": "D", "epoch": 1})),
+        ("invalid", msgspec.msgpack.encode({"op": "claim", "ticket": tid, "claimer": "D", "epoch": 1})),
         ("malformed", b""),
         ("malformed", b"\xc1"),
         ("malformed", {"op": "claim", "ticket": tid, "claimer": "D", "epoch": 1}),
@@ -122,7 +126,7 @@ def forged_payloads(seed: int = 7) -> list[tuple[str, object]]:
     blobs += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))) for _ in range(150)]
     for blob in blobs:  # a pickle or noise: msgpack may read a value from it, never a call
         try:
-            msgspec.msgpack.decode(blob, type=pc.AnyPeerCall)
+            msgspec.msgpack.decode(blob, type=pc.Envelope)
         except msgspec.ValidationError:
             cases.append(("invalid", blob))
         except msgspec.DecodeError:
@@ -132,7 +136,7 @@ def forged_payloads(seed: int = 7) -> list[tuple[str, object]]:
 
 def test_forged_peer_calls_are_refused_counted_and_change_nothing(peers):
     before = state(peers.p)
-    cases = forged_payloads()
+    cases = forged_payloads(peers.p.instance)
     answers = run(raw_calls(peers.p.address, [payload for _, payload in cases]))
     after = state(peers.p)
     assert all(not a.ok and a.reason.startswith("refused: ") for a in answers), answers
@@ -144,6 +148,39 @@ def test_forged_peer_calls_are_refused_counted_and_change_nothing(peers):
     for reason, _ in cases:
         expected[reason] = expected.get(reason, 0) + 1
     assert {k: v for k, v in grew.items() if v} == expected
+
+
+async def raw_answers(address: str, payloads: list[bytes]) -> list:
+    """Each payload sent as is (a recorded frame's call, replayed); the answers, undecoded."""
+
+    import xoscar as xo
+
+    ensure_frame_key()
+    ref = await xo.actor_ref(address, AUTHORITY_UID)
+    return [msgspec.msgpack.decode(await ref.call(payload)) for payload in payloads]
+
+
+def test_calls_that_are_not_fresh_or_not_for_this_instance_are_refused_and_counted(peers):
+    """A recorded metadata request replayed (it would hand out P's NIXL metadata), one sent too
+    long ago, one for another instance (a restarted P, or another engine sharing the secret), and
+    an effectful call without an address are refused and counted; State may be unaddressed."""
+
+    instance = peers.p.instance
+    metadata = pc.seal(pc.Metadata(), instance, "Drecorded")
+    old = pc.seal(pc.Metadata(), instance, "Drecorded", now_ns=time.time_ns() - 2 * pc.FRESH_WINDOW_NS)
+    future = pc.seal(pc.Metadata(), instance, "Drecorded", now_ns=time.time_ns() + 2 * pc.FRESH_WINDOW_NS)
+    elsewhere = pc.seal(pc.Metadata(), "0" * 32, "Drecorded")
+    unaddressed = pc.seal(pc.Claim(uuid.uuid4().hex, "Dnowhere", 1), "", "Dnowhere")
+    before = refused(state(peers.p))
+    first, again, stale, early, misaddressed, claim, counts = run(raw_answers(peers.p.address, [
+        metadata, metadata, old, future, elsewhere, unaddressed, pc.seal(pc.State(), "", "Dscript")]))
+    assert first["engine"] == peers.p.config.engine_id and first["instance"] == instance  # answered once
+    assert again == {"ok": False, "reason": "refused: replayed"}
+    assert stale == early == {"ok": False, "reason": "refused: stale"}
+    assert misaddressed == claim == {"ok": False, "reason": "refused: misaddressed"}
+    assert "counters" in counts["state"]
+    grew = {k: v - before.get(k, 0) for k, v in refused(state(peers.p)).items() if v - before.get(k, 0)}
+    assert grew == {"replayed": 1, "stale": 2, "misaddressed": 2}
 
 
 def test_private_and_unknown_methods_are_refused(peers):
@@ -237,8 +274,8 @@ def test_frames_without_the_key_run_nothing(peers, tmp_path, key):
     assert refused(state(peers.p)).get("unauthenticated", 0) > before
 
 
-def claim_as(address: str, ticket: str, claimer: str, epoch: int = 1) -> pc.ClaimAnswer:
-    return run(call_peer(address, pc.Claim(ticket, claimer, epoch)))
+def claim_as(address: str, ticket: str, claimer: str, epoch: int = 1, to: str = "") -> pc.ClaimAnswer:
+    return run(call_peer(address, pc.Claim(ticket, claimer, epoch), to=to))
 
 
 def test_ownership_is_checked_on_every_operation(peers):
@@ -251,12 +288,12 @@ def test_ownership_is_checked_on_every_operation(peers):
     p_engine = peers.p.config.engine_id
     before = state(peers.p)
 
-    grant = claim_as(peers.p.address, t1, "Downer")
+    grant = claim_as(peers.p.address, t1, "Downer", to=peers.p.instance)
     assert grant.granted and grant.blocks == (7, 8) and grant.num_tokens == NUM_TOKENS
     assert grant.digest == DIGEST and grant.engine == p_engine and grant.layout == LAYOUT
-    assert not claim_as(peers.p.address, t1, "Dstranger").granted
+    assert not claim_as(peers.p.address, t1, "Dstranger", to=peers.p.instance).granted
 
-    call = lambda c: run(call_peer(peers.p.address, c))  # noqa: E731
+    call = lambda c: run(call_peer(peers.p.address, c, to=peers.p.instance))  # noqa: E731
     assert call(pc.ReadStart(t1, "Downer", 1, "r/0")).ok
     assert not call(pc.ReadStart(t1, "Dstranger", 1, "r/1")).ok
     stranger_end = call(pc.ReadEnd(t1, "Dstranger", 1, "r/0", True, True))
@@ -275,7 +312,7 @@ def test_ownership_is_checked_on_every_operation(peers):
 
     unknown = state(peers.p)["counters"].get("claims.refused.unknown_ticket", 0)
     for _ in range(5):
-        assert claim_as(peers.p.address, uuid.uuid4().hex, "Dguess").reason == "unknown ticket"
+        assert claim_as(peers.p.address, uuid.uuid4().hex, "Dguess", to=peers.p.instance).reason == "unknown ticket"
     after = state(peers.p)
     assert after["counters"]["claims.refused.unknown_ticket"] == unknown + 5
     assert after["open"]["tickets"] == before["open"]["tickets"] - 2
@@ -293,7 +330,7 @@ def test_a_grant_for_other_tokens_is_not_read(peers):
     peers.p.send(ticket_fact(ticket, "req-victim", (11, 12), digest="e" * 32))
     time.sleep(0.3)
     before_d, before_p = state(peers.d), state(peers.p)
-    request = load(peers.d, peers.p.address, ticket)  # D's own prompt digest is DIGEST
+    request = load(peers.d, peers.p.address, ticket, peers.p.instance)  # D's own prompt digest is DIGEST
     resolved, _ = wait_resolved(peers.d, request, 30.0)
     assert resolved is not None and not resolved.hit and resolved.reason.startswith("grant mismatch"), resolved
     assert refused(state(peers.d)).get("grant_mismatch", 0) == refused(before_d).get("grant_mismatch", 0) + 1
@@ -403,7 +440,7 @@ def test_a_restarted_d_at_the_same_address_loses_its_old_claims_at_once(peers):
     peers.p.send(ticket_fact(ticket, "req-d-restart", (13, 14)))
     time.sleep(0.3)
     address, first, second = "127.0.0.1:6001", "a" * 32, "b" * 32
-    call = lambda c: run(call_peer(peers.p.address, c))  # noqa: E731
+    call = lambda c: run(call_peer(peers.p.address, c, to=peers.p.instance))  # noqa: E731
     assert call(pc.Claim(ticket, "Drestart", 1, first, address)).granted
     assert call(pc.ReadStart(ticket, "Drestart", 1, "r/0")).ok
     before = state(peers.p)
@@ -423,7 +460,7 @@ def test_two_decode_engines_reporting_one_address_keep_their_claims(peers):
     peers.p.send(ticket_fact(t2, "req-shared-2", (17, 18)))
     time.sleep(0.3)
     address = "127.0.0.1:7000"
-    call = lambda c: run(call_peer(peers.p.address, c))  # noqa: E731
+    call = lambda c: run(call_peer(peers.p.address, c, to=peers.p.instance))  # noqa: E731
     assert call(pc.Claim(t1, "Done", 1, "c" * 32, address)).granted
     assert call(pc.ReadStart(t1, "Done", 1, "r/0")).ok
     before = state(peers.p)

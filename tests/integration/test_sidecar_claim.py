@@ -44,7 +44,7 @@ DIGEST = "d" * 32  # what both sides name the prompt's tokens (the connector com
 
 
 def start_sidecar(root, name: str, role: str, claim_wait_s: float = 30.0, port: int | None = None,
-                  call_timeout_s: float = 10.0, secret: str | None = None):
+                  call_timeout_s: float = 10.0, secret: str | None = None, instance: str = ""):
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
     address = f"127.0.0.1:{port or 0}"
     config = SidecarConfig(
@@ -52,7 +52,7 @@ def start_sidecar(root, name: str, role: str, claim_wait_s: float = 30.0, port: 
         ledger=LedgerConfig(claim_wait_ns=int(claim_wait_s * SECOND_NS)),
         log_path=str(root / "events" / f"{engine_id}.kvlog"), heartbeat_interval_s=1.0,
         parent_pid=os.getpid(), call_timeout_s=call_timeout_s,
-        layout=LAYOUT, block_size=BLOCK_SIZE)
+        layout=LAYOUT, block_size=BLOCK_SIZE, debug_instance=instance)
     return SidecarHandle.start(config, str(root / "logs"), secret or resolve_secret())
 
 
@@ -152,9 +152,12 @@ def wait_closed(*handles: SidecarHandle, timeout_s: float = 10.0) -> None:
         time.sleep(0.1)
 
 
-def load(d: SidecarHandle, p_address: str, ticket: str) -> str:
+def load(d: SidecarHandle, p_address: str, ticket: str, instance: str = "") -> str:
+    """D asks to load `ticket` from the P at `p_address` (issued by P instance `instance`: D's
+    calls about the ticket are addressed to it)."""
+
     request = f"req-{uuid.uuid4().hex[:8]}"
-    d.send(load_requested(request, ticket, p_address))
+    d.send(load_requested(request, ticket, p_address, instance))
     return request
 
 
@@ -181,10 +184,11 @@ def test_claim_waits_for_a_source_sidecar_that_is_not_listening_yet(sidecars):
 
     port = free_port("127.0.0.1")
     ticket = uuid.uuid4().hex
-    request = load(sidecars.d, f"127.0.0.1:{port}", ticket)
+    instance = uuid.uuid4().hex  # the late P's, named by its ticket as any handoff names it
+    request = load(sidecars.d, f"127.0.0.1:{port}", ticket, instance)
     early, _ = wait_resolved(sidecars.d, request, OLD_BOUND_S + 1.0)
     assert early is None, f"D gave up while P was not listening yet: {early}"
-    late_p = start_sidecar(sidecars.root, "Plate", "producer", port=port)
+    late_p = start_sidecar(sidecars.root, "Plate", "producer", port=port, instance=instance)
     try:
         late_p.send(ticket_fact(ticket, "p-req"))  # queued until P's sidecar binds
         late_p.wait_ready(START_TIMEOUT_S)
@@ -202,7 +206,7 @@ def test_claim_waits_for_a_ticket_p_has_not_seen_yet(sidecars):
     """P answers "unknown ticket" for 4 s (its ticket fact is late): D keeps asking and hits."""
 
     ticket = uuid.uuid4().hex
-    request = load(sidecars.d, sidecars.p.address, ticket)
+    request = load(sidecars.d, sidecars.p.address, ticket, sidecars.p.instance)
     early, _ = wait_resolved(sidecars.d, request, OLD_BOUND_S + 1.0)
     assert early is None, f"D gave up on a ticket P had not seen yet: {early}"
     assert wait_claims_seen(sidecars.p, ticket, 2) >= 2  # asked, was told "unknown ticket", asked again
@@ -260,7 +264,7 @@ def test_claim_retries_end_with_the_claim_wait(sidecars):
     unknown = uuid.uuid4().hex
     nobody = f"127.0.0.1:{free_port('127.0.0.1')}"
     started = time.monotonic()
-    req_unknown = load(sidecars.d_short, sidecars.p.address, unknown)
+    req_unknown = load(sidecars.d_short, sidecars.p.address, unknown, sidecars.p.instance)
     req_refused = load(sidecars.d_short, nobody, uuid.uuid4().hex)
     outcomes = {}
     while len(outcomes) < 2 and time.monotonic() - started < 30.0:
@@ -289,7 +293,7 @@ def test_unknown_ticket_is_retried_for_a_short_window_only(sidecars):
 
     from kvbaton.control.peer_calls import UNKNOWN_TICKET_RETRY_S
 
-    request = load(sidecars.d, sidecars.p.address, uuid.uuid4().hex)
+    request = load(sidecars.d, sidecars.p.address, uuid.uuid4().hex, sidecars.p.instance)
     resolved, took = wait_resolved(sidecars.d, request, 30.0)
     assert resolved is not None and not resolved.hit and resolved.reason == "unknown ticket", resolved
     assert UNKNOWN_TICKET_RETRY_S - 0.1 <= took < UNKNOWN_TICKET_RETRY_S + 5.0, took

@@ -260,7 +260,7 @@ class Fleet:
         if ticket in self.issued and ticket not in self.abandoned:
             self.claimed.add(ticket)
 
-    async def call_authority(self, address, method, ticket, proof, timeout_s=None):
+    async def call_authority(self, address, method, ticket, proof, timeout_s=None, to=""):
         assert method == "abandon" and proof == "b" * 32
         if ticket not in self.issued or ticket in self.claimed or ticket in self.abandoned:
             return False

@@ -101,11 +101,11 @@ def test_a_grant_for_a_pruned_load_is_undone_at_p(tmp_path):
     spawned, calls = [], []
     a._spawn = spawned.append  # this test runs the peer calls itself
 
-    async def fake_call(address, call):
+    async def fake_call(address, call, to=""):
         calls.append(call)
         return pc.Answer(True)
 
-    async def fake_try_call(address, call):
+    async def fake_try_call(address, call, to=""):
         return "ok", GRANT if type(call) is pc.Claim else pc.Answer(True)
 
     a._call, a._try_call = fake_call, fake_try_call

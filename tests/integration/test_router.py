@@ -248,18 +248,19 @@ def test_a_first_token_that_ends_the_request_ends_it_on_p(stack, rr_router):
     prompt = words_for(tiny_prompt(70, seed=1101))
     one = routed(rr_router, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0})
     expected = reference(deployment, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0})
-    assert one["choices"][0]["text"] == expected["choices"][0]["text"]
-    assert one["choices"][0]["finish_reason"] == "length" and one["usage"] == expected["usage"]
+    assert one["choices"][0]["text"] == expected["choices"][0]["text"], (one, expected)
+    assert one["choices"][0]["finish_reason"] == "length" and one["usage"] == expected["usage"], (one, expected)
     assert "kv_transfer_params" not in one and "token_ids" not in one["choices"][0]
     # The first word as a stop string: P's first token holds it.
     stop = {"prompt": prompt, "max_tokens": 9, "temperature": 0, "stop": [one["choices"][0]["text"].strip()]}
     stopped = routed(rr_router, "/v1/completions", stop)
     alone = reference(deployment, "/v1/completions", stop)
-    assert stopped["choices"][0]["text"] == alone["choices"][0]["text"]
-    assert stopped["choices"][0]["finish_reason"] == alone["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["text"] == alone["choices"][0]["text"], (stopped, alone)
+    assert stopped["choices"][0]["finish_reason"] == alone["choices"][0]["finish_reason"] == "stop", (stopped, alone)
     assert stopped["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"] == 1
     # Both tickets issued, neither claimed, none open.
-    assert wait_tickets(router, issued + 2, claimed) == (issued + 2, claimed)
+    counts = wait_tickets(router, issued + 2, claimed)
+    assert counts == (issued + 2, claimed), (counts, issued, claimed, first_token_counts(rr_router))
     wait_no_open_tickets(router)
 
 

@@ -53,14 +53,20 @@ class PeerCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_fiel
     """Base of every peer request."""
 
 
+# When an engine instance started (its wall clock, ns): of two instances of one engine at one
+# address, only the one that started later replaces the other.
+Started = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
 class Claim(PeerCall, tag="claim"):
     ticket: Id
     claimer: Id
     epoch: Epoch
-    # Who claims: its instance epoch and control address (a new instance at an address P knows
-    # is a restarted decode engine, whose old claims P ends at once).
+    # Who claims: its instance epoch, control address and start (a newer instance at an address P
+    # knows is a restarted decode engine, whose old claims P ends at once).
     instance: Instance = ""
     address: Address = ""
+    started_ns: Started = 0
 
 
 class ReadStart(PeerCall, tag="read_start"):
@@ -95,6 +101,7 @@ class Heartbeat(PeerCall, tag="heartbeat"):
     tickets: Annotated[list[HeartbeatTicket], msgspec.Meta(max_length=MAX_HEARTBEAT_TICKETS)]
     instance: Instance = ""
     address: Address = ""
+    started_ns: Started = 0
 
 
 class Abandon(PeerCall, tag="abandon"):

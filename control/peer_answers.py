@@ -84,42 +84,54 @@ class PeerAnswers:
                                      f"by {getattr(request, 'claimer', '?')!r}")
         return refused
 
-    def _note_peer(self, address: str, instance: str, claimer: str, now: int) -> None:
-        """Decode engine `claimer` at `address` speaks as `instance`. When the same engine spoke
-        from the same address as another instance before, that one restarted: its claims and
-        reads end now (P's blocks come back on the normal path) instead of when their idle lease
-        runs out. Two engines that report one address (a wildcard or a copied port) are told
-        apart by their names and never end each other's claims."""
+    def _note_peer(self, request: pc.Claim | pc.Heartbeat, now: int) -> bool:
+        """Decode engine `request.claimer` at `request.address` speaks as `request.instance`,
+        started at `request.started_ns`. False (counted: `older_instance`) when this engine at
+        this address was heard from as an instance that started later: an older instance's call
+        (a replay, or a process that should be gone) changes nothing. When it is a newer
+        instance, the older one restarted: its claims without a read in flight end now (P's
+        blocks come back on the normal path) instead of when their idle lease runs out; its
+        reads in flight end by their bound, never because a newer instance spoke. Two engines
+        that report one address (a wildcard or a copied port) are told apart by their names and
+        never end each other's claims."""
 
+        address, instance, claimer = request.address, request.instance, request.claimer
         if not address or not instance or address.rpartition(":")[0] in ("0.0.0.0", "[::]", "::", ""):
-            return
+            return True
         key = (address, claimer)
         known = self.peer_instances.get(key)
-        self.peer_instances[key] = instance
+        if known is not None and known[1] != instance and request.started_ns <= known[0]:
+            self._refuse("older_instance", f"{request.__struct_config__.tag} from {claimer!r} at {address} as "
+                                           f"instance {instance[:8]}, which started before instance {known[1][:8]}")
+            return False
+        self.peer_instances[key] = (request.started_ns, instance)
         self.peer_instances.move_to_end(key)
         while len(self.peer_instances) > 4096:
             self.peer_instances.popitem(last=False)
-        if known is None or known == instance:
-            return
-        # Heard first from the new instance, so every claim this engine name holds here is the
-        # old instance's (the new one has claimed nothing yet).
-        ended = 0
+        if known is None or known[1] == instance:
+            return True
+        # Heard first from the newer instance, so every claim this engine name holds here is the
+        # older instance's (the newer one has claimed nothing yet).
+        ended = reading = 0
         for ticket in list(self.ledger.tickets.tickets.values()):
             if ticket.claimer != claimer or ticket.state not in ("CLAIMED", "READING"):
                 continue
-            for read in list(ticket.reads):
-                self._apply(ev.ReadFinished(now, ticket.ticket, read, False, ticket.claimer, ticket.epoch))
+            if ticket.reads:
+                reading += 1
+                continue
             self._apply(ev.ReleaseRequested(now, ticket.ticket, ticket.claimer, ticket.epoch))
             ended += 1
         self.refusal_log.warning("peer_restarted", "decode engine at %s restarted (instance %s, was %s): "
-                                 "ended %d of its earlier instance's claims", address, instance[:8],
-                                 known[:8], ended)
+                                 "ended %d of its earlier instance's claims; %d with reads in flight end "
+                                 "by their read bound", address, instance[:8], known[1][:8], ended, reading)
+        return True
 
     def _answer(self, request: pc.PeerCall):
         now = self._now()
         kind = type(request)
         if kind is pc.Claim:
-            self._note_peer(request.address, request.instance, request.claimer, now)
+            if not self._note_peer(request, now):
+                return pc.ClaimAnswer(False, pc.REFUSED + "older_instance", instance=self.instance)
             reply = self._reply(self._apply(ev.ClaimRequested(now, request.ticket, request.claimer,
                                                               request.epoch)), fx.ReplyClaim)
             if reply is None:
@@ -154,7 +166,8 @@ class PeerAnswers:
                 now, request.ticket, request.claimer, request.epoch)), request)
             return pc.Answer(refused is None, refused.reason if refused is not None else "")
         if kind is pc.Heartbeat:
-            self._note_peer(request.address, request.instance, request.claimer, now)
+            if not self._note_peer(request, now):
+                return pc.Answer(False, pc.REFUSED + "older_instance")
             refused = 0
             for entry in request.tickets:
                 proof = capability_digest(entry.keepalive) if entry.keepalive else ""

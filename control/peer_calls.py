@@ -40,7 +40,7 @@ class PeerCalls:
                 for lo in range(0, len(tickets), pc.MAX_HEARTBEAT_TICKETS):
                     self._spawn(self._call(source, pc.Heartbeat(
                         self.cfg.engine_id, tickets[lo:lo + pc.MAX_HEARTBEAT_TICKETS], self.instance,
-                        self.bound_address), instance))
+                        self.bound_address, self.started_ns), instance))
 
     def _issuer(self, ticket: str) -> str:
         """The instance of the P that issued `ticket`: calls about it are addressed to it."""
@@ -128,7 +128,8 @@ class PeerCalls:
         pause = 0.02
         retried = 0
         unknown_since = None
-        call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch, self.instance, self.bound_address)
+        call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch, self.instance, self.bound_address,
+                        self.started_ns)
         expected_instance = (self.loads.get(effect.request) or {}).get("instance", "")
         while True:
             status, value = await self._try_call(effect.source, call, self._issuer(effect.ticket))

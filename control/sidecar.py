@@ -76,13 +76,15 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         # This instance's epoch: a sidecar restarted at the same address is a new peer, whose
         # predecessor's tickets and claims are over (peers compare it on every answer).
         self.instance = self.cfg.debug_instance or secrets.token_hex(16)
+        self.started_ns = time.time_ns()  # sent with claims and heartbeats (see peer.Started)
         # The nonces of the peer calls answered lately: a call that is not fresh is refused.
         self.replay_window = pc.ReplayWindow()
         # D: the instance of the P that issued each ticket this engine loads (calls are addressed).
         self.ticket_instances: collections.OrderedDict[str, str] = collections.OrderedDict()
         # P: the instance last heard from each decode engine at each control address ((address,
-        # claimer) -> instance): the same engine at the same address with a new instance restarted.
-        self.peer_instances: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        # claimer) -> (started_ns, instance)): the same engine at the same address with an instance
+        # that started later restarted.
+        self.peer_instances: collections.OrderedDict[tuple[str, str], tuple[int, str]] = collections.OrderedDict()
         # Peer requests refused before they reached the ledger, by reason (and frames xoscar
         # dropped for want of our key): `peers.refused.<reason>` in debug_state's counters.
         self.refused: collections.Counter = collections.Counter()

@@ -436,19 +436,34 @@ def test_a_restarted_p_refuses_its_old_tickets_at_once_and_serves_new_ones(peers
 
 
 def test_a_restarted_d_at_the_same_address_loses_its_old_claims_at_once(peers):
-    ticket = uuid.uuid4().hex
-    peers.p.send(ticket_fact(ticket, "req-d-restart", (13, 14)))
+    """A newer instance of one decode engine at one address ends the older one's claims, but not
+    its reads in flight (their bound does); a call of the older instance afterwards (a replay, or
+    a process that should be gone) is refused, counted and changes nothing."""
+
+    idle, reading = uuid.uuid4().hex, uuid.uuid4().hex
+    peers.p.send(ticket_fact(idle, "req-d-restart", (13, 14)))
+    peers.p.send(ticket_fact(reading, "req-d-restart-2", (11, 12)))
     time.sleep(0.3)
     address, first, second = "127.0.0.1:6001", "a" * 32, "b" * 32
+    started = time.time_ns()
     call = lambda c: run(call_peer(peers.p.address, c, to=peers.p.instance))  # noqa: E731
-    assert call(pc.Claim(ticket, "Drestart", 1, first, address)).granted
-    assert call(pc.ReadStart(ticket, "Drestart", 1, "r/0")).ok
+    assert call(pc.Claim(idle, "Drestart", 1, first, address, started)).granted
+    assert call(pc.Claim(reading, "Drestart", 1, first, address, started)).granted
+    assert call(pc.ReadStart(reading, "Drestart", 1, "r/0")).ok
     before = state(peers.p)
-    call(pc.Heartbeat("Drestart", [], second, address))  # the same engine, a new instance
+    assert call(pc.Heartbeat("Drestart", [], second, address, started + 1)).ok  # the same engine, restarted
     after = state(peers.p)
-    assert after["open"]["tickets"] == before["open"]["tickets"] - 1
+    assert after["open"]["tickets"] == before["open"]["tickets"] - 1  # the idle claim ended, the read did not
     assert after["counters"]["tickets.closed.released"] == before["counters"].get("tickets.closed.released", 0) + 1
-    assert after["counters"].get("reads.finished.failed", 0) == before["counters"].get("reads.finished.failed", 0) + 1
+    assert after["counters"].get("reads.finished.failed", 0) == before["counters"].get("reads.finished.failed", 0)
+    # The older instance again: refused, counted, nothing changes (its read is still open).
+    stale = call(pc.Heartbeat("Drestart", [], first, address, started))
+    assert not stale.ok and stale.reason == "refused: older_instance"
+    assert not call(pc.Claim(uuid.uuid4().hex, "Drestart", 1, first, address, started)).granted
+    last = state(peers.p)
+    assert refused(last).get("older_instance", 0) == refused(after).get("older_instance", 0) + 2
+    assert last["open"]["tickets"] == after["open"]["tickets"]
+    assert call(pc.ReadEnd(reading, "Drestart", 1, "r/0", True, True)).ok  # the read's own end closes it
 
 
 def test_two_decode_engines_reporting_one_address_keep_their_claims(peers):

@@ -525,19 +525,20 @@ class Router:
                               record=lambda outcome: self.requests.labels(endpoint, outcome).inc())
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
-                buffer = (buffer + chunk).replace(b"\r\n", b"\n")
+                buffer = buffer + chunk
+                if b"\r" in buffer:
+                    buffer = buffer.replace(b"\r\n", b"\n")
                 *events, buffer = buffer.split(b"\n\n")
                 for event in events:
-                    payload = sse_json(event)
-                    if payload is None:
-                        continue  # `[DONE]` (the closing one is ours), comments
-                    if "error" in payload:
+                    if event == b"data: [DONE]":
+                        continue  # (the closing one is ours)
+                    rewritten, payload = stream.rewrite_event(event)
+                    if payload is not None and "error" in payload:
                         failed = True
                         yield b"data: " + compact(payload) + b"\n\n"
                         continue
-                    if isinstance(payload.get("usage"), dict):
+                    if payload is not None and isinstance(payload.get("usage"), dict):
                         d_usage = payload["usage"]
-                    rewritten = stream.rewrite(payload)
                     if rewritten is not None:
                         yield rewritten
         if not failed:

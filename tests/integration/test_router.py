@@ -143,7 +143,8 @@ def test_a_list_of_prompts_is_one_handoff_each_and_equals_each_prompt_alone(stac
     reply = client_for(router).completions.create(model=MODEL, prompt=prompts, **sampling)
     # P issued one ticket per prompt, D claimed each, and none is left open (before, P issued
     # three and D was named one: two stayed open for the ticket TTL).
-    assert wait_tickets(router, issued + 3, claimed + 3) == (issued + 3, claimed + 3)
+    counts = wait_tickets(router, issued + 3, claimed + 3)
+    assert counts == (issued + 3, claimed + 3), (counts, issued, claimed)
     wait_no_open_tickets(router)
     assert [c.index for c in reply.choices] == list(range(6))
     # Each prompt alone on one engine (after the request: D then holds these prompts).
@@ -165,14 +166,15 @@ def test_a_streamed_list_of_prompts_equals_each_prompt_alone(stack):
     for chunk in chunks:
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
-    assert wait_tickets(router, issued + 3, claimed + 3) == (issued + 3, claimed + 3)
+    counts = wait_tickets(router, issued + 3, claimed + 3)
+    assert counts == (issued + 3, claimed + 3), (counts, issued, claimed)
     wait_no_open_tickets(router)
-    assert sorted(texts) == [0, 1, 2]
+    assert sorted(texts) == [0, 1, 2], texts
     usage = [c.usage for c in chunks if c.usage is not None]
-    assert len(usage) == 1 and usage[0].completion_tokens == 3 * 8
+    assert len(usage) == 1 and usage[0].completion_tokens == 3 * 8, usage
     assert len({c.id for c in chunks}) == 1
     for i, prompt in enumerate(prompts):
-        assert texts[i] == reference_completion(deployment, prompt, 8)
+        assert texts[i] == reference_completion(deployment, prompt, 8), (i, texts)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -187,3 +187,30 @@ def test_a_completion_stream_moves_d_s_offsets_and_a_stream_ended_on_p_closes_at
     chunk = events([ft.ContinuedStream(going, {}).rewrite(
         {"choices": [{"text": " w8", "logprobs": {"text_offset": [0], "tokens": [" w8"]}}]})])[0]
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [3]
+
+
+@pytest.mark.parametrize("spaced", [False, True])
+def test_d_s_chunks_after_the_first_are_its_bytes_with_p_s_id_and_created(spaced):
+    """The fast path: D's own bytes with P's id and `created` (whatever JSON spacing D uses); the
+    first chunk (its prompt token ids), the usage chunk and errors are decoded."""
+
+    def sse(payload: dict) -> bytes:
+        return b"data: " + (json.dumps(payload) if spaced else json.dumps(payload, separators=(",", ":"))).encode()
+
+    body = {"prompt": "w5", "max_tokens": 4, "return_token_ids": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    stream = ft.ContinuedStream(ft.read_first_token(COMPLETIONS, body, p_completion(text=" w7")), body)
+    first, payload = stream.rewrite_event(sse({"id": "cmpl-d", "created": 200, "choices": [
+        {"index": 0, "text": " w8", "token_ids": [8], "prompt_token_ids": [5, 6, 7], "finish_reason": None}]}))
+    assert payload is not None and events([first])[0]["choices"][0]["token_ids"] == [8]
+    assert "prompt_token_ids" not in events([first])[0]["choices"][0]
+    later, payload = stream.rewrite_event(sse({"id": "cmpl-d", "created": 201, "choices": [
+        {"index": 0, "text": " w9 cmpl-d", "token_ids": [9], "finish_reason": "length"}]}))
+    assert payload is None  # not decoded
+    chunk = events([later])[0]
+    assert chunk["id"] == "cmpl-p" and chunk["created"] == 100 and chunk["choices"][0]["text"] == " w9 cmpl-d"
+    usage, payload = stream.rewrite_event(sse({"id": "cmpl-d", "created": 201, "choices": [],
+                                               "usage": {"prompt_tokens": 3, "completion_tokens": 2}}))
+    assert usage is None and payload["usage"]["completion_tokens"] == 2
+    error, payload = stream.rewrite_event(sse({"error": {"message": "boom"}}))
+    assert error is None and payload["error"]["message"] == "boom"

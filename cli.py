@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import json
+import os
 import sys
 
 
@@ -56,11 +58,6 @@ def close_quietly(data, stream) -> None:
 
 
 def cmd_replay(args) -> int:
-    import msgspec
-
-    from .core.log import LogError
-    from .core.replay import replay
-
     if args.diagram:
         from .core import history, lease, load, ticket
 
@@ -72,10 +69,39 @@ def cmd_replay(args) -> int:
     if not args.log:
         print("kvbaton replay: give a log path (or --diagram)", file=sys.stderr)
         return 2
+    paths: list[str] = []
+    for given in args.log:  # logs, or folders holding them (an engine's events/ folder)
+        if os.path.isdir(given):
+            found = sorted(glob.glob(os.path.join(given, "*.kvlog")))
+            if not found:
+                print(f"kvbaton replay: {given}: no *.kvlog files in this folder", file=sys.stderr)
+                return 2
+            paths.extend(found)
+        else:
+            paths.append(given)
+    worst = 0
+    for index, path in enumerate(paths):
+        if len(paths) > 1 and not args.json:
+            print(("\n" if index else "") + f"== {path}")
+        worst = max(worst, _replay_one(args, path))
+    if len(paths) > 1 and not args.json:
+        print(f"\n{len(paths)} logs replayed: " + ("all clean" if worst == 0 else
+                                                  "some broke an invariant" if worst == 1 else "some could not be read"))
+    return worst
+
+
+def _replay_one(args, log: str) -> int:
+    """Replay one log: 0 clean, 1 an invariant broke or the state diverged, 2 unreadable."""
+
+    import msgspec
+
+    from .core.log import LogError
+    from .core.replay import replay
+
     try:
-        header, records, close = stream_log(args.log)
+        header, records, close = stream_log(log)
     except (LogError, OSError, ValueError) as exc:
-        print(f"kvbaton replay: {args.log}: {exc}", file=sys.stderr)
+        print(f"kvbaton replay: {log}: {exc}", file=sys.stderr)
         return 2
     wanted = {x for x in (args.request, args.ticket) if x}
     encoder = msgspec.json.Encoder()
@@ -131,7 +157,7 @@ def cmd_replay(args) -> int:
         except (LogError, ValueError, OverflowError, TypeError) as exc:
             # A hostile or damaged log: one line, never a traceback from inside the core.
             where = "" if isinstance(exc, LogError) else f"record {position['seq']}: "
-            print(f"kvbaton replay: {args.log}: {where}{exc}", file=sys.stderr)
+            print(f"kvbaton replay: {log}: {where}{exc}", file=sys.stderr)
             return None
         finally:
             close()
@@ -143,9 +169,9 @@ def cmd_replay(args) -> int:
         # Checks ran every --check-every events: find the exact first broken event by replaying
         # again up to where the first check failed, checking every event after the last clean one.
         try:
-            _header, records, close = stream_log(args.log)
+            _header, records, close = stream_log(log)
         except (LogError, OSError, ValueError) as exc:
-            print(f"kvbaton replay: {args.log}: {exc}", file=sys.stderr)
+            print(f"kvbaton replay: {log}: {exc}", file=sys.stderr)
             return 2
         seen_at = result.first_violation.seq
         if seen_at > 0:
@@ -155,7 +181,7 @@ def cmd_replay(args) -> int:
             return 2
         result = msgspec.structs.replace(result, first_violation=exact.first_violation or result.first_violation)
     if not args.json:
-        print(f"log: {args.log} (engine {header.engine or '?'}, role {header.role or '?'}, "
+        print(f"log: {log} (engine {header.engine or '?'}, role {header.role or '?'}, "
               f"writer {header.writer}, schema {header.schema})")
     first = result.first_violation
     if first is not None:
@@ -304,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("replay", help="re-run an engine's event log and check every invariant")
-    p.add_argument("log", nargs="?")
+    p.add_argument("log", nargs="*", help="event logs, or folders holding them (each replayed in turn)")
     p.add_argument("--request", help="show only events about this request")
     p.add_argument("--ticket", help="show only events about this ticket")
     p.add_argument("--json", action="store_true", help="one JSON object per event")

@@ -291,7 +291,7 @@ def run_demo(args) -> int:
     ]
     _print_table(rows)
     if logs:
-        print(f"inspect a log: kvbaton replay {logs[0]}")
+        print(f"check every log: kvbaton replay --quiet {events}   (one, event by event: kvbaton replay {logs[0]})")
         print(f"where the time went: kvbaton timings {events}")
     for failure in failures[:5]:
         print(f"failure: {failure}")

@@ -81,6 +81,27 @@ def test_cli_replay_exit_codes(tmp_path):
     assert "Traceback" not in broken.stderr and "truncated" in broken.stderr
 
 
+def test_cli_replay_takes_several_logs_and_folders_and_exits_with_the_worst(tmp_path):
+    """`kvbaton replay runs/demo/events/*.kvlog` (or the folder) replays each log in turn."""
+
+    _sample_log(tmp_path / "a.kvlog")
+    _sample_log(tmp_path / "b.kvlog")
+    cli = [sys.executable, "-m", "kvbaton.cli", "replay", "--quiet"]
+    both = subprocess.run(cli + [str(tmp_path / "a.kvlog"), str(tmp_path / "b.kvlog")], capture_output=True, text=True)
+    assert both.returncode == 0, both.stderr
+    assert both.stdout.count(", 0 violations") == 2 and "2 logs replayed: all clean" in both.stdout
+    folder = subprocess.run(cli + [str(tmp_path)], capture_output=True, text=True)
+    assert folder.returncode == 0 and "2 logs replayed" in folder.stdout
+    (tmp_path / "c.kvlog").write_bytes((tmp_path / "a.kvlog").read_bytes()[:-2])
+    worst = subprocess.run(cli + [str(tmp_path)], capture_output=True, text=True)
+    assert worst.returncode == 2 and worst.stdout.count(", 0 violations") == 2
+    assert "some could not be read" in worst.stdout and "truncated" in worst.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = subprocess.run(cli + [str(empty)], capture_output=True, text=True)
+    assert nothing.returncode == 2 and "no *.kvlog files" in nothing.stderr
+
+
 def test_cli_replay_reports_first_violation(tmp_path):
     path = tmp_path / "v.kvlog"
     config = LedgerConfig(block_bytes=1000)

@@ -43,6 +43,12 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Timeouts and budgets. Recorded in every log header so replay uses the same values."""
 
     unclaimed_ttl_ns: int = 120 * SECOND_NS
+    # A new ticket must be claimed or heartbeated within this long, else it closes: a ticket whose
+    # handoff never reached a decode engine (a client that asked P directly, a router that lost
+    # it) gives P's blocks back in seconds, not after `unclaimed_ttl_ns`; one a decode engine
+    # holds is heartbeated from the request's arrival on, and each heartbeat extends it to the
+    # full TTL. 0: no grace (logs written before the rule replay as they ran).
+    unclaimed_grace_ns: int = 0
     claim_lease_ns: int = 600 * SECOND_NS
     claim_wait_ns: int = 30 * SECOND_NS
     read_grant_wait_ns: int = 30 * SECOND_NS

@@ -15,8 +15,10 @@ connector reports as `finished_sending`), exactly once, when it closes: each acc
       ├─expire/abandon─▶ CLOSED ◀─expire── CLAIMED            CLAIMED ──release──▶ (close)
     (close) = RETAINING (history copies its blocks, soft deadline) ──▶ CLOSED, or CLOSED at once
 
-* An unclaimed ticket expires after `unclaimed_ttl_ns`; heartbeats from the decode engine that
-  holds the request push that deadline out, so a long D queue does not waste the prefill.
+* An unclaimed ticket expires after `unclaimed_grace_ns` unless claimed or heartbeated by then,
+  and after `unclaimed_ttl_ns` from its last heartbeat: the decode engine that holds the request
+  keeps it alive, so a long D queue does not waste the prefill, and a ticket nobody holds gives its
+  blocks back soon.
 * A claim names the claimer and its epoch; only that (claimer, epoch) may read or release. A
   retried claim from the same pair refreshes the idle lease (`claim_lease_ns`).
 * A read in flight pins the blocks: READING and DRAINING expire only when their reader falls
@@ -174,8 +176,9 @@ class TicketBook(Book):
     # -- handlers --------------------------------------------------------------------------------
 
     def issued(self, e: TicketIssued, now: int) -> list[Effect]:
-        """New id with distinct, non-negative blocks and no more keys than blocks → ISSUED (unclaimed
-        deadline); else Rejected(DUPLICATE_TICKET | INVALID)."""
+        """New id with distinct, non-negative blocks and no more keys than blocks → ISSUED (deadline:
+        the unclaimed grace, or the unclaimed TTL without one); else Rejected(DUPLICATE_TICKET |
+        INVALID)."""
 
         if e.ticket in self.tickets:
             return [reject(self.counters, "ti", e.ticket, Reason.DUPLICATE_TICKET)]
@@ -190,7 +193,9 @@ class TicketBook(Book):
                    num_tokens=e.num_tokens, digest=e.digest, abandon_digest=e.abandon_digest,
                    keepalive_digest=e.keepalive_digest)
         self.tickets[e.ticket] = t
-        self._set_deadline(t, now + self.config.unclaimed_ttl_ns)
+        grace = self.config.unclaimed_grace_ns
+        ttl = self.config.unclaimed_ttl_ns
+        self._set_deadline(t, now + (min(grace, ttl) if grace else ttl))
         self.counters.add("tickets.issued")
         return []
 

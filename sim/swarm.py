@@ -18,6 +18,8 @@ import random
 from collections import Counter
 from collections.abc import Callable
 
+import msgspec
+
 from ..core import effects as fx
 from ..core import events as ev
 from ..core import load as loads
@@ -70,7 +72,7 @@ def sim_config(rng: random.Random, tier_full: bool) -> LedgerConfig:
     cpu_blocks = rng.choice([0, 2, 3]) if tier_full else rng.choice([0, 16, 64])
     claim_wait_ns = rng.choice([100, 400, 1500]) * MS
     read_grant_wait_ns = rng.choice([100, 400, 1500]) * MS
-    return LedgerConfig(
+    config = LedgerConfig(
         unclaimed_ttl_ns=rng.choice([200, 500, 2000]) * MS,
         claim_lease_ns=rng.choice([300, 1000, 4000]) * MS,
         claim_wait_ns=claim_wait_ns,
@@ -90,7 +92,10 @@ def sim_config(rng: random.Random, tier_full: bool) -> LedgerConfig:
         candidate_bytes_max=rng.choice([3, 6, 100]) * block_bytes,
         probation_max=rng.choice([4, 64]),
         retention_writers_max=rng.choice([1, 2, 4]),
-    )
+    )    # A grace of half the TTL, derived (not drawn: older seeds' random streams stay the same): new
+    # tickets nobody claims or heartbeats close early.
+    return msgspec.structs.replace(config, unclaimed_grace_ns=config.unclaimed_ttl_ns // 2)
+
 
 
 class Node:

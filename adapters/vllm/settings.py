@@ -35,6 +35,9 @@ PEER_WAITS_PER_TIMEOUT = 3
 # D speaks for a ticket this many times per ticket lifetime (the shorter of the two), so a few
 # lost heartbeats never let a ticket that D still wants expire.
 HEARTBEATS_PER_LIFETIME = 12
+# A new ticket's grace, in heartbeat intervals and at least GRACE_MIN_S (see unclaimed_grace_s).
+GRACE_HEARTBEATS = 3
+GRACE_MIN_S = 10.0
 # A released ticket's engine blocks are held at most this long while history copies them: P's
 # engine gets its blocks back on time, and what is not copied by then is dropped and counted.
 RETENTION_DEADLINE_S = 0.05
@@ -192,6 +195,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return min(self.unclaimed_ttl_s, self.claim_lease_s) / HEARTBEATS_PER_LIFETIME
 
     @property
+    def unclaimed_grace_s(self) -> float:
+        return min(self.unclaimed_ttl_s, max(GRACE_MIN_S, GRACE_HEARTBEATS * self.heartbeat_interval_s))
+
+    @property
     def history_lease_s(self) -> float:
         hooked = self.test_hooks.history_lease_s
         return hooked if hooked is not None else self.unclaimed_ttl_s
@@ -200,6 +207,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         cpu = self.cpu_history_bytes if self.cpu_history_bytes >= 0 else cpu_default_bytes
         return LedgerConfig(
             unclaimed_ttl_ns=int(self.unclaimed_ttl_s * SECOND_NS),
+            unclaimed_grace_ns=int(self.unclaimed_grace_s * SECOND_NS),
             claim_lease_ns=int(self.claim_lease_s * SECOND_NS),
             # A reader silent for a whole idle lease has gone: its reads end (see LedgerConfig).
             reader_silence_ns=int(self.claim_lease_s * SECOND_NS),
@@ -227,6 +235,10 @@ DERIVED = (
      lambda s: s.heartbeat_interval_s,
      "D heartbeats each ticket it holds this often, from the request's arrival on (P and D share "
      "their lifetimes)."),
+    ("unclaimed_grace_s", f"min(unclaimed_ttl_s, max({GRACE_MIN_S:g}, {GRACE_HEARTBEATS} × heartbeat_interval_s))",
+     lambda s: s.unclaimed_grace_s,
+     "P: a new ticket nobody claims or heartbeats by then is closed and its blocks returned (a "
+     "handoff that never reached a decode engine); each heartbeat extends it to unclaimed_ttl_s."),
     ("history_lease_s", "unclaimed_ttl_s", lambda s: s.history_lease_s,
      "P: a history restore lease not used by then expires and its tokens are recomputed."),
     ("candidate_bytes_max", "gpu_history_bytes", lambda s: s.gpu_history_bytes,
@@ -238,6 +250,12 @@ CONSTANTS = (
      "A claim or read grant survives a retried peer call or two before it is given up."),
     ("HEARTBEATS_PER_LIFETIME", HEARTBEATS_PER_LIFETIME,
      "A few lost heartbeats never let a ticket that D still wants expire."),
+    ("GRACE_HEARTBEATS", GRACE_HEARTBEATS,
+     "A new ticket lives this many heartbeat intervals unless claimed or heartbeated: two lost "
+     "heartbeats never close a ticket D holds."),
+    ("GRACE_MIN_S", GRACE_MIN_S,
+     "However short the heartbeats, a decode engine that is slow to take a request (a loaded "
+     "machine) has this long to claim or heartbeat its ticket."),
     ("RETENTION_DEADLINE_S", RETENTION_DEADLINE_S,
      "P's engine gets a released ticket's blocks back on time; what history has not copied by then "
      "is dropped and counted."),

@@ -41,7 +41,8 @@ class PairLifecycle(RuleBasedStateMachine):
     )
     def setup(self, gpu_blocks, cpu_blocks, ttl_ms):
         config = LedgerConfig(
-            unclaimed_ttl_ns=ttl_ms * MS, claim_lease_ns=2 * ttl_ms * MS, claim_wait_ns=ttl_ms * MS,
+            unclaimed_ttl_ns=ttl_ms * MS, unclaimed_grace_ns=ttl_ms * MS // 2, claim_lease_ns=2 * ttl_ms * MS,
+            claim_wait_ns=ttl_ms * MS,
             read_grant_wait_ns=ttl_ms * MS, history_lease_ns=ttl_ms * MS, retention_deadline_ns=10 * MS,
             gpu_history_bytes=gpu_blocks * 1000, cpu_history_bytes=cpu_blocks * 1000, block_bytes=1000,
             candidate_bytes_max=5000, probation_max=16,

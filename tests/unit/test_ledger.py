@@ -32,6 +32,30 @@ def test_heartbeats_keep_an_unclaimed_ticket_alive():
     assert p.apply(ev.ClaimRequested(600 * SECOND_NS, "t1", "D", 1))[0].granted
 
 
+def test_a_ticket_nobody_claims_or_heartbeats_closes_after_its_grace():
+    """With a grace, a new ticket lives that long unless claimed or heartbeated (a handoff that
+    never reached a decode engine gives P's blocks back soon); a heartbeat extends it to the TTL."""
+
+    config = LedgerConfig(unclaimed_ttl_ns=120 * SECOND_NS, unclaimed_grace_ns=30 * SECOND_NS)
+    p = Ledger(config)
+    issue(p, "orphan")
+    issue(p, "held")
+    issue(p, "claimed")
+    assert p.apply(ev.HeartbeatReceived(20 * SECOND_NS, "held", "D")) == []
+    assert p.apply(ev.ClaimRequested(25 * SECOND_NS, "claimed", "D", 1))[0].granted
+    out = p.apply(ev.Tick(30 * SECOND_NS))
+    assert kinds(out).count("FreeEngineBlocks") == 1 and p.tickets.tickets["orphan"].close_reason == "expired"
+    assert p.tickets.tickets["held"].state == "ISSUED" and p.tickets.tickets["claimed"].state == "CLAIMED"
+    assert p.apply(ev.Tick(139 * SECOND_NS)) == []  # the heartbeat gave "held" the whole TTL
+    assert kinds(p.apply(ev.Tick(140 * SECOND_NS))) == ["FreeEngineBlocks"]
+    # A grace longer than the TTL is the TTL; no grace (old logs) is the TTL.
+    for grace in (0, 500 * SECOND_NS):
+        q = Ledger(LedgerConfig(unclaimed_ttl_ns=120 * SECOND_NS, unclaimed_grace_ns=grace))
+        issue(q)
+        assert q.apply(ev.Tick(119 * SECOND_NS)) == []
+        assert kinds(q.apply(ev.Tick(120 * SECOND_NS))) == ["FreeEngineBlocks"]
+
+
 def test_reading_ticket_never_expires_and_release_drains():
     p = Ledger()
     issue(p)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import itertools
 import json
-import os
 import sys
+from pathlib import Path
 
 
 def _event_subjects(event) -> set[str]:
@@ -57,6 +56,24 @@ def close_quietly(data, stream) -> None:
     stream.close()
 
 
+def event_logs(command: str, given: list[str]) -> list[Path] | None:
+    """The event logs named: files as given, folders as every *.kvlog under them; None (after a
+    line on stderr) when a folder holds none."""
+
+    paths: list[Path] = []
+    for name in given:
+        path = Path(name)
+        if path.is_dir():
+            found = sorted(path.rglob("*.kvlog"))
+            if not found:
+                print(f"kvbaton {command}: {path}: no *.kvlog event log under this folder", file=sys.stderr)
+                return None
+            paths.extend(found)
+        else:
+            paths.append(path)
+    return paths
+
+
 def cmd_replay(args) -> int:
     if args.diagram:
         from .core import history, lease, load, ticket
@@ -69,16 +86,10 @@ def cmd_replay(args) -> int:
     if not args.log:
         print("kvbaton replay: give a log path (or --diagram)", file=sys.stderr)
         return 2
-    paths: list[str] = []
-    for given in args.log:  # logs, or folders holding them (an engine's events/ folder)
-        if os.path.isdir(given):
-            found = sorted(glob.glob(os.path.join(given, "*.kvlog")))
-            if not found:
-                print(f"kvbaton replay: {given}: no *.kvlog files in this folder", file=sys.stderr)
-                return 2
-            paths.extend(found)
-        else:
-            paths.append(given)
+    paths = event_logs("replay", args.log)
+    if paths is None:
+        return 2
+    paths = [str(path) for path in paths]
     worst = 0
     for index, path in enumerate(paths):
         if len(paths) > 1 and not args.json:
@@ -293,22 +304,12 @@ def cmd_serve(args) -> int:
 
 
 def cmd_timings(args) -> int:
-    from pathlib import Path
-
     from .core.log import LogError, read_log_prefix
     from .core.timings import engine_stream, format_timings, timings
 
-    paths: list[Path] = []
-    for given in args.logs:
-        path = Path(given)
-        if path.is_dir():
-            found = sorted(path.rglob("*.kvlog"))
-            if not found:
-                print(f"kvbaton timings: {path}: no *.kvlog event log under this folder", file=sys.stderr)
-                return 2
-            paths.extend(found)
-        else:
-            paths.append(path)
+    paths = event_logs("timings", args.logs)
+    if paths is None:
+        return 2
     logs = []
     for path in paths:
         try:

@@ -99,7 +99,7 @@ def test_cli_replay_takes_several_logs_and_folders_and_exits_with_the_worst(tmp_
     empty = tmp_path / "empty"
     empty.mkdir()
     nothing = subprocess.run(cli + [str(empty)], capture_output=True, text=True)
-    assert nothing.returncode == 2 and "no *.kvlog files" in nothing.stderr
+    assert nothing.returncode == 2 and "no *.kvlog event log" in nothing.stderr
 
 
 def test_cli_replay_reports_first_violation(tmp_path):

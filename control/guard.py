@@ -30,7 +30,10 @@ logger = logging.getLogger("kvbaton.guard")
 
 SECRET_ENV = "KVBATON_SECRET"
 FRAME_KEY_ENV = "XOSCAR_AUTH_KEY"
-MIN_SECRET_CHARS = 16
+MIN_SECRET_CHARS = 32
+# A secret of so few distinct characters is a pattern (a repeated word, a padded name), not the
+# output of a random generator: 32 random hex characters use about 14 of their 16.
+MIN_SECRET_DISTINCT = 10
 DEFAULT_SECRET_PATH = os.path.join("~", ".kvbaton", "secret")
 
 # The address of the peer whose call the authority is answering (set by guard_pool).
@@ -68,10 +71,19 @@ def _read_private(path: str) -> str:
         secret = os.read(fd, 4096).decode("utf-8", "replace").strip()
     finally:
         os.close(fd)
-    if len(secret) < MIN_SECRET_CHARS:
-        raise SecretError(f"secret file {path} holds {len(secret)} characters; at least "
-                          f"{MIN_SECRET_CHARS} are needed (e.g. `openssl rand -hex 32`)")
+    check_secret(secret, f"secret file {path}")
     return secret
+
+
+def check_secret(secret: str, where: str) -> None:
+    """SecretError unless `secret` is long and varied enough to be a random one."""
+
+    if len(secret) < MIN_SECRET_CHARS:
+        raise SecretError(f"{where} holds {len(secret)} characters; at least {MIN_SECRET_CHARS} random "
+                          f"characters are needed (e.g. `openssl rand -hex 32`)")
+    if len(set(secret)) < MIN_SECRET_DISTINCT:
+        raise SecretError(f"{where} uses only {len(set(secret))} distinct characters: it is a pattern, not a "
+                          f"random secret (make one with `openssl rand -hex 32`)")
 
 
 def default_secret(path: str | None = None) -> str:
@@ -113,9 +125,7 @@ def resolve_secret(secret_file: str = "", control_host: str = "127.0.0.1") -> st
 
     secret = os.environ.get(SECRET_ENV, "")
     if secret:
-        if len(secret) < MIN_SECRET_CHARS:
-            raise SecretError(f"{SECRET_ENV} holds {len(secret)} characters; at least "
-                              f"{MIN_SECRET_CHARS} are needed (e.g. `openssl rand -hex 32`)")
+        check_secret(secret, SECRET_ENV)
         return secret
     if secret_file:
         return _read_private(os.path.expanduser(secret_file))

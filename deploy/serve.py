@@ -388,7 +388,10 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--engine-arg", action="append", default=[], help="extra argument for every engine")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every route but /health "
-                             "(default: $KVBATON_API_KEY; none: open)")
+                             "(default: $KVBATON_API_KEY; none: open). On the command line every "
+                             "local user sees it (ps): prefer KVBATON_API_KEY or --api-key-file")
+    parser.add_argument("--api-key-file", default=None,
+                        help="read the API key from this file (owner-only, like the secret file)")
     parser.add_argument("--secret-file", default=None,
                         help="the deployment secret that authenticates control frames (default: "
                              "$KVBATON_SECRET, else this user's per-host secret)")
@@ -432,13 +435,39 @@ def deployment_from_args(args) -> Deployment:
                       attach_decode_events=args.decode_events)
 
 
+def read_api_key_file(path: str | None) -> str | None:
+    """The API key in `path` (None without one); ValueError naming the problem when the file is
+    missing, empty or readable by others."""
+
+    if not path:
+        return None
+    try:
+        info = os.stat(path)
+        with open(path, encoding="utf-8") as handle:
+            key = handle.read().strip()
+    except OSError as exc:
+        raise ValueError(f"--api-key-file {path}: {exc.strerror}") from None
+    if info.st_mode & 0o077:
+        raise ValueError(f"--api-key-file {path} is readable by others (mode {info.st_mode & 0o777:o}); chmod 600 it")
+    if not key:
+        raise ValueError(f"--api-key-file {path} is empty")
+    return key
+
+
 def run_serve(args) -> int:
     from ..control.guard import SecretError, ensure_frame_key
 
     def progress(text: str) -> None:
         print(f"kvbaton serve: {text}", flush=True)
 
-    api_key = args.api_key or os.environ.get("KVBATON_API_KEY") or None
+    if args.api_key:
+        progress("warning: --api-key on the command line is visible to every user of this host (ps); "
+                 "use KVBATON_API_KEY or --api-key-file")
+    try:
+        api_key = args.api_key or read_api_key_file(args.api_key_file) or os.environ.get("KVBATON_API_KEY") or None
+    except ValueError as exc:
+        progress(str(exc))
+        return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         progress(f"warning: the router listens on {args.host} without an API key (--api-key or "
                  f"KVBATON_API_KEY): anyone who reaches it can use it")

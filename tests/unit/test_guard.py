@@ -37,24 +37,32 @@ def test_loopback_engines_share_a_private_per_user_secret(no_secret_env):
     assert len(first) >= 32
 
 
+RANDOM = "3f9c1a7be2d84c06a5f1e93b7d20c4e8"  # 32 hex characters, as `openssl rand -hex 16` gives
+
+
 def test_the_secret_comes_from_the_environment_first(no_secret_env, monkeypatch):
-    monkeypatch.setenv(guard.SECRET_ENV, "s" * 40)
-    assert guard.resolve_secret("/nonexistent", "10.0.0.1") == "s" * 40
-    monkeypatch.setenv(guard.SECRET_ENV, "short")
-    with pytest.raises(guard.SecretError, match="at least 16"):
-        guard.resolve_secret("", "127.0.0.1")
+    monkeypatch.setenv(guard.SECRET_ENV, RANDOM)
+    assert guard.resolve_secret("/nonexistent", "10.0.0.1") == RANDOM
+    for weak, why in (("short", "at least 32"), ("s" * 40, "distinct characters"),
+                      ("abcd" * 10, "distinct characters")):
+        monkeypatch.setenv(guard.SECRET_ENV, weak)
+        with pytest.raises(guard.SecretError, match=why):
+            guard.resolve_secret("", "127.0.0.1")
 
 
 def test_a_secret_file_must_be_private_and_long_enough(no_secret_env):
     path = no_secret_env / "secret"
-    path.write_text("x" * 40 + "\n")
+    path.write_text(RANDOM + "\n")
     path.chmod(0o644)
     with pytest.raises(guard.SecretError, match="readable by others"):
         guard.resolve_secret(str(path), "10.0.0.1")
     path.chmod(0o600)
-    assert guard.resolve_secret(str(path), "10.0.0.1") == "x" * 40
+    assert guard.resolve_secret(str(path), "10.0.0.1") == RANDOM
+    path.write_text("x" * 40)
+    with pytest.raises(guard.SecretError, match="distinct characters"):
+        guard.resolve_secret(str(path), "10.0.0.1")
     path.write_text("tiny")
-    with pytest.raises(guard.SecretError, match="at least 16"):
+    with pytest.raises(guard.SecretError, match="at least 32"):
         guard.resolve_secret(str(path), "10.0.0.1")
     with pytest.raises(guard.SecretError, match="No such file"):
         guard.resolve_secret(str(no_secret_env / "missing"), "10.0.0.1")

@@ -80,3 +80,22 @@ def test_a_batch_prompt_limit_below_one_is_refused_before_anything_starts(tmp_pa
     assert run_serve(parse("--log-dir", str(tmp_path), "--max-batch-prompts", "0")) == 2
     assert "--max-batch-prompts must be at least 1, not 0" in capsys.readouterr().out
     assert not any(tmp_path.iterdir())  # no engine, no model was set up
+
+
+def test_the_api_key_file_must_be_private_and_not_empty(tmp_path):
+    from kvbaton.deploy.serve import read_api_key_file
+
+    assert read_api_key_file(None) is None
+    path = tmp_path / "key"
+    path.write_text("sk-kvbaton-test\n")
+    path.chmod(0o600)
+    assert read_api_key_file(str(path)) == "sk-kvbaton-test"
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by others"):
+        read_api_key_file(str(path))
+    path.write_text("  \n")
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match="is empty"):
+        read_api_key_file(str(path))
+    with pytest.raises(ValueError, match="No such file"):
+        read_api_key_file(str(tmp_path / "missing"))

@@ -234,10 +234,12 @@ class SidecarHandle:
             shutil.rmtree(config.ipc_dir, ignore_errors=True)
         os.mkdir(config.ipc_dir, 0o700)
         link = Link(config.ipc_dir, "scheduler")
-        private_log_dir(log_dir)
-        log_file = os.path.join(log_dir, f"sidecar-{config.engine_id}.log")
+        try:
+            log_file, fd = open_sidecar_log(log_dir, config.engine_id)
+        except OSError as exc:
+            raise SidecarError(f"kvbaton: cannot open the sidecar log of engine {config.engine_id} under "
+                               f"{log_dir} ({exc.strerror}; a link there is never followed)") from None
         launch = msgspec.json.encode(SidecarLaunch(config=config, secret=secret))
-        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as out:
             process = subprocess.Popen(
                 [sys.executable, "-m", "kvbaton.control.sidecar_main"],
@@ -414,12 +416,27 @@ async def bounded(awaitable, timeout_s: float, what: str):
     return task.result()
 
 
-def private_log_dir(path: str) -> None:
-    """Event and sidecar logs hold ticket ids: their directory is created 0700."""
+def open_sidecar_log(log_dir: str, engine_id: str) -> tuple[str, int]:
+    """(path, fd) of engine `engine_id`'s sidecar log under `log_dir` (see private_log_dir),
+    opened for appending, 0600, never through a link someone planted (OSError then)."""
+
+    path = os.path.join(private_log_dir(log_dir), f"sidecar-{engine_id}.log")
+    return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+
+
+def private_log_dir(path: str) -> str:
+    """Where a sidecar's log goes under `path`: `path` itself, created 0700, when it is missing or
+    this user's and closed to others; else (a shared working directory, /tmp) a private
+    `kvbaton-<uid>` folder inside it, so nobody else can plant or read the log."""
 
     if not os.path.isdir(path):
         os.makedirs(path, mode=0o700, exist_ok=True)
         os.chmod(path, 0o700)
+        return path
+    info = os.stat(path)
+    if info.st_uid == os.getuid() and not stat.S_IMODE(info.st_mode) & 0o022:
+        return path
+    return private_dir(os.path.join(path, f"kvbaton-{os.getuid()}"))
 
 
 async def call_peer(address: str, call: pc.PeerCall, timeout_s: float = 10.0, *, to: str = "",

@@ -95,6 +95,26 @@ def test_a_private_dir_owned_by_someone_else_is_refused(tmp_path):
         private_dir(str(other))
 
 
+def test_sidecar_logs_in_a_shared_folder_go_to_a_private_one_and_never_through_a_link(tmp_path):
+    from kvbaton.control.client import open_sidecar_log, private_log_dir
+
+    mine = tmp_path / "mine"
+    assert private_log_dir(str(mine)) == str(mine) and stat.S_IMODE(os.stat(mine).st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp, or a working directory others may write
+    inside = private_log_dir(str(shared))
+    assert inside == str(shared / f"kvbaton-{os.getuid()}") and stat.S_IMODE(os.stat(inside).st_mode) == 0o700
+    path, fd = open_sidecar_log(str(shared), "E0")
+    os.close(fd)
+    assert path == os.path.join(inside, "sidecar-E0.log") and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    planted = tmp_path / "target"
+    (mine / "sidecar-E1.log").symlink_to(planted)
+    with pytest.raises(OSError):
+        open_sidecar_log(str(mine), "E1")
+    assert not planted.exists()
+
+
 def test_the_log_writer_refuses_what_it_cannot_record_without_a_gap(tmp_path):
     path = tmp_path / "x.kvlog"
     writer = LogWriter.open(str(path), LogHeader())

@@ -546,7 +546,7 @@ class Router:
                 yield chunk
 
     async def _prefill(self, endpoint: str, body: dict, p_url: str, started: float,
-                       pick: Pick | None) -> tuple[dict | None, dict | None] | tuple[str, Response]:
+                       pick: Pick | None, first_token: bool = True) -> tuple[dict | None, dict | None] | tuple[str, Response]:
         """P computes the prompt and its first token (max_tokens=1) and answers with the handoff:
         (its kv_transfer_params or None when it gave none, its answer), or (outcome, the error
         Response for the client)."""
@@ -554,7 +554,9 @@ class Router:
         # n > 1 is one prefill and one handoff: P computes the prompt once (n=1 there, so one
         # ticket), D samples n times from it (its children share the one handoff, see
         # PROTOCOL.md).
-        p_body = ft.prefill_body(body)
+        # (P's token ids only when its first token may be the client's: they are the whole prompt.)
+        p_body = ft.prefill_body(body, token_ids=first_token and self.first_token == "prefill"
+                                 and ft.refusal(endpoint, body) is None)
         p_body["request_id"] = f"kvb-{uuid.uuid4().hex}"
         try:
             with self.placement.busy(p_url):
@@ -686,7 +688,7 @@ class Router:
         async def prefill(i: int):
             if picks[i].p_url is None:
                 return None  # D alone
-            result = await self._prefill(endpoint, bodies[i], picks[i].p_url, started, picks[i])
+            result = await self._prefill(endpoint, bodies[i], picks[i].p_url, started, picks[i], first_token=False)
             if isinstance(result[0], str):
                 return result  # (outcome, error response)
             batch.keep(i, result[0])

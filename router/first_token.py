@@ -96,14 +96,15 @@ def refusal(endpoint: str, body: dict) -> str | None:
     return None
 
 
-def prefill_body(body: dict) -> dict:
+def prefill_body(body: dict, token_ids: bool = True) -> dict:
     """What P computes for a handoff: the client's request, one token, not streamed, one choice,
-    with the handoff asked for and the token ids returned (the router's, stripped before the
-    client sees P's answer)."""
+    with the handoff asked for and, with `token_ids`, the prompt's and the token's ids returned
+    (the router's, stripped before the client sees P's answer)."""
 
     p_body = dict(body)
-    p_body.update({"max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True},
-                   "return_token_ids": True})
+    p_body.update({"max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    if token_ids:
+        p_body["return_token_ids"] = True
     p_body.pop("best_of", None)
     p_body.pop("stream_options", None)
     if "max_completion_tokens" in p_body:

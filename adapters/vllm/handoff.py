@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import array
 import hashlib
+import hmac
 import ipaddress
+import time
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from ...control import peer as pc
 
@@ -37,32 +41,76 @@ class HandoffError(ValueError):
     pass
 
 
+# What P's signature covers: everything D acts on before P's grant (whom to dial, which instance,
+# which ticket, how many tokens, which layout, its keepalive) and the section's expiry. The
+# router's abandon capability is not covered: the router removes it before D sees the section.
+SIGNED_FIELDS = ("v", "ticket", "control", "engine", "num_tokens", "layout", "keepalive", "instance", "expires")
+# How far P's and D's clocks may disagree on a section's expiry.
+EXPIRY_SKEW_S = 30
+
+
+def handoff_key(secret: str) -> bytes:
+    """The key P signs handoff sections with and D checks them with (from the deployment secret)."""
+
+    return hashlib.blake2b(secret.encode(), key=b"kvbaton-handoff-v1", digest_size=32).digest()
+
+
+def handoff_signature(section: dict, key: bytes) -> str:
+    payload = msgspec.json.encode([section.get(name) for name in SIGNED_FIELDS])
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()[:32]
+
+
+def sign_handoff(section: dict, key: bytes, ttl_s: float) -> dict:
+    """`section` with an expiry (`ttl_s` from now) and P's signature over SIGNED_FIELDS."""
+
+    signed = dict(section, expires=int(time.time() + ttl_s))
+    signed["sig"] = handoff_signature(signed, key)
+    return signed
+
+
 # Bounds on what a request's handoff section may carry (it comes from a client, through P's
 # response or not): anything past them recomputes within the step.
 MAX_HANDOFF_TOKENS = 1 << 24
 MAX_HINT_BLOCKS = 1 << 20
 
 
-def parse_handoff(params: dict, expected_layout: str, trusted) -> dict:
+def parse_handoff(params: dict, expected_layout: str, trusted, key: bytes | None = None,
+                  now: float | None = None) -> dict:
     """Validate the `kvbaton` section P put in kv_transfer_params; raise HandoffError naming the
-    flaw. Only the ticket, P's control address (which must be trusted: `peer_networks`), the
-    token count and the layout are used; what to read comes from P's grant. `remote_block_ids`
-    and `engine` are hints: checked for sanity, never used."""
+    flaw. With `key` the section must carry P's signature over SIGNED_FIELDS and must not have
+    expired, so D dials only addresses a P of this deployment named (a client cannot point D at
+    another host, even inside `peer_networks`). Only the ticket, P's control address (which must
+    be trusted: `peer_networks`), the token count and the layout are used; what to read comes
+    from P's grant. `remote_block_ids` and `engine` are hints: checked for sanity, never used."""
 
     section = params.get("kvbaton")
     if not isinstance(section, dict):
         raise HandoffError("kv_transfer_params has no 'kvbaton' section (not a kvbaton handoff)")
-    for key, kind in (("ticket", str), ("control", str), ("num_tokens", int), ("layout", str)):
-        if not isinstance(section.get(key), kind) or isinstance(section.get(key), bool):
-            raise HandoffError(f"kvbaton handoff field {key!r} is missing or not a {kind.__name__}")
+    for name, kind in (("ticket", str), ("control", str), ("num_tokens", int), ("layout", str)):
+        if not isinstance(section.get(name), kind) or isinstance(section.get(name), bool):
+            raise HandoffError(f"kvbaton handoff field {name!r} is missing or not a {kind.__name__}")
     # The same types P's sidecar checks peer messages against: what passes here passes there.
     if not pc.is_valid(section["ticket"], pc.Id):
         raise HandoffError("kvbaton handoff 'ticket' is not a ticket id")
-    for key in ("keepalive", "instance"):
-        if not pc.is_valid(section.get(key, ""), pc.Instance):
-            raise HandoffError(f"kvbaton handoff {key!r} is not a 128-bit hex value")
+    for name in ("keepalive", "instance"):
+        if not pc.is_valid(section.get(name, ""), pc.Instance):
+            raise HandoffError(f"kvbaton handoff {name!r} is not a 128-bit hex value")
     if len(section["layout"]) > 64:
         raise HandoffError("kvbaton handoff 'layout' is not a layout fingerprint")
+    if key is not None:
+        signature = section.get("sig")
+        if not isinstance(signature, str) or not isinstance(section.get("expires"), int):
+            raise HandoffError("kvbaton handoff is not signed (no 'sig' and 'expires': not from a P of "
+                               "this deployment)")
+        try:
+            expected = handoff_signature(section, key)
+        except (TypeError, ValueError, OverflowError):
+            raise HandoffError("kvbaton handoff holds values that cannot be signed") from None
+        if not hmac.compare_digest(signature, expected):
+            raise HandoffError("kvbaton handoff signature does not match (the section was altered, or "
+                               "signed with another deployment secret)")
+        if section["expires"] < (time.time() if now is None else now) - EXPIRY_SKEW_S:
+            raise HandoffError("kvbaton handoff has expired (P's ticket is gone by now)")
     check_control(section["control"], trusted)
     blocks = params.get("remote_block_ids")
     if blocks is not None:  # a hint: vLLM-NixlConnector-shaped proxies pass it along

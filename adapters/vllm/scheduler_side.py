@@ -21,7 +21,7 @@ from ...control.client import SidecarHandle
 from ...control.config import SidecarConfig
 from ...control.guard import capability_digest, install_frame_key, mint_capability, resolve_secret
 from ...core import events as ev
-from .handoff import PARAMS_VERSION, Handoff, HandoffError, parse_handoff, prompt_digest
+from .handoff import PARAMS_VERSION, Handoff, HandoffError, handoff_key, parse_handoff, prompt_digest, sign_handoff
 from .settings import EVENT_LOG_HASH_EVERY, parse_peer_networks
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class SchedulerSide:
         # with a message naming the setting (SecretError).
         secret = resolve_secret(s.secret_file, s.control_host)
         install_frame_key(secret)  # this process's own calls to its sidecar (debug_state)
+        self.handoff_key = handoff_key(secret)  # P signs the sections it hands out; D checks them
         self.trusted = parse_peer_networks(s.peer_networks)
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self.sidecar_lost_logged = False
@@ -182,7 +183,7 @@ class SchedulerSide:
             self.handoffs[rid] = h
             return h
         try:
-            section = parse_handoff(params, self.conn.layout, self.trusted)
+            section = parse_handoff(params, self.conn.layout, self.trusted, self.handoff_key)
             num_tokens = min(section["num_tokens"], len(request.prompt_token_ids or ()))
             digest = prompt_digest(request, num_tokens)
         except (HandoffError, OverflowError, TypeError, ValueError) as exc:
@@ -343,7 +344,8 @@ class SchedulerSide:
             "do_remote_decode": False,
             "remote_engine_id": self.conn.engine_id,
             "remote_block_ids": list(blocks),
-            "kvbaton": {
+            # Signed, with the ticket's lifetime as expiry: D dials only what P signed.
+            "kvbaton": sign_handoff({
                 "v": PARAMS_VERSION,
                 "ticket": ticket,
                 "control": control,
@@ -353,7 +355,7 @@ class SchedulerSide:
                 "keepalive": keepalive,
                 "abandon": abandon,
                 "instance": self.sidecar.instance,
-            },
+            }, self.handoff_key, self.conn.settings.unclaimed_ttl_s),
         }
 
     # -- history (P) -------------------------------------------------------------------------------

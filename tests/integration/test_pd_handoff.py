@@ -191,7 +191,7 @@ def test_router_abandons_after_p_answered(pd):
 
 
 @pytest.mark.parametrize("damage", ["garbage", "wrong_layout", "unknown_ticket", "huge_block_id", "bad_control",
-                                    "untrusted_control", "absurd_token_count", "megabyte_ticket"])
+                                    "untrusted_control", "absurd_token_count", "megabyte_ticket", "unsigned"])
 def test_malformed_or_stale_params_recompute_locally(pd, damage):
     prompt = tiny_prompt(120, seed=15)
     params = prefill(pd, prompt)
@@ -212,6 +212,8 @@ def test_malformed_or_stale_params_recompute_locally(pd, damage):
         bad["kvbaton"]["num_tokens"] = 10**12
     elif damage == "megabyte_ticket":
         bad["kvbaton"]["ticket"] = "t" * (1 << 20)
+    elif damage == "unsigned":
+        del bad["kvbaton"]["sig"]
     assert decode(pd, prompt, bad) == reference(pd, prompt)
     section = params["kvbaton"]
     call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])  # the real ticket
@@ -373,8 +375,15 @@ def test_a_control_address_answering_a_pickle_runs_nothing_and_the_request_compl
     marker = tmp_path / "pwned-d"
     listener = PickleListener(str(marker))
     try:
+        # Signed as a holder of the deployment secret would: an unsigned or altered section is
+        # never dialled at all (test_malformed_or_stale_params_recompute_locally).
+        from kvbaton.adapters.vllm.handoff import handoff_key, sign_handoff
+        from kvbaton.control.guard import resolve_secret
+
         bad = copy.deepcopy(params)
         bad["kvbaton"]["control"] = listener.address
+        bad["kvbaton"] = sign_handoff({k: v for k, v in bad["kvbaton"].items() if k not in ("sig", "expires")},
+                                      handoff_key(resolve_secret()), 120)
         assert decode(pd, prompt, bad) == reference(pd, prompt)
     finally:
         listener.close()

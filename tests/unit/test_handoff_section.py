@@ -1,0 +1,54 @@
+"""P signs the handoff section it hands out and D checks it before it dials anything: a client
+cannot point D at another address (even one inside peer_networks), alter what it claims, or use
+a section long expired."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from kvbaton.adapters.vllm.handoff import HandoffError, handoff_key, parse_handoff, sign_handoff
+
+KEY = handoff_key("3f9c1a7be2d84c06a5f1e93b7d20c4e8")
+TRUSTED = ([ipaddress.ip_network("127.0.0.0/8")], set())
+
+
+def section(**changes) -> dict:
+    fields = {"v": 1, "ticket": "a" * 32, "control": "127.0.0.1:5000", "engine": "P0", "num_tokens": 64,
+              "layout": "L", "keepalive": "b" * 32, "abandon": "c" * 32, "instance": "d" * 32}
+    return {**fields, **changes}
+
+
+def params(kvbaton: dict) -> dict:
+    return {"do_remote_prefill": True, "kvbaton": kvbaton}
+
+
+def test_a_signed_section_passes_and_the_router_may_drop_its_abandon_capability():
+    signed = sign_handoff(section(), KEY, ttl_s=120)
+    assert parse_handoff(params(signed), "L", TRUSTED, KEY)["ticket"] == "a" * 32
+    forwarded = {k: v for k, v in signed.items() if k != "abandon"}
+    assert parse_handoff(params(forwarded), "L", TRUSTED, KEY)["control"] == "127.0.0.1:5000"
+
+
+@pytest.mark.parametrize("field, value", [("control", "127.0.0.2:5000"), ("ticket", "e" * 32),
+                                          ("num_tokens", 63), ("instance", "f" * 32), ("keepalive", "0" * 32),
+                                          ("expires", 2**40)])
+def test_an_altered_section_is_refused_before_anything_is_dialled(field, value):
+    signed = sign_handoff(section(), KEY, ttl_s=120)
+    with pytest.raises(HandoffError, match="signature does not match"):
+        parse_handoff(params({**signed, field: value}), "L", TRUSTED, KEY)
+
+
+def test_unsigned_foreign_and_expired_sections_are_refused():
+    with pytest.raises(HandoffError, match="not signed"):
+        parse_handoff(params(section()), "L", TRUSTED, KEY)
+    other = sign_handoff(section(), handoff_key("9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b"), ttl_s=120)
+    with pytest.raises(HandoffError, match="another deployment secret"):
+        parse_handoff(params(other), "L", TRUSTED, KEY)
+    signed = sign_handoff(section(), KEY, ttl_s=120)
+    assert parse_handoff(params(signed), "L", TRUSTED, KEY, now=signed["expires"] + 29)
+    with pytest.raises(HandoffError, match="expired"):
+        parse_handoff(params(signed), "L", TRUSTED, KEY, now=signed["expires"] + 31)
+    with pytest.raises(HandoffError, match="cannot be signed|signature"):
+        parse_handoff(params({**signed, "expires": 2**70}), "L", TRUSTED, KEY)

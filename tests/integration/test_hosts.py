@@ -294,10 +294,12 @@ def test_p_dies_after_a_claim_and_comes_back_at_the_same_address(net):
     after = d_state(deployment)["counters"]
     assert d_reply.status_code == 200 and d_reply.json()["choices"][0]["text"] == reference(deployment, old_prompt, 8)
     assert after.get("peers.refused.stale_instance", 0) == before.get("peers.refused.stale_instance", 0) + 1
-    # A miss at once: D's one claim reached the new P, whose answer named its new instance, and D
-    # gave up there (the unknown-ticket retries, one claim every 0.5 s for 8 s, would count more);
-    # the time bound only says nothing hung.
-    assert p_state(deployment)["counters"].get("claims.refused.unknown_ticket", 0) == 1
+    # A miss at once: D's one claim, addressed to the dead instance, reached the new P, which
+    # refused it unread (misaddressed), and D gave up there (the unknown-ticket retries, one claim
+    # every 0.5 s for 8 s, would count more); the time bound only says nothing hung.
+    p_counters = p_state(deployment)["counters"]
+    assert p_counters.get("peers.refused.misaddressed", 0) == 1, p_counters
+    assert p_counters.get("claims.refused.unknown_ticket", 0) == 0, p_counters
     assert took < 30.0, took
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
     fresh = words_for(tiny_prompt(200, seed=802))

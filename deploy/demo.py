@@ -148,9 +148,10 @@ def run_demo(args) -> int:
         print(f"demo: [{time.monotonic() - began:5.1f} s] {text}", flush=True)
 
     specs = [
-        # P's own cache is small (128 blocks) so that returning prompts find it evicted.
+        # Both caches are small (128 blocks): returning prompts find them evicted from P's and
+        # D's own caches, so the router sends them to P, whose history still holds them.
         EngineSpec("prefill", free_port(), free_port(), "cpu:0", 2 << 20),
-        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20),
+        EngineSpec("decode", free_port(), free_port(), "cpu:1", 2 << 20),
     ]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name="tiny",
                             log_dir=log_dir, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
@@ -225,6 +226,7 @@ def run_demo(args) -> int:
         for prompt in hot:
             complete(prompt)
 
+        routed = router_counts(router.port)
         # Let the engines settle: the walked-away stream and the last releases.
         say("waiting for the last tickets to close")
         p_controls = deployment.controls("prefill")
@@ -242,6 +244,7 @@ def run_demo(args) -> int:
         say(f"failed: {exc}")
         failures.append(str(exc))
         p_states, d_states, open_tickets, open_loads = {}, {}, -1, -1
+        routed = {}
     finally:
         say("stopping the router and the engines")
         try:
@@ -284,6 +287,7 @@ def run_demo(args) -> int:
                                                  f"{total(d_states, 'loads.failed')}"),
         ("handoff blocks / bytes", f"{total(d_states, 'loads.blocks')} / {transfer_bytes / 2**20:.1f} MiB"),
         ("history hits GPU tier / CPU tier", f"{hits_gpu} / {hits_cpu}"),
+        ("first tokens from P / served by D alone", f"{routed.get('first_from_p', 0)} / {routed.get('d_alone', 0)}"),
         ("P ticket -> D asks, p50 / p90", phase("pd.ticket_to_load")),
         ("D load asked -> read end, p50 / p90", phase("d.request_to_read_end")),
         ("open tickets at the end", str(open_tickets)),
@@ -295,9 +299,35 @@ def run_demo(args) -> int:
         print(f"where the time went: kvbaton timings {events}")
     for failure in failures[:5]:
         print(f"failure: {failure}")
+    # Every feature the demo shows must have happened: a fresh clone that shows none of them is
+    # broken even when every request succeeded.
+    missing = [what for what, seen in (("no returning prompt was restored from P's history", hits_gpu + hits_cpu),
+                                       ("no client got its first token from P", routed.get("first_from_p", 0)),
+                                       ("no request was served by D alone", routed.get("d_alone", 0))) if not seen]
+    for what in missing:
+        print(f"failure: {what}")
     print(f"demo: {requests} requests, {hits_gpu + hits_cpu} history hits, {open_tickets} open tickets, logs in {log_dir}")
-    ok = not failures and open_tickets == 0 and violations == 0 and requests > 0
+    ok = not failures and not missing and open_tickets == 0 and violations == 0 and requests > 0
     return 0 if ok else 1
+
+
+def router_counts(port: int) -> dict[str, int]:
+    """From the router's /metrics: requests whose first token came from P, and requests served by
+    D alone."""
+
+    import httpx
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    counts = {"first_from_p": 0, "d_alone": 0}
+    for line in text.splitlines():
+        if line.startswith("kvbaton_router_first_token_total{") and 'source="prefill"' in line:
+            counts["first_from_p"] += int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("kvbaton_router_routed_total{") and 'disaggregated="false"' in line:
+            counts["d_alone"] += int(float(line.rsplit(" ", 1)[1]))
+    return counts
 
 
 def _print_table(rows: list[tuple[str, str]]) -> None:

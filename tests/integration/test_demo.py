@@ -29,7 +29,7 @@ def test_demo_runs_clean(tmp_path):
     assert match, last
     assert int(match.group(1)) >= 20
     assert int(match.group(2)) > 0  # returning prompts came back from P's history
-    assert re.search(r"first tokens from P / served by D alone\s*│\s*[1-9]\d* / [1-9]", result.stdout), result.stdout
+    assert re.search(r"first tokens from P / served by D alone\D*[1-9]\d* / [1-9]", result.stdout), result.stdout
     assert list((tmp_path / "events").glob("*.kvlog"))
     # The handoff's phases, read back from the event logs: D's loads were timed end to end.
     timed = re.search(r"D load asked -> read end, p50 / p90\W+([\d.]+) / ([\d.]+) ms", result.stdout)

@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvbaton.adapters.vllm import scheduler_side as c  # noqa: E402
+from kvbaton.adapters.vllm.handoff import handoff_key, sign_handoff  # noqa: E402
 from kvbaton.adapters.vllm.settings import parse_peer_networks  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
 from kvbaton.core import events as ev  # noqa: E402
@@ -44,10 +45,14 @@ class Sidecar:
         return [event for msg in self.sent if type(msg) is m.Apply for event in msg.events if type(event) is kind]
 
 
+KEY = handoff_key("3f9c1a7be2d84c06a5f1e93b7d20c4e8")
+
+
 def scheduler_side() -> c.SchedulerSide:
     side = object.__new__(c.SchedulerSide)
     side.conn = SimpleNamespace(is_consumer=True, is_producer=False, layout=LAYOUT, block_size=32, engine_id="D0")
     side.trusted = parse_peer_networks("127.0.0.0/8")
+    side.handoff_key = KEY
     side.sidecar = Sidecar()
     side.allocate_early = True
     side.history_on = False
@@ -61,8 +66,9 @@ def children(n: int, ticket: str | None = None, tokens: int = 80) -> list[Simple
     """n requests as vLLM's fan-out makes them: ids `i_parent`, one kv_transfer_params dict."""
 
     params = {"do_remote_prefill": True, "remote_block_ids": [1, 2, 3],
-              "kvbaton": {"ticket": ticket or uuid.uuid4().hex, "control": "127.0.0.1:9000", "num_tokens": tokens,
-                          "layout": LAYOUT, "keepalive": uuid.uuid4().hex, "instance": uuid.uuid4().hex}}
+              "kvbaton": sign_handoff({"ticket": ticket or uuid.uuid4().hex, "control": "127.0.0.1:9000",
+                                       "num_tokens": tokens, "layout": LAYOUT, "keepalive": uuid.uuid4().hex,
+                                       "instance": uuid.uuid4().hex}, KEY, 120)}
     return [SimpleNamespace(request_id=f"{i}_parent", kv_transfer_params=params, prompt_token_ids=list(range(tokens)),
                             status=RequestStatus.WAITING, cache_salt=None, lora_request=None, mm_features=None)
             for i in range(n)]

@@ -90,15 +90,18 @@ def cmd_replay(args) -> int:
     if paths is None:
         return 2
     paths = [str(path) for path in paths]
-    worst = 0
+    codes = []
     for index, path in enumerate(paths):
         if len(paths) > 1 and not args.json:
             print(("\n" if index else "") + f"== {path}")
-        worst = max(worst, _replay_one(args, path))
+        codes.append(_replay_one(args, path))
+    broken, unreadable = codes.count(1), codes.count(2)
     if len(paths) > 1 and not args.json:
-        print(f"\n{len(paths)} logs replayed: " + ("all clean" if worst == 0 else
-                                                  "some broke an invariant" if worst == 1 else "some could not be read"))
-    return worst
+        print(f"\n{len(paths)} logs replayed: " + (", ".join(
+            part for part in (f"{broken} broke an invariant" if broken else "",
+                              f"{unreadable} could not be read" if unreadable else "") if part) or "all clean"))
+    # A broken invariant is what an operator must see first; then an unreadable log.
+    return 1 if broken else (2 if unreadable else 0)
 
 
 def _replay_one(args, log: str) -> int:

@@ -23,6 +23,7 @@ counted (`misaddressed`, `stale`, `replayed`).
 
 from __future__ import annotations
 
+import collections
 import secrets
 import time
 from typing import Annotated, Union
@@ -200,14 +201,15 @@ def seal(call: PeerCall, to: str, sender: str, now_ns: int | None = None) -> byt
 
 class ReplayWindow:
     """What a sidecar remembers to refuse calls that are not fresh: the nonces of the calls it
-    accepted within the freshness window. When more than `capacity` calls arrive within one
-    window, the oldest nonces are forgotten and every call sent before the newest forgotten one
-    is refused as stale from then on (`floor_ns`), so a forgotten nonce can never be replayed."""
+    accepted within the freshness window (at most `capacity`, about 40 MB at the default). A
+    nonce is forgotten when it ages out, or, when more than `capacity` calls arrive within one
+    window, oldest first; either way every call sent at or before a forgotten one is refused as
+    stale from then on (`floor_ns`), so a forgotten nonce can never be replayed."""
 
-    def __init__(self, window_ns: int = FRESH_WINDOW_NS, capacity: int = 1 << 20) -> None:
+    def __init__(self, window_ns: int = FRESH_WINDOW_NS, capacity: int = 1 << 18) -> None:
         self.window_ns = window_ns
         self.capacity = capacity
-        self.seen: dict[str, int] = {}  # nonce -> sent_ns, in arrival order
+        self.seen: collections.OrderedDict[str, int] = collections.OrderedDict()  # nonce -> sent_ns, by arrival
         self.floor_ns = 0
 
     def refusal(self, envelope: Envelope, instance: str, now_ns: int) -> str | None:
@@ -228,13 +230,13 @@ class ReplayWindow:
         seen = self.seen
         horizon = now_ns - self.window_ns
         while seen:
-            nonce = next(iter(seen))
-            sent = seen[nonce]
+            nonce, sent = next(iter(seen.items()))
             if sent >= horizon and len(seen) <= self.capacity:
                 break
-            del seen[nonce]
-            if sent >= horizon:  # forgotten while still fresh: nothing sent before it passes now
-                self.floor_ns = max(self.floor_ns, sent)
+            seen.popitem(last=False)
+            # Nothing sent at or before a forgotten nonce passes again (also when this host's
+            # clock steps back and an aged-out nonce would look fresh).
+            self.floor_ns = max(self.floor_ns, sent)
 
 
 ENCODER = msgspec.msgpack.Encoder()

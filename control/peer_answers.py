@@ -16,6 +16,10 @@ from .guard import capability_digest, peer_address
 
 logger = logging.getLogger("kvbaton.sidecar")
 
+# A call from an instance that started before the one P knows at that address is refused while
+# that one was heard within this long (twice the freshness window).
+OLDER_INSTANCE_HEARD_NS = 2 * pc.FRESH_WINDOW_NS
+
 # Ledger refusals that say who asked was not allowed (counted as peers.refused.<reason>).
 _OWNER_REFUSALS = {Reason.NOT_CLAIMER: "not_claimer", Reason.NO_CAPABILITY: "no_capability"}
 
@@ -100,15 +104,22 @@ class PeerAnswers:
             return True
         key = (address, claimer)
         known = self.peer_instances.get(key)
-        if known is not None and known[1] != instance and request.started_ns <= known[0]:
+        if (known is not None and known[1] != instance and request.started_ns <= known[0]
+                and now - known[2] < OLDER_INSTANCE_HEARD_NS):
+            # (An instance P has not heard for a while is gone whatever its start said: a restarted
+            # engine whose clock stepped back is locked out for that long at most.)
             self._refuse("older_instance", f"{request.__struct_config__.tag} from {claimer!r} at {address} as "
                                            f"instance {instance[:8]}, which started before instance {known[1][:8]}")
             return False
-        self.peer_instances[key] = (request.started_ns, instance)
+        if known is not None and known[1] == instance:
+            self.peer_instances[key] = (known[0], instance, now)
+            self.peer_instances.move_to_end(key)
+            return True
+        self.peer_instances[key] = (request.started_ns, instance, now)
         self.peer_instances.move_to_end(key)
         while len(self.peer_instances) > 4096:
             self.peer_instances.popitem(last=False)
-        if known is None or known[1] == instance:
+        if known is None:
             return True
         # Heard first from the newer instance, so every claim this engine name holds here is the
         # older instance's (the newer one has claimed nothing yet).

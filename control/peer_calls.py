@@ -34,7 +34,7 @@ class PeerCalls:
             for load in self.ledger.loads.loads.values():
                 if load.state not in ("DONE", "MISSED", "FAILED", "CANCELLED"):
                     ctx = self.loads.get(load.request) or {}
-                    by_source.setdefault((load.source, self._issuer(load.ticket)), []).append(
+                    by_source.setdefault((load.source, self._issuer(load.ticket, load.request)), []).append(
                         pc.HeartbeatTicket(load.ticket, ctx.get("keepalive", "")))
             for (source, instance), tickets in by_source.items():
                 for lo in range(0, len(tickets), pc.MAX_HEARTBEAT_TICKETS):
@@ -42,9 +42,13 @@ class PeerCalls:
                         self.cfg.engine_id, tickets[lo:lo + pc.MAX_HEARTBEAT_TICKETS], self.instance,
                         self.bound_address, self.started_ns), instance))
 
-    def _issuer(self, ticket: str) -> str:
-        """The instance of the P that issued `ticket`: calls about it are addressed to it."""
+    def _issuer(self, ticket: str, request: str = "") -> str:
+        """The instance of the P that issued `ticket`: calls about it are addressed to it (the
+        load's own record first; the bounded book by ticket for calls after the load ended)."""
 
+        ctx = self.loads.get(request) if request else None
+        if ctx is not None and ctx.get("ticket") == ticket and ctx.get("instance"):
+            return ctx["instance"]
         return self.ticket_instances.get(ticket, "")
 
     # -- calls to peers (D side) -------------------------------------------------------------------
@@ -132,7 +136,7 @@ class PeerCalls:
                         self.started_ns)
         expected_instance = (self.loads.get(effect.request) or {}).get("instance", "")
         while True:
-            status, value = await self._try_call(effect.source, call, self._issuer(effect.ticket))
+            status, value = await self._try_call(effect.source, call, self._issuer(effect.ticket, effect.request))
             reply = value if status == "ok" else None
             if reply is not None and not reply.granted and reply.reason == pc.MISADDRESSED_ANSWER:
                 # The sidecar at this address is not the instance that issued the ticket: P
@@ -190,7 +194,7 @@ class PeerCalls:
             effects = self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
             if _forgotten(effects):  # the load was pruned meanwhile: give the ticket back
                 self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
-                                                                 effect.epoch), self._issuer(effect.ticket)))
+                                                                 effect.epoch), self._issuer(effect.ticket, effect.request)))
         else:
             reason = problem or (reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE)
             self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
@@ -199,7 +203,7 @@ class PeerCalls:
                 # this request must not read): give the ticket back rather than leave P's blocks
                 # claimed for a whole idle lease.
                 self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
-                                                                 effect.epoch), self._issuer(effect.ticket)))
+                                                                 effect.epoch), self._issuer(effect.ticket, effect.request)))
 
     async def _announce_peer(self, source: str, engine: str, instance: str) -> bool:
         """Give the worker P's transport metadata once per (address, engine, instance); the
@@ -233,7 +237,7 @@ class PeerCalls:
             self._apply(ev.ReadRefused(self._now(), effect.request, effect.read, Reason.NO_TRANSPORT_METADATA))
             return
         reply = await self._call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
-                                                             effect.epoch, effect.read), self._issuer(effect.ticket))
+                                                             effect.epoch, effect.read), self._issuer(effect.ticket, effect.request))
         now = self._now()
         if reply is not None and reply.ok:
             effects = self._apply(ev.ReadGranted(now, effect.request, effect.read))
@@ -241,7 +245,7 @@ class PeerCalls:
                 # The load was pruned meanwhile: nobody will end the read P pinned for; end it.
                 self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id,
                                                                  effect.epoch, effect.read, False, True),
-                                       self._issuer(effect.ticket)))
+                                       self._issuer(effect.ticket, effect.request)))
         else:
             reason = reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE
             self._apply(ev.ReadRefused(now, effect.request, effect.read, reason))

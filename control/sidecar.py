@@ -82,9 +82,9 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         # D: the instance of the P that issued each ticket this engine loads (calls are addressed).
         self.ticket_instances: collections.OrderedDict[str, str] = collections.OrderedDict()
         # P: the instance last heard from each decode engine at each control address ((address,
-        # claimer) -> (started_ns, instance)): the same engine at the same address with an instance
-        # that started later restarted.
-        self.peer_instances: collections.OrderedDict[tuple[str, str], tuple[int, str]] = collections.OrderedDict()
+        # claimer) -> (started_ns, instance, last heard)): the same engine at the same address with
+        # an instance that started later restarted.
+        self.peer_instances: collections.OrderedDict[tuple[str, str], tuple[int, str, int]] = collections.OrderedDict()
         # Peer requests refused before they reached the ledger, by reason (and frames xoscar
         # dropped for want of our key): `peers.refused.<reason>` in debug_state's counters.
         self.refused: collections.Counter = collections.Counter()
@@ -307,10 +307,10 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         elif kind is fx.SendReadEnd:
             self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id, effect.epoch,
                                                              effect.read, effect.ok, effect.release),
-                                   self._issuer(effect.ticket)))
+                                   self._issuer(effect.ticket, effect.request)))
         elif kind is fx.SendRelease:
             self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id, effect.epoch),
-                                   self._issuer(effect.ticket)))
+                                   self._issuer(effect.ticket, effect.request)))
         elif kind is fx.ReportInvalidBlocks:
             self._send(self.to_worker, m.InvalidBlocks(effect.request, effect.blocks))
         elif kind is fx.LoadFinished:

@@ -442,8 +442,8 @@ def read_api_key_file(path: str | None) -> str | None:
     if not path:
         return None
     try:
-        info = os.stat(path)
         with open(path, encoding="utf-8") as handle:
+            info = os.fstat(handle.fileno())  # the file read, not whatever the name points to later
             key = handle.read().strip()
     except OSError as exc:
         raise ValueError(f"--api-key-file {path}: {exc.strerror}") from None
@@ -460,6 +460,9 @@ def run_serve(args) -> int:
     def progress(text: str) -> None:
         print(f"kvbaton serve: {text}", flush=True)
 
+    if args.api_key and args.api_key_file:
+        progress("give the API key once: --api-key or --api-key-file, not both")
+        return 2
     if args.api_key:
         progress("warning: --api-key on the command line is visible to every user of this host (ps); "
                  "use KVBATON_API_KEY or --api-key-file")

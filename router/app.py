@@ -480,8 +480,9 @@ class Router:
 
         self.ttft.observe(time.perf_counter() - started)
         if first.ends:
-            # P's token ended the request: D is never called, P's blocks come back at once.
-            await held.abandon("ended_on_prefill")
+            # P's token ended the request: D is never called, P's blocks come back at once (on a
+            # task of its own: the client's answer does not wait for P's sidecar).
+            held.abandon_soon("ended_on_prefill")
             self.requests.labels(endpoint, "ok").inc()
             if body.get("stream"):
                 stream = ft.ContinuedStream(first, body)

@@ -68,6 +68,13 @@ def refusal(endpoint: str, body: dict) -> str | None:
     n = body.get("n")
     if n not in (None, 1):
         return "n"
+    for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        value = body.get(name)
+        if value is not None and type(value) is not int:
+            return "budget_not_an_int"  # the engine coerces "1" or 1.0; the router would misread them
+    for name in ("prompt_logprobs", "thinking_token_budget"):  # 0 turns these on
+        if body.get(name) is not None:
+            return name
     best_of = body.get("best_of")
     if best_of not in (None, 1):
         return "best_of"
@@ -88,7 +95,8 @@ def refusal(endpoint: str, body: dict) -> str | None:
             return "chat_logprobs"
         if body.get("echo"):
             return "echo"
-        for message in body.get("messages") or ():
+        messages = body.get("messages")
+        for message in messages if isinstance(messages, list) else ():  # (a bad shape: P answers 400)
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list) and any(not isinstance(part, dict) or part.get("type") != "text"
                                                  for part in content):

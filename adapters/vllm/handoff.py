@@ -106,7 +106,7 @@ def parse_handoff(params: dict, expected_layout: str, trusted, key: bytes | None
             expected = handoff_signature(section, key)
         except (TypeError, ValueError, OverflowError):
             raise HandoffError("kvbaton handoff holds values that cannot be signed") from None
-        if not hmac.compare_digest(signature, expected):
+        if not hmac.compare_digest(signature.encode(), expected.encode()):
             raise HandoffError("kvbaton handoff signature does not match (the section was altered, or "
                                "signed with another deployment secret)")
         if section["expires"] < (time.time() if now is None else now) - EXPIRY_SKEW_S:

@@ -42,6 +42,9 @@ def d_completion(text=" w8 w9", tokens=(8, 9), finish="length", logprobs=None) -
     ({"bad_words": ["x"]}, "bad_words"), ({"structured_outputs": {"json": {}}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
     ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "continuous_usage_stats"),
+    ({"max_tokens": "1"}, "budget_not_an_int"), ({"max_tokens": 1.0}, "budget_not_an_int"),
+    ({"min_tokens": 2.0}, "budget_not_an_int"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"thinking_token_budget": 0}, "thinking_token_budget"),
 ])
 def test_requests_that_cannot_start_from_p_s_token_name_why(body, reason):
     assert ft.refusal(COMPLETIONS, {"prompt": "w5", **body}) == reason
@@ -63,6 +66,8 @@ def test_chat_refuses_tools_logprobs_and_media_but_not_text_parts():
     assert ft.refusal(CHAT, {"messages": text, "tools": [{"type": "function"}]}) == "tools"
     assert ft.refusal(CHAT, {"messages": text, "tools": [{"type": "function"}], "tool_choice": "none"}) is None
     assert ft.refusal(CHAT, {"messages": text, "logprobs": True}) == "chat_logprobs"
+    for bad in (5, True, "w5", None):  # not the router's to judge: P answers the client's 400
+        assert ft.refusal(CHAT, {"messages": bad}) is None
 
 
 def test_p_computes_one_token_with_its_token_ids_and_a_handoff():

@@ -95,7 +95,7 @@ def test_cli_replay_takes_several_logs_and_folders_and_exits_with_the_worst(tmp_
     (tmp_path / "c.kvlog").write_bytes((tmp_path / "a.kvlog").read_bytes()[:-2])
     worst = subprocess.run(cli + [str(tmp_path)], capture_output=True, text=True)
     assert worst.returncode == 2 and worst.stdout.count(", 0 violations") == 2
-    assert "some could not be read" in worst.stdout and "truncated" in worst.stderr
+    assert "1 could not be read" in worst.stdout and "truncated" in worst.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
     nothing = subprocess.run(cli + [str(empty)], capture_output=True, text=True)

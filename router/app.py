@@ -223,6 +223,8 @@ class Router:
         self.max_in_flight = max_in_flight
         self.max_batch_prompts = max_batch_prompts
         self.first_token = first_token
+        self.context_limits: dict[str, int] = {}  # model -> max_model_len (see refresh_context_limits)
+        self._context_limits_at = float("-inf")
         self.active = 0
         self._background: set[asyncio.Task] = set()  # abandons and handoffs run on tasks of their own
         self._states_at = float("-inf")
@@ -266,7 +268,27 @@ class Router:
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    def refresh_context_limits(self) -> None:
+        """Read each served model's max_model_len from D's /v1/models (vLLM's server states it)
+        on a task of its own: once, retried at most every minute while unknown. No request waits
+        for it; until it is known, only a prompt that P's token fills to the limit is affected."""
+
+        if self.context_limits or time.monotonic() < self._context_limits_at + 60.0:
+            return
+        self._context_limits_at = time.monotonic()
+        self.spawn(self._read_context_limits())
+
+    async def _read_context_limits(self) -> None:
+        try:
+            reply = await asyncio.wait_for(self.client.get(f"{self.decode_urls[0]}/v1/models", timeout=5.0), 5.0)
+            for entry in reply.json().get("data", []):
+                if isinstance(entry, dict) and type(entry.get("max_model_len")) is int:
+                    self.context_limits[entry.get("id")] = entry["max_model_len"]
+        except Exception as exc:  # noqa: BLE001 - a figure the router can do without
+            logger.info("could not read max_model_len from %s: %r", self.decode_urls[0], exc)
+
     async def refresh_models(self) -> None:
+        self.refresh_context_limits()
         if self.models:
             return
         for url in self.decode_urls + self.prefill_urls:
@@ -466,7 +488,8 @@ class Router:
             self.first_tokens.labels("decode", "configured").inc()
             return None
         why = ft.refusal(endpoint, body)
-        first = ft.read_first_token(endpoint, body, answer) if why is None else why
+        first = ft.read_first_token(endpoint, body, answer, self.context_limits.get(body.get("model"))) \
+            if why is None else why
         if isinstance(first, str):
             self.first_tokens.labels("decode", first).inc()
             return None

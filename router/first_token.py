@@ -175,8 +175,10 @@ class FirstToken:
         return len(self.text)
 
 
-def read_first_token(endpoint: str, body: dict, answer) -> FirstToken | str:
-    """P's answer as a FirstToken, or why the request must take the decode path instead."""
+def read_first_token(endpoint: str, body: dict, answer, context_limit: int | None = None) -> FirstToken | str:
+    """P's answer as a FirstToken, or why the request must take the decode path instead. With
+    the engines' `context_limit` (max_model_len), a prompt that P's token filled to the limit
+    ends on P ("length"), as one engine ends it, instead of sending D a prompt it must refuse."""
 
     try:
         choice = answer["choices"][0]
@@ -197,7 +199,8 @@ def read_first_token(endpoint: str, body: dict, answer) -> FirstToken | str:
         return "prefill_answer"
     finish = choice.get("finish_reason")
     budget = client_max_tokens(endpoint, body)
-    ends = finish == "stop" or (finish == "length" and budget is not None and budget <= 1)
+    full = context_limit is not None and len(prompt_ids) + len(token_ids) >= context_limit
+    ends = finish == "stop" or (finish == "length" and ((budget is not None and budget <= 1) or full))
     if not ends:
         if text.endswith("\ufffd"):
             return "partial_utf8"  # D's text of the next token completes the character: D decodes both

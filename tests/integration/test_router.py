@@ -292,6 +292,23 @@ def test_logprobs_usage_and_token_ids_equal_one_engine_s(stack, rr_router, strea
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-3)
 
 
+def test_a_prompt_p_s_token_fills_to_the_context_limit_ends_on_p(stack, rr_router):
+    """A prompt one token short of max_model_len: one engine answers one token ("length"); so
+    does the router, from P (D could not take the prompt plus P's token)."""
+
+    deployment, _router = stack
+    routed(rr_router, "/v1/completions", {"prompt": "w5 w6", "max_tokens": 1})  # the router reads the limit
+    time.sleep(1.0)
+    body = {"prompt": tiny_prompt(2047, seed=1130), "max_tokens": 5, "temperature": 0}
+    before = first_token_counts(rr_router)
+    answer = routed(rr_router, "/v1/completions", body)
+    expected = reference(deployment, "/v1/completions", body)
+    assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert answer["choices"][0]["finish_reason"] == expected["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"] == 1
+    assert first_token_counts(rr_router).get(("prefill", "ended"), 0) == before.get(("prefill", "ended"), 0) + 1
+
+
 def test_a_stop_string_spanning_p_s_token_and_d_s_is_honoured(stack, rr_router):
     """P's token ends with the start of a stop string whose end D produces: the request takes the
     decode path (D computes from the handoff) and stops where one engine stops."""

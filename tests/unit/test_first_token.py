@@ -108,6 +108,13 @@ def test_a_first_token_that_ends_the_request_ends_it_on_p(finish, budget, ends):
         assert answer["choices"][0]["finish_reason"] == finish and answer["usage"]["completion_tokens"] == 1
 
 
+def test_a_first_token_that_fills_the_context_ends_the_request_on_p():
+    body = {"prompt": "w5 w6", "max_tokens": 8}
+    assert ft.read_first_token(COMPLETIONS, body, p_completion(prompt=(5, 6)), context_limit=3).ends
+    assert not ft.read_first_token(COMPLETIONS, body, p_completion(prompt=(5, 6)), context_limit=4).ends
+    assert not ft.read_first_token(COMPLETIONS, body, p_completion(prompt=(5, 6)), context_limit=None).ends
+
+
 def test_a_first_token_that_could_begin_a_stop_string_or_a_character_goes_to_d():
     assert ft.read_first_token(COMPLETIONS, {"prompt": "w5", "stop": ["w7 w8"]}, p_completion(text=" w7")) == "stop_prefix"
     assert ft.read_first_token(COMPLETIONS, {"prompt": "w5", "stop": ["x"]}, p_completion(text=" w7")).ends is False

@@ -195,6 +195,8 @@ def route(bodies: list[dict]) -> tuple[list[tuple[str, dict]], list, str]:
     seen: list[tuple[str, dict]] = []
 
     def engines(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":  # the router's /v1/models (served names, context limits)
+            return httpx.Response(200, json={"data": [{"id": "tiny", "max_model_len": 2048}]})
         body = json.loads(request.content or b"{}")
         role = "p" if request.url.host.startswith("p-") else "d"
         seen.append((role, body))

@@ -722,11 +722,9 @@ class Router:
         # ticket the router never hears of. A prefill answering after the request ended has its
         # ticket abandoned at once (`Batch.keep`).
         results = await self._all(batch, [self.spawn(prefill(i)) for i in range(k)], cancel=False)
-        failed = next((r for r in results if isinstance(r, tuple)), None)
+        failed = await self._batch_failure(endpoint, batch, results)
         if failed is not None:
-            await batch.abandon("batch_failed")
-            self.requests.labels(endpoint, failed[0]).inc()
-            return failed[1]
+            return failed
         try:
             gone = await request.is_disconnected()
         except BaseException:
@@ -759,13 +757,22 @@ class Router:
             return answer
 
         answers = await self._all(batch, [self.spawn(decode(i)) for i in range(k)], cancel=True)
-        failed = next((r for r in answers if isinstance(r, tuple)), None)
+        failed = await self._batch_failure(endpoint, batch, answers)
         if failed is not None:
-            await batch.abandon("batch_failed")
-            self.requests.labels(endpoint, failed[0]).inc()
-            return failed[1]
+            return failed
         self.requests.labels(endpoint, "ok").inc()
         return JSONResponse(merge_completions(answers, n))
+
+    async def _batch_failure(self, endpoint: str, batch: Batch, results: list) -> Response | None:
+        """The first prompt's error answer among `results` (counted, every handoff of the request
+        abandoned), or None when none failed."""
+
+        failed = next((r for r in results if isinstance(r, tuple)), None)
+        if failed is None:
+            return None
+        await batch.abandon("batch_failed")
+        self.requests.labels(endpoint, failed[0]).inc()
+        return failed[1]
 
     async def _all(self, batch: Batch, tasks: list[asyncio.Task], *, cancel: bool) -> list:
         """Every task's result, in order. With `cancel`, the first failure (an error answer)

@@ -31,7 +31,6 @@ they differ from one engine's (which draws every token from one generator).
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass

@@ -138,20 +138,22 @@ def free_port(host: str) -> int:
 class Link:
     """A PUSH socket to the sidecar's inbox and a PULL socket for one kind of decision."""
 
-    def __init__(self, ipc_dir: str, listen: str | None) -> None:
-        """listen: which decisions to receive ("scheduler", "worker"...), or None to only send
-        (a second PULL on the same endpoint would get every other message)."""
-        paths = ipc_paths(ipc_dir)
+    def __init__(self, ipc_dir: str, listen: str | None, rank: int | None = None) -> None:
+        """listen: which decisions to receive ("scheduler", "worker", "history"), or None to only
+        send (a second PULL on the same endpoint would get every other message). rank: the worker
+        rank this link speaks for (None: the scheduler)."""
+        paths = ipc_paths(ipc_dir, 0 if rank is None else rank + 1)
+        suffix = "" if rank is None else f".{rank}"
         self.ctx = zmq.Context.instance()
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.SNDHWM, 0)
         self.out.setsockopt(zmq.LINGER, 2000)
-        self.out.connect(paths["inbox"])
+        self.out.connect(paths["inbox" + suffix])
         self.inp = None
         if listen is not None:
             self.inp = self.ctx.socket(zmq.PULL)
             self.inp.setsockopt(zmq.LINGER, 0)
-            self.inp.connect(paths[listen])
+            self.inp.connect(paths[listen + suffix])
 
     def send(self, msg: m.Msg) -> bool:
         """Queue a message; False when it could not be (the caller then gives the handoff up

@@ -35,6 +35,9 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     # layout fingerprint and block size.
     layout: str = ""
     block_size: int = 0
+    # The engine's worker ranks (tensor parallel size): each holds its shard of every block, has
+    # its own sockets (`ipc_paths`), and a read, copy or restore is done when every rank's is.
+    ranks: int = 1
 
 
 class SidecarLaunch(msgspec.Struct, kw_only=True):
@@ -45,11 +48,14 @@ class SidecarLaunch(msgspec.Struct, kw_only=True):
     secret: str
 
 
-def ipc_paths(ipc_dir: str) -> dict[str, str]:
-    return {
-        "inbox": f"ipc://{ipc_dir}/inbox",
-        "scheduler": f"ipc://{ipc_dir}/scheduler",
-        "worker": f"ipc://{ipc_dir}/worker",
-        # P's history copier (a thread of the worker): stage, demote, drop, restore; in order.
-        "history": f"ipc://{ipc_dir}/history",
-    }
+def ipc_paths(ipc_dir: str, ranks: int = 1) -> dict[str, str]:
+    """The sidecar's sockets: the scheduler's inbox and decisions, and per worker rank r its
+    inbox (`inbox.r`: the sidecar knows a fact's rank by the socket it came in on), its
+    decisions (`worker.r`) and, on P, its history copier's (`history.r`: stage, demote, drop;
+    in order)."""
+
+    paths = {"inbox": f"ipc://{ipc_dir}/inbox", "scheduler": f"ipc://{ipc_dir}/scheduler"}
+    for rank in range(ranks):
+        for name in ("inbox", "worker", "history"):
+            paths[f"{name}.{rank}"] = f"ipc://{ipc_dir}/{name}.{rank}"
+    return paths

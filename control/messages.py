@@ -30,6 +30,15 @@ class Apply(Msg, tag="apply"):
     keepalive: str = ""
 
 
+class HandoffRefused(Msg, tag="hrefused"):
+    """D refused a request's handoff section before claiming (adapters/vllm/handoff.py
+    HandoffError.reason: invalid, unsigned, forged, expired, untrusted_control, layout,
+    tensor_parallel, weights); the request recomputes. Counted, never logged as an event: no
+    ticket or load exists for it."""
+
+    reason: str
+
+
 # --- worker -> sidecar -------------------------------------------------------------------------
 
 
@@ -220,7 +229,7 @@ class Debug(Msg, tag="debug"):
 
 
 AnyMsg = Union[
-    Apply, WorkerReady, ReadDone, Ready, Resolved,
+    Apply, HandoffRefused, WorkerReady, ReadDone, Ready, Resolved,
     AddPeer, PostRead, InvalidBlocks, FinishedRecving, FinishedSending, Stop, Debug,
     StageDone, DemotesDone, RestoreDone,
     SlotStats, RestoreReply, LeaseEnded, StageCopies, DemoteCopies, DropSlot, RestoreCopies,

@@ -154,6 +154,10 @@ def families(snap: dict) -> list:
           [((t,), history.get(f"{t}_blocks", 0)) for t in TIERS])
 
     # -- refusals ---------------------------------------------------------------------------------
+    counter("kvbaton_handoffs_refused", "Handoff sections this engine refused before claiming (D): "
+            "invalid, unsigned, forged, expired, untrusted_control, layout, tensor_parallel, weights; "
+            "each request recomputed", labels=("reason",),
+            rows=[((_label(r),), n) for r, n in sorted((snap.get("handoffs_refused") or {}).items())])
     counter("kvbaton_peer_refused", "Peer calls and connections this sidecar refused, by reason",
             labels=("reason",), rows=[((_label(r),), n) for r, n in sorted((snap.get("refused") or {}).items())])
     counter("kvbaton_rejected_events", "Events the ledger answered Rejected (lifecycle races, late or "

@@ -16,6 +16,7 @@ from ..core import load as loads
 from ..core.reasons import Reason
 from . import messages as m
 from . import peer as pc
+from .ranks import unpack_metadata
 from .client import AUTHORITY_UID, bounded
 
 logger = logging.getLogger("kvbaton.sidecar")
@@ -221,7 +222,17 @@ class PeerCalls:
                                      "answers as %r instance %s: not reading from it", source, engine,
                                      instance[:8], answer.engine, answer.instance[:8])
             return False
-        self._send(self.to_worker, m.AddPeer(engine, answer.metadata))
+        per_rank = unpack_metadata(answer.metadata)
+        if per_rank is None or len(per_rank) != self.cfg.ranks:
+            # The layouts matched (they name the tensor parallel size), so this is not a peer
+            # of this kvbaton version: read nothing from it.
+            self.refused["metadata_mismatch"] += 1
+            self.refusal_log.warning("metadata_mismatch", "peer at %s (engine %r) sent transport metadata "
+                                     "for %s ranks, this engine has %d: not reading from it", source, engine,
+                                     "unreadable" if per_rank is None else len(per_rank), self.cfg.ranks)
+            return False
+        for rank, metadata in enumerate(per_rank):  # each rank reads its counterpart's shard
+            self._send_rank(self.to_worker, rank, m.AddPeer(engine, metadata))
         self.peers_announced = {key for key in self.peers_announced if key[:2] != (source, engine)}
         self.peers_announced.add((source, engine, instance))
         return True

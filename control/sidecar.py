@@ -53,6 +53,7 @@ from .config import SidecarConfig, SidecarLaunch, ipc_paths
 from .guard import RateLimitedLog, guard_pool, install_frame_key, watch_refused_frames
 from .peer_answers import PeerAnswers
 from .peer_calls import PeerCalls
+from .ranks import RankFanIn, pack_metadata
 from .residency import ResidencyLog
 
 logger = logging.getLogger("kvbaton.sidecar")
@@ -88,16 +89,23 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         # Peer requests refused before they reached the ledger, by reason (and frames xoscar
         # dropped for want of our key): `peers.refused.<reason>` in debug_state's counters.
         self.refused: collections.Counter = collections.Counter()
+        # D: handoff sections the scheduler refused before claiming, by reason (m.HandoffRefused).
+        self.handoffs_refused: collections.Counter = collections.Counter()
         self.refusal_log = RateLimitedLog(logger)
         self.ledger = Ledger(self.cfg.ledger)
         self.history_claimer = m.history_claimer(self.cfg.engine_id)
         self.residency = ResidencyLog(self.cfg.block_size)
         self.log: LogWriter | None = None
+        # The transport metadata peers read this engine with: every rank's, once all registered.
         self.metadata: bytes | None = None
+        self.rank_metadata: dict[int, bytes] = {}
         self.layout_fingerprint = ""
+        self.fan_in = RankFanIn(self.cfg.ranks)
         # D side: what the shell must remember about each load to carry its effects out.
         self.loads: dict[str, dict] = {}
         self.peer_refs: dict[str, object] = {}
+        # Where decisions go (`_send`): the scheduler, every worker rank, every rank's history copier.
+        self.to_scheduler, self.to_worker, self.to_history = "scheduler", "worker", "history"
         # NIXL peers announced to the worker, by (control address, engine id, instance) as P's
         # grants and metadata answers named them (never as a client's request named them).
         self.peers_announced: set[tuple[str, str, str]] = set()
@@ -135,22 +143,28 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                 engine=cfg.engine_id, role=cfg.role, config=cfg.ledger, hash_every=cfg.hash_every,
                 writer="kvbaton sidecar"))
         self.zctx = zmq.asyncio.Context()
-        paths = ipc_paths(cfg.ipc_dir)
-        self.inbox = self.zctx.socket(zmq.PULL)
-        self.inbox.bind(paths["inbox"])
-        self.to_scheduler = self.zctx.socket(zmq.PUSH)
-        self.to_scheduler.bind(paths["scheduler"])
-        self.to_worker = self.zctx.socket(zmq.PUSH)
-        self.to_worker.bind(paths["worker"])
-        self.to_history = self.zctx.socket(zmq.PUSH)
-        self.to_history.bind(paths["history"])
-        self.outboxes: dict[object, asyncio.Queue] = {}
-        for sock in (self.to_scheduler, self.to_worker, self.to_history):
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-            self.outboxes[sock] = asyncio.Queue()
-            self._spawn(self._sender_loop(sock))
-        self._spawn(self._inbox_loop())
+        paths = ipc_paths(cfg.ipc_dir, cfg.ranks)
+        self.sockets = []
+        # The scheduler's inbox, then one per worker rank: a fact's rank is the socket it came on.
+        for rank, name in [(0, "inbox")] + [(r, f"inbox.{r}") for r in range(cfg.ranks)]:
+            inbox = self.zctx.socket(zmq.PULL)
+            inbox.bind(paths[name])
+            self.sockets.append(inbox)
+            self._spawn(self._inbox_loop(inbox, rank))
+        # Decisions: one queue and one sender per socket keep each destination's order.
+        self.outboxes: dict[str, list[asyncio.Queue]] = {}
+        for dest, names in (("scheduler", ["scheduler"]), ("worker", [f"worker.{r}" for r in range(cfg.ranks)]),
+                            ("history", [f"history.{r}" for r in range(cfg.ranks)])):
+            self.outboxes[dest] = []
+            for name in names:
+                sock = self.zctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.bind(paths[name])
+                self.sockets.append(sock)
+                queue: asyncio.Queue = asyncio.Queue()
+                self.outboxes[dest].append(queue)
+                self._spawn(self._sender_loop(sock, queue))
         self._spawn(self._timer_loop())
         if cfg.role in ("consumer", "both"):
             self._spawn(self._heartbeat_loop())
@@ -191,7 +205,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         if self.log is not None:
             self.log.close(self.ledger)
             self.log = None
-        for sock in (self.inbox, self.to_scheduler, self.to_worker, self.to_history):
+        for sock in getattr(self, "sockets", ()):
             sock.close(0)
         shutil.rmtree(self.cfg.ipc_dir, ignore_errors=True)
 
@@ -278,14 +292,24 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
 
         return self._now() / 1e9
 
-    def _send(self, sock, msg: m.Msg) -> None:
-        """Queue a message for the connector; one sender per socket keeps them in order and
-        waits (without blocking the authority) until the connector side has connected."""
+    def _send(self, dest: str, msg: m.Msg) -> None:
+        """Queue a message for the connector's `dest` ("scheduler", or "worker" / "history": every
+        rank's); one sender per socket keeps them in order and waits (without blocking the
+        authority) until the connector side has connected."""
 
-        self.outboxes[sock].put_nowait(m.ENCODER.encode(msg))
+        payload = m.ENCODER.encode(msg)
+        for queue in self.outboxes[dest]:
+            queue.put_nowait(payload)
 
-    async def _sender_loop(self, sock) -> None:
-        queue = self.outboxes[sock]
+    def _send_rank(self, dest: str, rank: int, msg: m.Msg) -> None:
+        """Queue a message for one worker rank's `dest` only."""
+
+        if self.cfg.ranks == 1:
+            self._send(dest, msg)
+        else:
+            self.outboxes[dest][rank].put_nowait(m.ENCODER.encode(msg))
+
+    async def _sender_loop(self, sock, queue: asyncio.Queue) -> None:
         while True:
             payload = await queue.get()
             await sock.send(payload)
@@ -347,22 +371,30 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
 
     # -- facts from the connector ------------------------------------------------------------------
 
-    async def _inbox_loop(self) -> None:
+    async def _inbox_loop(self, inbox, rank: int) -> None:
         while True:
-            raw = await self.inbox.recv()
+            raw = await inbox.recv()
             try:
                 msg = m.DECODER.decode(raw)
-                self._on_message(msg)
+                self._on_message(msg, rank)
             except Exception:  # a bad message must not take the authority down
                 logger.exception("could not handle a connector message")
 
-    def _on_message(self, msg: m.Msg) -> None:
+    def _on_message(self, msg: m.Msg, rank: int = 0) -> None:
+        """A fact from the connector: the scheduler's, or worker rank `rank`'s. What every rank
+        reports (a read's, copy's or restore's end) is one fact once all of them have (ranks.py)."""
         now = self._now()
         kind = type(msg)
         if kind is m.Apply:
             for event in msg.events:
                 self._scheduler_event(now, event, msg.keepalive)
+        elif kind is m.HandoffRefused:
+            if len(self.handoffs_refused) < 32 or msg.reason in self.handoffs_refused:
+                self.handoffs_refused[msg.reason[:32]] += 1
         elif kind is m.StageDone:
+            ok = self.fan_in.note(("stage", msg.ticket), rank, msg.ok)
+            if ok is None:
+                return
             io = self.history_io
             io["stages"] += 1
             if msg.ok:
@@ -371,7 +403,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             else:
                 io["stages_failed"] += 1
                 logger.warning("history: staging for ticket %s failed: %s", msg.ticket, msg.error)
-            self._apply(ev.HistoryPublished(now, msg.ticket, msg.ok))
+            self._apply(ev.HistoryPublished(now, msg.ticket, ok))
         elif kind is m.DemotesDone:
             io = self.history_io
             failed = [(key, error) for key, ok, error in msg.results if not ok]
@@ -380,7 +412,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                                len(msg.results), failed[0][0], failed[0][1])
             io["demotions"] += len(msg.results)
             io["demotions_failed"] += len(failed)
-            if msg.seconds > 0:  # a timed batch (a copier that failed before copying says 0)
+            if msg.seconds > 0 and rank == 0:  # a timed batch (a copier that failed before copying says 0)
                 io["demote_batches"] += 1
                 io["demote_seconds"] += msg.seconds
                 io["demote_fence_seconds"] += msg.fence_seconds
@@ -388,18 +420,29 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                 io["demote_copied_batches"] += int(msg.paired_runs > 0)  # it copied something
                 io["demote_gathered_batches"] += int(msg.gathered)
             for key, ok, _error in msg.results:
+                ok = self.fan_in.note(("demote", key), rank, ok)
+                if ok is None:
+                    continue
                 try:  # one key's trouble must not leave the rest of the batch DEMOTING for good
                     self._apply(ev.HistoryDemoted(now, key, ok))
                 except Exception:
                     logger.exception("history: applying the demotion of %s failed", key)
         elif kind is m.RestoreDone:
-            self._restore_done(now, msg)
+            ok = self.fan_in.note(("restore", msg.lease), rank, msg.ok)
+            if ok is not None:
+                self._restore_done(now, msgspec.structs.replace(msg, ok=ok))
         elif kind is m.SlotStats:
-            self.slot_stats = msgspec.structs.asdict(msg)
+            if rank == 0:  # every rank keeps the same books
+                self.slot_stats = msgspec.structs.asdict(msg)
         elif kind is m.WorkerReady:
-            self.metadata = msg.metadata
-            self.layout_fingerprint = msg.layout_fingerprint
+            self._worker_ready(msg, rank)
         elif kind is m.ReadDone:
+            ok = self.fan_in.note(("read", msg.request, msg.read), rank, msg.ok)
+            if not msg.ok and self.cfg.ranks > 1:
+                logger.warning("read %s of request %s failed on rank %d: %s", msg.read, msg.request, rank, msg.error)
+            if ok is None:
+                return
+            msg = msgspec.structs.replace(msg, ok=ok)
             stats = self.transfer
             stats["reads"] += 1
             stats["descriptors"] = stats.get("descriptors", 0) + msg.descriptors
@@ -431,6 +474,23 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             elif msg.key in ("heartbeat_interval_s",) or msg.key.startswith("debug_"):
                 value = int(msg.value) if msg.key == "debug_reads_per_load" else msg.value
                 setattr(self.cfg, msg.key, value)
+
+    def _worker_ready(self, msg: m.WorkerReady, rank: int) -> None:
+        """A rank registered its KV shard: peers get the engine's metadata once every rank has."""
+
+        if not 0 <= rank < self.cfg.ranks:
+            return
+        if self.layout_fingerprint and msg.layout_fingerprint != self.layout_fingerprint:
+            logger.error("worker rank %d registered KV layout %s, another rank %s: its shards differ, "
+                         "so peers are not told how to read this engine", rank, msg.layout_fingerprint,
+                         self.layout_fingerprint)
+            self.rank_metadata.clear()
+            self.metadata = None
+            return
+        self.layout_fingerprint = msg.layout_fingerprint
+        self.rank_metadata[rank] = msg.metadata
+        if len(self.rank_metadata) == self.cfg.ranks:
+            self.metadata = pack_metadata([self.rank_metadata[r] for r in range(self.cfg.ranks)])
 
     def _scheduler_event(self, now: int, event: ev.Event, keepalive: str) -> None:
         """One event the scheduler observed: stamped with this process's clock and applied, after
@@ -518,6 +578,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         counters = dict(self.ledger.counters)
         refused = self.refused + FRAME_REFUSALS
         counters.update({f"peers.refused.{reason}": n for reason, n in refused.items()})
+        counters.update({f"handoffs.refused.{reason}": n for reason, n in self.handoffs_refused.items()})
         return {"open": self.ledger.open_counts(), "counters": counters, "state_hash": self.ledger.state_hash(),
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
@@ -543,6 +604,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             "leases": by_state(self.ledger.leases.leases.values()),
             "counters": dict(self.ledger.counters),
             "refused": dict(self.refused + FRAME_REFUSALS),
+            "handoffs_refused": dict(self.handoffs_refused),
             "transfer": dict(self.transfer),
             "history_io": dict(self.history_io),
             "history": {"gpu_used_bytes": history.gpu_used, "cpu_used_bytes": history.cpu_used,

@@ -36,11 +36,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...control import messages as m
 from ...control.client import ipc_dir_for
 from ...transports.layout import CROSS_LAYERS_NAME
-from .handoff import layout_fingerprint
+from .identity import KvIdentity, check_supported, layout_fingerprint, tensor_parallel_size, weights_fingerprint
 from .history import HistoryPlan, history_plan
 from .scheduler_side import SchedulerSide
 from .settings import TEST_HOOKS_ENV, Settings, parse_settings
-from .worker_side import WorkerSide
+from .worker_side import WorkerSide, worker_rank
 
 logger = logging.getLogger("vllm.kvbaton.connector")
 
@@ -60,7 +60,11 @@ class KvbatonConnector(KVConnectorBase_V1):
         self.max_model_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
         self.is_producer = bool(kvt.is_kv_producer)
         self.is_consumer = bool(kvt.is_kv_consumer)
+        # A model kvbaton cannot hand off stops the engine here, with a message naming the setting.
+        check_supported(vllm_config, kv_cache_config)
         self.layout = layout_fingerprint(vllm_config, kv_cache_config)
+        self.identity = KvIdentity(self.layout, weights_fingerprint(vllm_config),
+                                   tensor_parallel_size(vllm_config))
         self.history: HistoryPlan = history_plan(self.settings, kv_cache_config, self.is_producer)
         self.ipc_dir = ipc_dir_for(self.engine_id)
         self._scheduler: SchedulerSide | None = None
@@ -68,7 +72,7 @@ class KvbatonConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self, vllm_config, kv_cache_config)
         else:
-            self._worker = WorkerSide(self, kv_cache_config)
+            self._worker = WorkerSide(self, kv_cache_config, worker_rank(vllm_config))
 
     # -- scheduler side --------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from ...control import peer as pc
+from .identity import KvIdentity
 
 
 PARAMS_VERSION = 1
@@ -38,13 +39,20 @@ class Handoff:
 
 
 class HandoffError(ValueError):
-    pass
+    """A handoff section D will not act on; `reason` names the kind, for the refusal counters
+    (kvbaton_handoffs_refused{reason}): invalid, unsigned, forged, expired, untrusted_control,
+    layout, tensor_parallel, weights."""
+
+    def __init__(self, message: str, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 # What P's signature covers: everything D acts on before P's grant (whom to dial, which instance,
 # which ticket, how many tokens, which layout, its keepalive) and the section's expiry. The
 # router's abandon capability is not covered: the router removes it before D sees the section.
-SIGNED_FIELDS = ("v", "ticket", "control", "engine", "num_tokens", "layout", "keepalive", "instance", "expires")
+SIGNED_FIELDS = ("v", "ticket", "control", "engine", "num_tokens", "layout", "weights", "tp", "keepalive",
+                 "instance", "expires")
 # How far P's and D's clocks may disagree on a section's expiry.
 EXPIRY_SKEW_S = 30
 
@@ -74,19 +82,22 @@ MAX_HANDOFF_TOKENS = 1 << 24
 MAX_HINT_BLOCKS = 1 << 20
 
 
-def parse_handoff(params: dict, expected_layout: str, trusted, key: bytes | None = None,
+def parse_handoff(params: dict, identity: KvIdentity, trusted, key: bytes | None = None,
                   now: float | None = None) -> dict:
     """Validate the `kvbaton` section P put in kv_transfer_params; raise HandoffError naming the
     flaw. With `key` the section must carry P's signature over SIGNED_FIELDS and must not have
     expired, so D dials only addresses a P of this deployment named (a client cannot point D at
     another host, even inside `peer_networks`). Only the ticket, P's control address (which must
     be trusted: `peer_networks`), the token count and the layout are used; what to read comes
-    from P's grant. `remote_block_ids` and `engine` are hints: checked for sanity, never used."""
+    from P's grant. `remote_block_ids` and `engine` are hints: checked for sanity, never used.
+    The section's layout, tensor parallel size and weights must equal this engine's (`identity`):
+    KV that other shapes or other weights computed is never read."""
 
     section = params.get("kvbaton")
     if not isinstance(section, dict):
         raise HandoffError("kv_transfer_params has no 'kvbaton' section (not a kvbaton handoff)")
-    for name, kind in (("ticket", str), ("control", str), ("num_tokens", int), ("layout", str)):
+    for name, kind in (("ticket", str), ("control", str), ("num_tokens", int), ("layout", str),
+                       ("weights", str), ("tp", int)):
         if not isinstance(section.get(name), kind) or isinstance(section.get(name), bool):
             raise HandoffError(f"kvbaton handoff field {name!r} is missing or not a {kind.__name__}")
     # The same types P's sidecar checks peer messages against: what passes here passes there.
@@ -95,22 +106,22 @@ def parse_handoff(params: dict, expected_layout: str, trusted, key: bytes | None
     for name in ("keepalive", "instance"):
         if not pc.is_valid(section.get(name, ""), pc.Instance):
             raise HandoffError(f"kvbaton handoff {name!r} is not a 128-bit hex value")
-    if len(section["layout"]) > 64:
-        raise HandoffError("kvbaton handoff 'layout' is not a layout fingerprint")
+    if len(section["layout"]) > 64 or len(section["weights"]) > 64:
+        raise HandoffError("kvbaton handoff 'layout' or 'weights' is not a fingerprint")
     if key is not None:
         signature = section.get("sig")
         if not isinstance(signature, str) or not isinstance(section.get("expires"), int):
             raise HandoffError("kvbaton handoff is not signed (no 'sig' and 'expires': not from a P of "
-                               "this deployment)")
+                               "this deployment)", "unsigned")
         try:
             expected = handoff_signature(section, key)
         except (TypeError, ValueError, OverflowError):
-            raise HandoffError("kvbaton handoff holds values that cannot be signed") from None
+            raise HandoffError("kvbaton handoff holds values that cannot be signed", "forged") from None
         if not hmac.compare_digest(signature.encode(), expected.encode()):
             raise HandoffError("kvbaton handoff signature does not match (the section was altered, or "
-                               "signed with another deployment secret)")
+                               "signed with another deployment secret)", "forged")
         if section["expires"] < (time.time() if now is None else now) - EXPIRY_SKEW_S:
-            raise HandoffError("kvbaton handoff has expired (P's ticket is gone by now)")
+            raise HandoffError("kvbaton handoff has expired (P's ticket is gone by now)", "expired")
     check_control(section["control"], trusted)
     blocks = params.get("remote_block_ids")
     if blocks is not None:  # a hint: vLLM-NixlConnector-shaped proxies pass it along
@@ -119,9 +130,18 @@ def parse_handoff(params: dict, expected_layout: str, trusted, key: bytes | None
         if (not isinstance(blocks, list) or len(blocks) > MAX_HINT_BLOCKS
                 or not all(type(b) is int and 0 <= b <= pc.MAX_BLOCK_ID for b in blocks)):
             raise HandoffError("kvbaton handoff 'remote_block_ids' is not a list of block ids")
-    if section["layout"] != expected_layout:
+    if section["tp"] != identity.tensor_parallel:
+        raise HandoffError(f"P runs tensor_parallel_size={section['tp']}, this engine "
+                           f"{identity.tensor_parallel}: kvbaton hands off between equal sizes only",
+                           "tensor_parallel")
+    if section["layout"] != identity.layout:
         raise HandoffError(f"layout fingerprint {section['layout']!r} does not match this engine's "
-                           f"{expected_layout!r} (different model, dtype or block size)")
+                           f"{identity.layout!r} (another architecture, dtype, KV cache dtype or block "
+                           f"size)", "layout")
+    if section["weights"] != identity.weights:
+        raise HandoffError(f"P's KV was computed by other weights (fingerprint {section['weights']!r}, "
+                           f"this engine's {identity.weights!r}: another checkpoint, revision, "
+                           f"quantization or KV scale setting)", "weights")
     if not 0 < section["num_tokens"] <= MAX_HANDOFF_TOKENS:
         raise HandoffError(f"kvbaton handoff covers {section['num_tokens']} tokens (1 to "
                            f"{MAX_HANDOFF_TOKENS} allowed)")
@@ -142,11 +162,11 @@ def check_control(control: str, trusted) -> None:
     except ValueError:
         if host.lower() not in names:
             raise HandoffError(f"kvbaton handoff names control host {host[:80]!r}, which is not in "
-                               f"peer_networks") from None
+                               f"peer_networks", "untrusted_control") from None
         return
     if not any(address in net for net in networks):
         raise HandoffError(f"kvbaton handoff names control address {host!r}, which is not in "
-                           f"peer_networks")
+                           f"peer_networks", "untrusted_control")
 
 
 def prompt_digest(request, num_tokens: int) -> str:
@@ -161,27 +181,10 @@ def prompt_digest(request, num_tokens: int) -> str:
     if salt:
         digest.update(b"\0salt\0" + str(salt).encode())
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
+    if lora is not None:  # the adapter is part of the model that computed the KV: name and path
         digest.update(b"\0lora\0" + str(getattr(lora, "lora_name", lora)).encode())
+        digest.update(b"\0" + str(getattr(lora, "lora_path", "")).encode())
     for feature in getattr(request, "mm_features", None) or ():
         ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None) or ""
         digest.update(b"\0mm\0" + str(ident).encode())
     return digest.hexdigest()
-
-
-def layout_fingerprint(vllm_config, kv_cache_config) -> str:
-    """What must match between P and D for blocks to be interchangeable (no addresses)."""
-
-    parts = [str(vllm_config.cache_config.block_size),
-             str(getattr(vllm_config.cache_config, "cache_dtype", "")),
-             str(vllm_config.model_config.dtype),
-             str(getattr(vllm_config.cache_config, "kv_cache_layout", ""))]
-    hf = vllm_config.model_config.hf_config
-    for attr in ("num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size"):
-        parts.append(f"{attr}={getattr(hf, attr, None)}")
-    if kv_cache_config is not None:
-        for group in kv_cache_config.kv_cache_groups:
-            spec = group.kv_cache_spec
-            parts.append(f"{type(spec).__name__}:{getattr(spec, 'num_kv_heads', '')}:"
-                         f"{getattr(spec, 'head_size', '')}:{getattr(spec, 'dtype', '')}:{len(group.layer_names)}")
-    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()

@@ -22,8 +22,9 @@ class HistoryCopier:
     POLL_S = 0.1
 
     def __init__(self, ipc_dir: str, store: SlotStore | None, broken: str = "",
-                 cpus: frozenset[int] | None = None) -> None:
+                 cpus: frozenset[int] | None = None, rank: int = 0) -> None:
         self.ipc_dir = ipc_dir
+        self.rank = rank  # the worker rank whose shard of every block this copier keeps
         self.cpus = cpus  # where this thread runs (transports/affinity.py)
         self.store = store
         self.broken = broken  # why the store could not be built: every copy then fails
@@ -47,7 +48,7 @@ class HistoryCopier:
         from ...transports.affinity import run_on
 
         run_on(self.cpus)
-        link = Link(self.ipc_dir, "history")
+        link = Link(self.ipc_dir, "history", self.rank)
         try:
             link.send(slot_stats(self.store, self.broken))
             while not self.stopping.is_set():

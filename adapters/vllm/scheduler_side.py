@@ -19,7 +19,7 @@ from ...control import messages as m
 from ...control import peer as pc
 from ...control.client import SidecarHandle
 from ...control.config import SidecarConfig
-from ...control.guard import capability_digest, install_frame_key, mint_capability, resolve_secret
+from ...control.guard import RateLimitedLog, capability_digest, install_frame_key, mint_capability, resolve_secret
 from ...core import events as ev
 from .handoff import PARAMS_VERSION, Handoff, HandoffError, handoff_key, parse_handoff, prompt_digest, sign_handoff
 from .settings import EVENT_LOG_HASH_EVERY, parse_peer_networks
@@ -81,6 +81,7 @@ class SchedulerSide:
             ipc_dir=conn.ipc_dir, log_path=log_path, hash_every=EVENT_LOG_HASH_EVERY,
             heartbeat_interval_s=s.heartbeat_interval_s, call_timeout_s=s.peer_timeout_s,
             parent_pid=os.getpid(), layout=conn.layout, block_size=conn.block_size,
+            ranks=conn.identity.tensor_parallel,
             metrics_port=s.metrics_port,
             debug_reads_per_load=s.test_hooks.reads_per_load,
             debug_pause_between_reads_s=s.test_hooks.pause_between_reads_s,
@@ -96,6 +97,8 @@ class SchedulerSide:
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self.sidecar_lost_logged = False
         self.unbound_logged = False
+        # One line per refusal reason per window: a client replaying bad sections cannot flood the log.
+        self.refusal_log = RateLimitedLog(logger)
         logger.info("kvbaton: engine %s (%s), control on %s (port %s), num_blocks %d, event log %s, "
                     "metrics %s", conn.engine_id, role, s.control_host, s.control_port or "chosen at bind",
                     num_blocks, log_path or "off",
@@ -117,7 +120,8 @@ class SchedulerSide:
         # restored, so it is answered at once without asking the sidecar).
         self.history_on = plan.enabled
         self.kv_cache_config = kv_cache_config
-        self.key_prefix = conn.layout + ":"
+        # History keys name the layout and the weights: KV is restored only into what computed it.
+        self.key_prefix = f"{conn.layout}{conn.identity.weights}:"
         self.restores: dict[str, Restore] = {}
         self.keys_by_request: dict[str, list[str]] = {}
         self.offered: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -183,11 +187,13 @@ class SchedulerSide:
             self.handoffs[rid] = h
             return h
         try:
-            section = parse_handoff(params, self.conn.layout, self.trusted, self.handoff_key)
+            section = parse_handoff(params, self.conn.identity, self.trusted, self.handoff_key)
             num_tokens = min(section["num_tokens"], len(request.prompt_token_ids or ()))
             digest = prompt_digest(request, num_tokens)
         except (HandoffError, OverflowError, TypeError, ValueError) as exc:
-            logger.warning("kvbaton: request %s: %s; recomputing locally", rid, exc)
+            reason = getattr(exc, "reason", "invalid")
+            self.refusal_log.warning(reason, "kvbaton: request %s: %s; recomputing locally", rid, exc)
+            self.sidecar.send(m.HandoffRefused(reason))  # counted: kvbaton_handoffs_refused{reason}
             h = Handoff("", "", 0, 0, hit=False, consumed=True, reason=str(exc))
             self.handoffs[rid] = h
             return h
@@ -352,6 +358,8 @@ class SchedulerSide:
                 "engine": self.conn.engine_id,
                 "num_tokens": num_tokens,
                 "layout": self.conn.layout,
+                "weights": self.conn.identity.weights,
+                "tp": self.conn.identity.tensor_parallel,
                 "keepalive": keepalive,
                 "abandon": abandon,
                 "instance": self.sidecar.instance,

@@ -35,6 +35,7 @@ __all__ = [
     "BOS_ID",
     "EOS_ID",
     "build_tiny_model",
+    "write_tiny_weights",
     "tiny_prompt",
     "words_for",
     "word_for",
@@ -112,6 +113,42 @@ def _model_config(*, layers, hidden, heads, kv_heads, head_dim, vocab, max_pos) 
         "initializer_range": 0.02,
         "use_cache": True,
     }
+
+
+def write_tiny_weights(model_dir, seed: int, *, std: float = 0.05) -> Path:
+    """Random weights for the tiny model in ``model_dir`` (``model.safetensors``), drawn from
+    ``seed``: engines loading folders written with different seeds run one architecture with
+    different weights (a checkpoint and its fine-tune), which dummy weights cannot give (vLLM
+    fills them from a constant seed). Needs torch and safetensors."""
+
+    import torch
+    from safetensors.torch import save_file
+
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    head_dim, heads, kv_heads = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape):
+        return (torch.randn(*shape, generator=generator) * std).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": normal(vocab, hidden),
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for layer in range(cfg["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        for name, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
+                           ("v_proj", kv_heads * head_dim)):
+            tensors[f"{prefix}self_attn.{name}.weight"] = normal(rows, hidden)
+            tensors[f"{prefix}self_attn.{name}.bias"] = normal(rows)
+        tensors[f"{prefix}self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
+        tensors[f"{prefix}mlp.gate_proj.weight"] = normal(inter, hidden)
+        tensors[f"{prefix}mlp.up_proj.weight"] = normal(inter, hidden)
+        tensors[f"{prefix}mlp.down_proj.weight"] = normal(hidden, inter)
+        tensors[f"{prefix}input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        tensors[f"{prefix}post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    return model_dir
 
 
 def _tokenizer_json(vocab: int) -> str:

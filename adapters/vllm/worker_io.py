@@ -30,11 +30,11 @@ WAIT_S = 0.05  # how often the thread checks for stop between messages
 
 class WorkerIo:
     def __init__(self, ipc_dir: str, transport, bad_peers: dict[str, str],
-                 cpus: frozenset[int] | None = None) -> None:
+                 cpus: frozenset[int] | None = None, rank: int = 0) -> None:
         self.transport = transport
         self.cpus = cpus  # where this thread runs (transports/affinity.py)
         self.bad_peers = bad_peers
-        self.link = Link(ipc_dir, "worker")  # this thread's own sockets (zmq sockets are per thread)
+        self.link = Link(ipc_dir, "worker", rank)  # this thread's own sockets (zmq sockets are per thread)
         self.inbox: collections.deque[m.Msg] = collections.deque()  # for the engine thread
         # read id -> (request, last read of its load): the engine thread polls these (pump)
         self.reads: dict[str, tuple[str, bool]] = {}

@@ -46,9 +46,23 @@ def request_amx_permission() -> None:
         logger.debug("kvbaton worker: could not ask for AMX permission", exc_info=True)
 
 
+def worker_rank(vllm_config) -> int:
+    """This worker's tensor parallel rank (pipeline parallelism is refused at start)."""
+
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # the model parallel groups are not set up (a bare connector in tests)
+        return int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+
+
 class WorkerSide:
-    def __init__(self, conn: KvbatonConnector, kv_cache_config) -> None:
+    def __init__(self, conn: KvbatonConnector, kv_cache_config, rank: int = 0) -> None:
         self.conn = conn
+        # Each rank registers its own shard of every block and reads its counterpart's: the
+        # sidecar counts a read, copy or restore done when every rank's is (control/config.py).
+        self.rank = rank
         self.num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
         self.transport = None
         self.link: Link | None = None
@@ -129,8 +143,8 @@ class WorkerSide:
             # copies of a batch (every torch copy call gives it up and must take it back from
             # the busy engine thread). See GIL_SWITCH_INTERVAL_S.
             sys.setswitchinterval(interval)
-        self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers, self.thread_cpus)
-        self.link = Link(self.conn.ipc_dir, None)
+        self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers, self.thread_cpus, self.rank)
+        self.link = Link(self.conn.ipc_dir, None, self.rank)
         self.link.send(m.WorkerReady(self.transport.local_metadata(), layout.fingerprint()))
         self.io.start()
         self.install_stall_watchdog()
@@ -152,7 +166,7 @@ class WorkerSide:
         except Exception as exc:  # out of memory, odd layout: history copies fail, serving goes on
             broken = f"history tiers could not be allocated: {exc}"
             logger.exception("kvbaton worker: %s", broken)
-        self.history = HistoryCopier(self.conn.ipc_dir, store, broken, self.thread_cpus)
+        self.history = HistoryCopier(self.conn.ipc_dir, store, broken, self.thread_cpus, self.rank)
         self.history.start()
         self.restorer = RestoreRunner(store, broken)
 

@@ -71,3 +71,44 @@ def set_connector_setting(ctx, key, value):
     old = getattr(settings, key)
     setattr(settings, key, value)
     return old
+
+
+# -- every worker rank (tensor parallel engines: the workers are processes of their own) ----------
+
+
+def _rank_blocks(worker, block_ids):
+    side = _worker_side()
+    return side.rank, read_blocks(None, block_ids)
+
+
+def read_blocks_by_rank(ctx, block_ids):
+    """{rank: what `read_blocks` returns on that rank}: each rank's shard of these blocks."""
+
+    answers = ctx.core.model_executor.collective_rpc(_rank_blocks, args=(list(block_ids),))
+    return {rank: raw for rank, raw in answers}
+
+
+def _corrupt_on_rank(worker, block_ids, rank):
+    side = _worker_side()
+    return corrupt_blocks(None, block_ids) if side.rank == rank else 0
+
+
+def corrupt_blocks_on_rank(ctx, block_ids, rank):
+    """`corrupt_blocks` on one rank's shard only."""
+
+    return sum(ctx.core.model_executor.collective_rpc(_corrupt_on_rank, args=(list(block_ids), rank)))
+
+
+def _fail_next_read_on_rank(worker, rank):
+    side = _worker_side()
+    if side.rank != rank:
+        return False
+    failed = []
+    side.transport.fault_hook = lambda read_id: not failed and not failed.append(read_id)
+    return True
+
+
+def fail_next_read_on_rank(ctx, rank):
+    """The next read one rank's transport posts fails (the other ranks' succeed)."""
+
+    return any(ctx.core.model_executor.collective_rpc(_fail_next_read_on_rank, args=(rank,)))

@@ -214,7 +214,14 @@ def test_malformed_or_stale_params_recompute_locally(pd, damage):
         bad["kvbaton"]["ticket"] = "t" * (1 << 20)
     elif damage == "unsigned":
         del bad["kvbaton"]["sig"]
+    before = counters(pd.d)
     assert decode(pd, prompt, bad) == reference(pd, prompt)
+    # Refused before any claim, and counted by reason (kvbaton_handoffs_refused{reason}).
+    refused_as = {"garbage": "invalid", "wrong_layout": "forged", "unknown_ticket": "forged", "megabyte_ticket": "invalid",
+                  "untrusted_control": "forged", "unsigned": "unsigned", "absurd_token_count": "forged",
+                  "huge_block_id": "invalid", "bad_control": "forged"}.get(damage)
+    if refused_as is not None:
+        assert delta(before, counters(pd.d), f"handoffs.refused.{refused_as}") == 1
     section = params["kvbaton"]
     call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])  # the real ticket
     assert_nothing_held(pd)

@@ -17,6 +17,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvbaton.adapters.vllm import scheduler_side as c  # noqa: E402
 from kvbaton.adapters.vllm.handoff import handoff_key, sign_handoff  # noqa: E402
+from kvbaton.adapters.vllm.identity import KvIdentity  # noqa: E402
 from kvbaton.adapters.vllm.settings import parse_peer_networks  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
 from kvbaton.core import events as ev  # noqa: E402
@@ -50,7 +51,8 @@ KEY = handoff_key("3f9c1a7be2d84c06a5f1e93b7d20c4e8")
 
 def scheduler_side() -> c.SchedulerSide:
     side = object.__new__(c.SchedulerSide)
-    side.conn = SimpleNamespace(is_consumer=True, is_producer=False, layout=LAYOUT, block_size=32, engine_id="D0")
+    side.conn = SimpleNamespace(is_consumer=True, is_producer=False, layout=LAYOUT, block_size=32, engine_id="D0",
+                                identity=KvIdentity(LAYOUT, "W", 1))
     side.trusted = parse_peer_networks("127.0.0.0/8")
     side.handoff_key = KEY
     side.sidecar = Sidecar()
@@ -67,7 +69,7 @@ def children(n: int, ticket: str | None = None, tokens: int = 80) -> list[Simple
 
     params = {"do_remote_prefill": True, "remote_block_ids": [1, 2, 3],
               "kvbaton": sign_handoff({"ticket": ticket or uuid.uuid4().hex, "control": "127.0.0.1:9000",
-                                       "num_tokens": tokens, "layout": LAYOUT, "keepalive": uuid.uuid4().hex,
+                                       "num_tokens": tokens, "layout": LAYOUT, "weights": "W", "tp": 1, "keepalive": uuid.uuid4().hex,
                                        "instance": uuid.uuid4().hex}, KEY, 120)}
     return [SimpleNamespace(request_id=f"{i}_parent", kv_transfer_params=params, prompt_token_ids=list(range(tokens)),
                             status=RequestStatus.WAITING, cache_salt=None, lora_request=None, mm_features=None)

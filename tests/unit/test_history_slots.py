@@ -210,12 +210,12 @@ def running_copier(tmp_path, store):
     zmq = pytest.importorskip("zmq")
     from kvbaton.control.config import ipc_paths
 
-    paths = ipc_paths(str(tmp_path))
+    paths = ipc_paths(str(tmp_path), ranks=1)
     ctx = zmq.Context.instance()
     inbox = ctx.socket(zmq.PULL)
-    inbox.bind(paths["inbox"])
+    inbox.bind(paths["inbox.0"])
     out = ctx.socket(zmq.PUSH)
-    out.bind(paths["history"])
+    out.bind(paths["history.0"])
     copier = HistoryCopier(str(tmp_path), store)
     copier.start()
     try:

@@ -1,0 +1,66 @@
+"""An engine's worker ranks, as its sidecar sees them (tensor parallelism).
+
+Each rank holds its shard of every block (its KV heads) in its own memory, registers it with its
+own transport and copies it into and out of its own history slots. The sidecar sends every
+decision to every rank, and a read, a staging, a demotion or a restore is one fact for the core
+once every rank has reported it: ok only when every rank's part was, so a request whose KV one
+rank failed to move is recomputed whole, never run on part of its KV.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Hashable
+
+import msgspec
+
+# Facts waiting for other ranks, at most: far more reads and copies than are ever in flight. A
+# rank that stops answering kills its engine (vLLM ends an engine whose worker died), so entries
+# are only ever dropped here when something else already went badly wrong.
+MAX_PENDING = 1 << 16
+
+
+class RankFanIn:
+    """Combines the ranks' reports of one thing into one outcome."""
+
+    def __init__(self, ranks: int, limit: int = MAX_PENDING) -> None:
+        self.ranks = ranks
+        self.limit = limit
+        self.pending: collections.OrderedDict[Hashable, tuple[frozenset[int], bool]] = collections.OrderedDict()
+        self.dropped = 0  # entries forgotten at the limit (their thing never completes here)
+
+    def note(self, key: Hashable, rank: int, ok: bool) -> bool | None:
+        """Rank `rank` reported `key` ended (`ok`): the combined outcome once every rank has
+        reported, None before (and for a rank's second report of the same key)."""
+
+        if self.ranks == 1:
+            return ok
+        if not 0 <= rank < self.ranks:
+            return None
+        reported, all_ok = self.pending.get(key, (frozenset(), True))
+        if rank in reported:
+            return None
+        reported, all_ok = reported | {rank}, all_ok and ok
+        if len(reported) == self.ranks:
+            self.pending.pop(key, None)
+            return all_ok
+        self.pending[key] = (reported, all_ok)
+        while len(self.pending) > self.limit:
+            self.pending.popitem(last=False)
+            self.dropped += 1
+        return None
+
+
+def pack_metadata(per_rank: list[bytes]) -> bytes:
+    """An engine's transport metadata, one entry per rank, as peers receive it."""
+
+    return msgspec.msgpack.encode(per_rank)
+
+
+def unpack_metadata(metadata: bytes) -> list[bytes] | None:
+    """The per-rank metadata a peer sent (None when it is not a list of byte strings)."""
+
+    try:
+        return msgspec.msgpack.decode(metadata, type=list[bytes])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

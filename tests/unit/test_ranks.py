@@ -1,0 +1,73 @@
+"""Tensor parallel engines: a read, copy or restore is one fact once every worker rank reported
+it, ok only when every rank's part was; peers learn every rank's transport metadata, and each
+rank of a reader is given its counterpart's."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvbaton.control import messages as m
+from kvbaton.control import peer as pc
+from kvbaton.control.ranks import RankFanIn, pack_metadata, unpack_metadata
+
+from .authority_harness import listed_authority
+
+
+def test_one_rank_is_the_report_itself():
+    fan_in = RankFanIn(1)
+    assert fan_in.note("x", 0, True) is True and fan_in.note("x", 0, False) is False
+
+
+def test_every_rank_must_report_and_one_failure_fails_the_whole():
+    fan_in = RankFanIn(2)
+    assert fan_in.note("read", 1, True) is None
+    assert fan_in.note("read", 1, True) is None  # a rank's second report changes nothing
+    assert fan_in.note("read", 0, True) is True
+    assert fan_in.note("copy", 0, True) is None and fan_in.note("copy", 1, False) is False
+    assert fan_in.note("other", 2, True) is None  # no such rank
+    assert not fan_in.pending
+
+
+def test_waiting_facts_are_bounded():
+    fan_in = RankFanIn(2, limit=3)
+    for key in range(5):
+        fan_in.note(key, 0, True)
+    assert list(fan_in.pending) == [2, 3, 4] and fan_in.dropped == 2
+
+
+def test_metadata_is_announced_once_every_rank_registered(tmp_path):
+    authority = listed_authority(tmp_path, "P0", "producer", ranks=2)
+    authority._on_message(m.WorkerReady(b"rank-1", "fp"), 1)
+    assert authority.metadata is None
+    authority._on_message(m.WorkerReady(b"rank-0", "fp"), 0)
+    assert unpack_metadata(authority.metadata) == [b"rank-0", b"rank-1"]
+
+
+def test_ranks_with_different_shards_are_not_announced(tmp_path):
+    authority = listed_authority(tmp_path, "P0", "producer", ranks=2)
+    authority._on_message(m.WorkerReady(b"rank-0", "fp0"), 0)
+    authority._on_message(m.WorkerReady(b"rank-1", "fp1"), 1)
+    assert authority.metadata is None
+
+
+def announce(authority, answer) -> bool:
+    async def call(address, call, to=""):
+        assert isinstance(call, pc.Metadata)
+        return answer
+
+    authority._call = call
+    return asyncio.run(authority._announce_peer("127.0.0.1:2", "P0", "a" * 32))
+
+
+def test_each_rank_of_a_reader_gets_its_counterparts_metadata(tmp_path):
+    authority = listed_authority(tmp_path, "D0", "consumer", ranks=2)
+    answer = pc.MetadataAnswer("P0", pack_metadata([b"rank-0", b"rank-1"]), "a" * 32)
+    assert announce(authority, answer)
+    assert authority.sent == [("worker.0", m.AddPeer("P0", b"rank-0")), ("worker.1", m.AddPeer("P0", b"rank-1"))]
+
+
+def test_a_peer_with_another_number_of_ranks_is_not_read(tmp_path):
+    authority = listed_authority(tmp_path, "D0", "consumer", ranks=2)
+    assert not announce(authority, pc.MetadataAnswer("P0", pack_metadata([b"rank-0"]), "a" * 32))
+    assert not announce(authority, pc.MetadataAnswer("P0", b"not a list", "a" * 32))
+    assert authority.sent == [] and authority.refused["metadata_mismatch"] == 2

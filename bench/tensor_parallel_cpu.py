@@ -28,8 +28,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests.integration.engine_harness lives in the checkout
 
 from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, write_tiny_weights  # noqa: E402
+from kvbaton.control.messages import READ_PHASES  # noqa: E402
 from tests.integration.engine_harness import EngineProcess  # noqa: E402
 
+IDLE_AFTER_STEP_S = 1.5
 CONNECTOR = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
 
 
@@ -68,7 +70,11 @@ def one_round(p, d, prompts, max_tokens: int) -> dict:
         raise SystemExit(f"{d.name}: {failed} reads failed; the figures would not be handoffs")
     seconds = after["transfer"]["seconds"] - before["seconds"]
     nbytes = after["transfer"]["bytes"] - before["bytes"]
-    return {"request_ms": statistics.median(times) * 1e3, "recompute_ms": statistics.median(recompute) * 1e3,
+    phased = after["transfer"].get("phased_reads", 0) - before.get("phased_reads", 0)
+    phases = {name: (after["transfer"].get(f"{name}_seconds", 0.0) - before.get(f"{name}_seconds", 0.0))
+              / max(1, phased) * 1e3 for name in READ_PHASES}
+    return {"read_phases_ms": phases,
+            "request_ms": statistics.median(times) * 1e3, "recompute_ms": statistics.median(recompute) * 1e3,
             "read_ms": seconds / max(1, reads) * 1e3,
             "bytes_per_request": nbytes / len(prompts), "reads_per_request": reads / len(prompts)}
 
@@ -115,6 +121,11 @@ def main() -> int:
         for index in range(args.rounds):
             order = (1, 2) if index % 2 == 0 else (2, 1)
             for size in order:
+                # vLLM's multiprocess workers busy-poll their step queue for a second after each
+                # step; on cores the four engines share, a pair measured within that second of
+                # the other pair's last step finds its cores taken (reads then wait on the CPU,
+                # not on the transport). Each pair starts after the other's workers went idle.
+                time.sleep(IDLE_AFTER_STEP_S)
                 prompts = [tiny_prompt(args.prompt_tokens, seed=100_000 * (index + 1) + 1000 * size + i)
                            for i in range(args.requests)]
                 rounds[size].append(one_round(*pairs[size], prompts, args.max_tokens))
@@ -146,6 +157,9 @@ def main() -> int:
         print(f"{label}: TP=1 {statistics.median(tp1):.2f} ms [{min(tp1):.2f}, {max(tp1):.2f}], TP=2 "
               f"{statistics.median(tp2):.2f} ms [{min(tp2):.2f}, {max(tp2):.2f}]; ratio TP=2/TP=1 "
               f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]; TP=1 A/A spread {spread:.2f}")
+    for size in (1, 2):
+        print(f"TP={size}: read phases, ms per read, by round: " + "; ".join(
+            ", ".join(f"{k} {v:.2f}" for k, v in r["read_phases_ms"].items() if v >= 0.05) for r in rounds[size]))
     for size in (1, 2):
         saved = [r["request_ms"] / r["recompute_ms"] for r in rounds[size]]
         result[f"handoff_over_recompute_tp{size}"] = summary(saved)

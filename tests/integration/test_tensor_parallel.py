@@ -1,11 +1,12 @@
 """Tensor parallelism on real vLLM CPU engines (one OpenMP group per rank, each rank a process).
 
 Three engines start once for the module: P (producer, TP=2, history on with a small cache so
-revisited prompts are restored from history), D (consumer, TP=2) and D1 (consumer, TP=1). Each
+revisited prompts are restored from history), D (consumer, TP=2) and D1 (TP=1, both roles). Each
 rank of P registers its own shard of every block (its KV heads); D's rank r reads P's rank r. A
 handoff between equal sizes decodes exactly what P computes alone, with every rank's shard
 bit-exact; a read that fails on one rank recomputes the whole request; a handoff between sizes
-kvbaton cannot map yet (TP=2 to TP=1) is refused before any claim, counted, and recomputed.
+kvbaton cannot map yet (TP=2 to TP=1 and TP=1 to TP=2) is refused before any claim, counted,
+and recomputed.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def tp(tmp_path_factory):
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
                           "event_log_dir": str(events), "test_hooks": {"heartbeat_interval_s": 1.0}}})
     d1 = EngineProcess("D1", model, log_dir=root, cpu_core=1, extra_engine_args=tensor_parallel(1, weights=True),
-                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
-                           # It refuses every handoff before a claim: its log holds no event.
-                           "event_log_dir": str(root / "events-d1")}})
+                       # Both roles: it decodes P's handoffs and prefills for D (TP=1 to TP=2).
+                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": {
+                           "event_log_dir": str(root / "events-d1"), "gpu_history_bytes": 0}})
     engines = [p, d, d1]
     for engine in engines:
         engine.launch()
@@ -73,10 +74,10 @@ def tp(tmp_path_factory):
             engine.stop()
 
 
-def prefill(engine, prompt) -> dict:
+def prefill(engine, prompt, size: int = 2) -> dict:
     out = engine.generate([prompt], max_tokens=1, kv_transfer_params_list=[{"do_remote_decode": True}])[0]
     params = out["kv_transfer_params"]
-    assert params and params.get("do_remote_prefill") and params["kvbaton"]["tp"] == 2, params
+    assert params and params.get("do_remote_prefill") and params["kvbaton"]["tp"] == size, params
     return out
 
 
@@ -203,15 +204,17 @@ def test_history_keeps_and_restores_every_rank_together(tp):
     assert_nothing_held(tp)
 
 
-def test_a_handoff_between_unequal_sizes_is_refused_before_any_claim_and_recomputed(tp):
-    prompt = tiny_prompt(150, seed=7_800)
-    params = prefill(tp.p, prompt)["kv_transfer_params"]
-    before_d1, before_p = counters(tp.d1), counters(tp.p)
-    assert decode(tp.d1, prompt, params)["token_ids"] == alone(tp.d1, prompt)
-    after_d1 = counters(tp.d1)
-    assert delta(before_d1, after_d1, "handoffs.refused.tensor_parallel") == 1, after_d1
-    assert delta(before_d1, after_d1, "loads.requested") == 0
-    assert delta(before_p, counters(tp.p), "tickets.claimed") == 0
+@pytest.mark.parametrize("direction", ["TP=2 to TP=1", "TP=1 to TP=2"])
+def test_a_handoff_between_unequal_sizes_is_refused_before_any_claim_and_recomputed(tp, direction):
+    prefiller, decoder, size = (tp.p, tp.d1, 2) if direction == "TP=2 to TP=1" else (tp.d1, tp.d, 1)
+    prompt = tiny_prompt(150, seed=7_800 + size)
+    params = prefill(prefiller, prompt, size)["kv_transfer_params"]
+    before_d, before_p = counters(decoder), counters(prefiller)
+    assert decode(decoder, prompt, params)["token_ids"] == alone(decoder, prompt)
+    after_d = counters(decoder)
+    assert delta(before_d, after_d, "handoffs.refused.tensor_parallel") == 1, after_d
+    assert delta(before_d, after_d, "loads.requested") == 0
+    assert delta(before_p, counters(prefiller), "tickets.claimed") == 0
     section = params["kvbaton"]  # the router gives an unread ticket back at once
     call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
     assert_nothing_held(tp)

@@ -155,8 +155,16 @@ class LeaseEnded(Msg, tag="lended"):
 
 
 class AddPeer(Msg, tag="peer"):
+    """Read from `engine` (transport `metadata` of one of its ranks). Between engines of
+    different tensor parallel sizes a rank reads a share of a peer rank's KV heads into a share
+    of its own (`remote_slice`, `local_slice`: (part, parts)), under its own transport peer id
+    `peer` (one per source rank; "" means `engine`)."""
+
     engine: str
     metadata: bytes
+    peer: str = ""
+    remote_slice: tuple[int, int] = (0, 1)
+    local_slice: tuple[int, int] = (0, 1)
 
 
 class PostRead(Msg, tag="post"):
@@ -168,6 +176,9 @@ class PostRead(Msg, tag="post"):
     # The load's last read: when it succeeds the worker reports the request received at once
     # (and drops the sidecar's FinishedRecving that follows) instead of waiting a round trip.
     last: bool = False
+    # The transport peers this rank reads the blocks from, one head share each (a P with more
+    # ranks than this engine); empty: `peer` alone. One ReadDone reports them all.
+    peers: tuple[str, ...] = ()
 
 
 class InvalidBlocks(Msg, tag="invalid"):

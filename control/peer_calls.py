@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import msgspec
 import xoscar as xo
 from xoscar.errors import ActorNotExist
 
@@ -16,7 +17,7 @@ from ..core import load as loads
 from ..core.reasons import Reason
 from . import messages as m
 from . import peer as pc
-from .ranks import unpack_metadata
+from .ranks import read_plan, unpack_metadata
 from .client import AUTHORITY_UID, bounded
 
 logger = logging.getLogger("kvbaton.sidecar")
@@ -223,16 +224,25 @@ class PeerCalls:
                                      instance[:8], answer.engine, answer.instance[:8])
             return False
         per_rank = unpack_metadata(answer.metadata)
-        if per_rank is None or len(per_rank) != self.cfg.ranks:
-            # The layouts matched (they name the tensor parallel size), so this is not a peer
-            # of this kvbaton version: read nothing from it.
+        plan = None if per_rank is None else read_plan(len(per_rank), self.cfg.ranks)
+        if plan is None:
             self.refused["metadata_mismatch"] += 1
             self.refusal_log.warning("metadata_mismatch", "peer at %s (engine %r) sent transport metadata "
                                      "for %s ranks, this engine has %d: not reading from it", source, engine,
                                      "unreadable" if per_rank is None else len(per_rank), self.cfg.ranks)
             return False
-        for rank, metadata in enumerate(per_rank):  # each rank reads its counterpart's shard
-            self._send_rank(self.to_worker, rank, m.AddPeer(engine, metadata))
+        if len(per_rank) == self.cfg.ranks:  # each rank reads its counterpart's shard, whole
+            for rank, metadata in enumerate(per_rank):
+                self._send_rank(self.to_worker, rank, m.AddPeer(engine, metadata))
+            self.read_sources.pop(engine, None)
+        else:  # each rank reads its heads from the source ranks that hold them (ranks.read_plan)
+            sources = []
+            for rank, reads in enumerate(plan):
+                sources.append(tuple(f"{engine}#{source_rank}" for source_rank, _, _ in reads))
+                for (source_rank, remote_slice, local_slice), peer in zip(reads, sources[-1]):
+                    self._send_rank(self.to_worker, rank, m.AddPeer(engine, per_rank[source_rank], peer,
+                                                                    remote_slice, local_slice))
+            self.read_sources[engine] = sources
         self.peers_announced = {key for key in self.peers_announced if key[:2] != (source, engine)}
         self.peers_announced.add((source, engine, instance))
         return True
@@ -279,8 +289,14 @@ class PeerCalls:
         # Sequential reads split the blocks into near-equal slices (one slice per read).
         bounds = [len(dst) * i // reads for i in range(reads + 1)]
         lo, hi = bounds[index], bounds[index + 1]
-        self._send(self.to_worker, m.PostRead(effect.request, effect.read, ctx["engine"],
-                                              src[lo:hi], tuple(dst[lo:hi]), index == reads - 1))
+        post = m.PostRead(effect.request, effect.read, ctx["engine"], src[lo:hi], tuple(dst[lo:hi]),
+                          index == reads - 1)
+        sources = self.read_sources.get(ctx["engine"])
+        if sources is None:  # a source of this engine's size: every rank reads its counterpart
+            self._send(self.to_worker, post)
+        else:
+            for rank, peers in enumerate(sources):
+                self._send_rank(self.to_worker, rank, msgspec.structs.replace(post, peers=peers))
 
 
 def _forgotten(effects: list) -> bool:

@@ -1,7 +1,8 @@
 """An engine's worker ranks, as its sidecar sees them (tensor parallelism).
 
 Each rank holds its shard of every block (its KV heads) in its own memory, registers it with its
-own transport and copies it into and out of its own history slots. The sidecar sends every
+own transport and copies it into and out of its own history slots. A reader's rank reads the
+heads it holds from whichever ranks of the source hold them (`read_plan`). The sidecar sends every
 decision to every rank, and a read, a staging, a demotion or a restore is one fact for the core
 once every rank has reported it: ok only when every rank's part was, so a request whose KV one
 rank failed to move is recomputed whole, never run on part of its KV.
@@ -49,6 +50,29 @@ class RankFanIn:
             self.pending.popitem(last=False)
             self.dropped += 1
         return None
+
+
+# What one rank of a reader reads: (the source engine's rank, the share of that rank's KV heads
+# read, the share of this rank's heads written), each share as (part, parts).
+Source = tuple[int, tuple[int, int], tuple[int, int]]
+
+
+def read_plan(source_ranks: int, ranks: int) -> list[list[Source]] | None:
+    """For each rank of a reader with `ranks` ranks, what it reads from a source engine with
+    `source_ranks` ranks; None when one size does not divide the other. Equal sizes: rank r
+    reads rank r's whole shard. A source with k times more ranks: rank r reads ranks rk ...
+    rk+k-1, each into its share of r's heads. A source with k times fewer ranks: rank r reads
+    its share of rank r // k's heads."""
+
+    if source_ranks == ranks:
+        return [[(rank, (0, 1), (0, 1))] for rank in range(ranks)]
+    if source_ranks > ranks and source_ranks % ranks == 0:
+        k = source_ranks // ranks
+        return [[(rank * k + j, (0, 1), (j, k)) for j in range(k)] for rank in range(ranks)]
+    if ranks > source_ranks and ranks % source_ranks == 0:
+        k = ranks // source_ranks
+        return [[(rank // k, (rank % k, k), (0, 1))] for rank in range(ranks)]
+    return None
 
 
 def pack_metadata(per_rank: list[bytes]) -> bytes:

@@ -109,6 +109,9 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         # NIXL peers announced to the worker, by (control address, engine id, instance) as P's
         # grants and metadata answers named them (never as a client's request named them).
         self.peers_announced: set[tuple[str, str, str]] = set()
+        # D: for a source engine of another tensor parallel size, the transport peers each of
+        # this engine's ranks reads it through (one per source rank it reads: peer_calls.py).
+        self.read_sources: dict[str, list[tuple[str, ...]]] = {}
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False
         # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.

@@ -89,6 +89,9 @@ class LayerLayout(msgspec.Struct, frozen=True):
     stride: tuple[int, ...]  # in elements, as torch reports it
     device_type: str  # "cpu" or "cuda"
     device_index: int  # CUDA ordinal; 0 for cpu
+    # Which tensor dimension indexes KV heads (-1: not known). Only needed to read between
+    # engines of different tensor parallel sizes, which split the heads differently.
+    heads_dim: int = -1
 
     @property
     def block_nbytes(self) -> int:
@@ -134,6 +137,7 @@ class KvLayout(msgspec.Struct, frozen=True):
         block_size: int,
         *,
         block_dim: int | None = None,
+        heads_dim: int | None = None,
     ) -> "KvLayout":
         """Describe the tensors vLLM passes to `register_kv_caches`.
 
@@ -144,6 +148,8 @@ class KvLayout(msgspec.Struct, frozen=True):
             block_size: tokens per block.
             block_dim: force the block dimension when the shape is ambiguous (several dimensions
                 of size num_blocks, e.g. num_blocks == 2 in a K/V-first layout).
+            heads_dim: the dimension that indexes KV heads in every layer, when the caller knows
+                it (see `head_slice`).
         """
         if not kv_caches:
             raise ValueError("kv_caches is empty: there is no KV cache to describe")
@@ -152,6 +158,12 @@ class KvLayout(msgspec.Struct, frozen=True):
         layers = tuple(
             _describe_layer(name, tensor, num_blocks, block_dim) for name, tensor in kv_caches.items()
         )
+        if heads_dim is not None:
+            for layer in layers:
+                if not 0 <= heads_dim < len(layer.shape) or heads_dim == layer.block_dim:
+                    raise ValueError(f"layer {layer.name!r}: heads_dim={heads_dim} is not a dimension "
+                                     f"of shape {layer.shape} other than its block dimension")
+            layers = tuple(msgspec.structs.replace(layer, heads_dim=heads_dim) for layer in layers)
         devices = {(layer.device_type, layer.device_index) for layer in layers}
         if len(devices) != 1:
             raise ValueError(f"KV cache layers live on several devices {sorted(devices)}; one engine "
@@ -189,6 +201,47 @@ class KvLayout(msgspec.Struct, frozen=True):
             parts.append(f"{layer.name}|{layer.dtype}|{block_shape}|{dim_order}|{span_sizes}")
         digest = hashlib.blake2b("\n".join(parts).encode(), digest_size=8)
         return digest.hexdigest()
+
+    def with_kv_heads(self, kv_heads: int) -> "KvLayout":
+        """This layout with each layer's heads dimension found from how many KV heads a layer
+        holds: the one dimension of that size besides the block dimension (and, in a K/V-first
+        layout, besides the K/V dimension before it). A layer where that is not one dimension
+        keeps it unknown: its blocks are read whole only."""
+
+        layers = []
+        for layer in self.layers:
+            skip = {layer.block_dim} | ({0} if layer.block_dim == 1 else set())
+            dims = [dim for dim, size in enumerate(layer.shape) if size == kv_heads and dim not in skip]
+            layers.append(msgspec.structs.replace(layer, heads_dim=dims[0] if len(dims) == 1 else -1))
+        return msgspec.structs.replace(self, layers=tuple(layers))
+
+    def head_slice(self, part: int, parts: int) -> "KvLayout":
+        """The same blocks seen through one `parts`-th of their KV heads (the `part`-th): what an
+        engine of another tensor parallel size holds of them, or reads into them. Every layer's
+        heads split evenly and its spans are cut to the slice (a slice of heads outermost in a
+        block is one span per K/V piece; heads inside a token's row make one span per token).
+        LayoutMismatch when a layer's heads are not known or do not split."""
+
+        if parts == 1:
+            return self
+        if not 0 <= part < parts:
+            raise ValueError(f"head slice {part} of {parts}")
+        layers = []
+        for layer in self.layers:
+            dim = layer.heads_dim
+            if dim < 0:
+                raise LayoutMismatch(f"layer {layer.name!r}: which dimension holds the KV heads is not "
+                                     "known, so its blocks cannot be split between tensor parallel sizes")
+            heads = layer.shape[dim]
+            if heads % parts:
+                raise LayoutMismatch(f"layer {layer.name!r}: {heads} KV heads do not split into {parts} parts")
+            width = heads // parts
+            shape = layer.shape[:dim] + (width,) + layer.shape[dim + 1:]
+            inner = [(shape[d], layer.stride[d]) for d in range(len(shape)) if d != layer.block_dim]
+            layers.append(msgspec.structs.replace(
+                layer, shape=shape, spans=_contiguous_spans(layer.name, inner, layer.element_size),
+                base_ptr=layer.base_ptr + part * width * layer.stride[dim] * layer.element_size))
+        return msgspec.structs.replace(self, layers=tuple(layers))
 
     def check_compatible(self, peer: "KvLayout") -> None:
         """Raise LayoutMismatch, saying what differs, unless blocks can be copied from `peer`."""

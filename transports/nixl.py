@@ -84,6 +84,9 @@ class _Peer:
     dlist: Any = None  # prepped per-block descriptor list of the peer's cache, or None
     group_offsets: np.ndarray | None = None
     agent_metadata: bytes = b""  # what the agent was added from (a restart can keep its name)
+    # Reads from this peer go into one head slice of our blocks (an engine of another tensor
+    # parallel size: see add_peer); None: into whole blocks.
+    local_layout: KvLayout | None = None
 
 
 @dataclass
@@ -114,6 +117,8 @@ class _AddPeerJob:
 
     peer_id: str
     metadata: NixlPeerMetadata
+    local_layout: KvLayout | None = None
+    sliced: bool = False  # head slices on either side: reads are described per read
 
 
 # The slowest rate a read may move at before its bound (read_timeout_s) counts it stalled: well
@@ -244,6 +249,7 @@ class NixlTransport:
         # Peers being connected on the helper thread (add_peer(background=True)), and why the
         # last background connection to a peer failed (state lock).
         self._connecting: dict[str, NixlPeerMetadata] = {}
+        self._connecting_local: dict[str, KvLayout | None] = {}  # their head slices of our blocks
         self._peer_errors: dict[str, str] = {}
         self._finished: dict[str, tuple[ReadResult, float]] = {}  # read id -> (result, when it ended)
         self._read_ids = PendingReadIds()
@@ -300,44 +306,62 @@ class NixlTransport:
                 "nixl", METADATA_PROTOCOL, self.engine_id, self.agent_name,
                 self._agent.get_agent_metadata(), layout))
 
-    def add_peer(self, peer_id: str, metadata: bytes, *, background: bool = False) -> None:
+    def add_peer(self, peer_id: str, metadata: bytes, *, background: bool = False, engine: str | None = None,
+                 remote_slice: tuple[int, int] = (0, 1), local_slice: tuple[int, int] = (0, 1)) -> None:
         """Learn how to read from a peer. Its metadata and layout are checked at once (ValueError,
         LayoutMismatch). With `background`, the NIXL connection is made on the helper thread and
         reads started meanwhile queue behind it, so a caller that must not block (the worker's io
         thread) never waits on NIXL; a connection that fails there fails those reads, naming
-        why."""
-        peer_metadata = self._check_peer_metadata(peer_id, metadata)
+        why.
+
+        Between engines of different tensor parallel sizes a rank holds another share of every
+        block's KV heads than its peer: `remote_slice` (part, parts) is the share of the peer's
+        heads read, `local_slice` the share of ours written (KvLayout.head_slice); `engine` is
+        the engine the metadata must name when `peer_id` names one rank of it."""
+        local_view = self._require_layout().head_slice(*local_slice)
+        peer_metadata = self._check_peer_metadata(peer_id, metadata, engine or peer_id, remote_slice, local_view)
+        local_layout = None if local_slice == (0, 1) else local_view
+        sliced = (remote_slice, local_slice) != ((0, 1), (0, 1))
         if background and self._helper is not None:
             with self._state_lock:
                 self._connecting[peer_id] = peer_metadata
+                self._connecting_local[peer_id] = local_layout
                 self._peer_errors.pop(peer_id, None)
-            self._jobs.put(_AddPeerJob(peer_id, peer_metadata))
+            self._jobs.put(_AddPeerJob(peer_id, peer_metadata, local_layout, sliced))
             return
         with self._agent_lock:
             self._require_layout()
-            self._connect_peer(peer_id, peer_metadata)
+            self._connect_peer(peer_id, peer_metadata, local_layout, sliced)
         with self._state_lock:
             self._peer_errors.pop(peer_id, None)
 
-    def _check_peer_metadata(self, peer_id: str, metadata: bytes) -> NixlPeerMetadata:
+    def _check_peer_metadata(self, peer_id: str, metadata: bytes, engine: str,
+                             remote_slice: tuple[int, int], local_view: KvLayout) -> NixlPeerMetadata:
+        """The peer's metadata, its layout narrowed to `remote_slice`, checked against our blocks
+        as `local_view` sees them."""
         try:
             peer_metadata = METADATA_DECODER.decode(metadata)
         except msgspec.DecodeError as error:
             raise ValueError(f"peer {peer_id!r}: metadata is not NixlTransport metadata "
                              f"({error})") from error
-        if peer_metadata.engine_id != peer_id:
+        if peer_metadata.engine_id != engine:
             raise ValueError(f"peer {peer_id!r}: metadata names engine {peer_metadata.engine_id!r}; "
                              f"an engine's metadata must name the engine it claims to be")
         if peer_metadata.protocol != METADATA_PROTOCOL:
             raise ValueError(f"peer {peer_id!r} speaks metadata protocol "
                              f"{peer_metadata.protocol}, we speak {METADATA_PROTOCOL}")
-        self._require_layout().check_compatible(peer_metadata.layout)
+        if remote_slice != (0, 1):
+            peer_metadata = msgspec.structs.replace(peer_metadata, layout=peer_metadata.layout.head_slice(*remote_slice))
+        local_view.check_compatible(peer_metadata.layout)
         return peer_metadata
 
-    def _connect_peer(self, peer_id: str, peer_metadata: NixlPeerMetadata) -> None:
+    def _connect_peer(self, peer_id: str, peer_metadata: NixlPeerMetadata,
+                      local_layout: KvLayout | None = None, sliced: bool = False) -> None:
         """Add the peer's agent to ours (agent lock held)."""
         old = self._peers.get(peer_id)
-        if old is not None and old.agent_name == peer_metadata.agent_name and old.agent_metadata == peer_metadata.agent_metadata:
+        if (old is not None and old.agent_name == peer_metadata.agent_name
+                and old.agent_metadata == peer_metadata.agent_metadata and old.layout == peer_metadata.layout
+                and old.local_layout == local_layout):
             return  # same agent announced twice: keep the connection
         self._agent_busy = (f"connecting peer {peer_id!r}", time.perf_counter())
         try:
@@ -349,13 +373,14 @@ class NixlTransport:
                                  f"{peer_metadata.agent_name!r} but holds {as_str(remote_name)!r}")
             peer = _Peer(peer_metadata.engine_id, peer_metadata.agent_name, remote_name,
                          peer_metadata.layout, nixl_mem_type(peer_metadata.layout.device_type),
-                         agent_metadata=bytes(peer_metadata.agent_metadata))
+                         agent_metadata=bytes(peer_metadata.agent_metadata), local_layout=local_layout)
             try:
                 # Optional: wires up the endpoint now so the first read does not pay for it.
                 self._agent.make_connection(remote_name)
             except Exception as error:  # the first read will connect (or fail) instead
                 logger.warning("NIXL make_connection to %s failed: %s", peer.agent_name, error)
-            if self._local_dlist is not None and self._use_prepped(peer.layout):
+            # Prepped lists index whole blocks: reads between head slices are described per read.
+            if self._local_dlist is not None and self._use_prepped(peer.layout) and not sliced:
                 peer.dlist, peer.group_offsets = self._prep_block_dlist(
                     remote_name, peer.layout, peer.mem_type)
         finally:
@@ -372,14 +397,16 @@ class NixlTransport:
             connecting = self._connecting.get(peer_id)
             failed = self._peer_errors.get(peer_id)
         peer = self._peers.get(peer_id)
+        local_layout = None
         if connecting is not None:
             peer_layout = connecting.layout  # the read queues behind the connection
+            local_layout = self._connecting_local.get(peer_id)
         elif failed is not None:
             raise UnknownPeer(f"peer {peer_id!r} could not be connected: {failed}")
         elif peer is None:
             raise UnknownPeer(f"unknown peer {peer_id!r}: call add_peer() first")
         else:
-            peer_layout = peer.layout
+            peer_layout, local_layout = peer.layout, peer.local_layout
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise TypeError(f"notify must be bytes or None, not {type(notify).__name__}")
         check_block_ids(peer_layout, layout, src_blocks, dst_blocks)
@@ -389,7 +416,8 @@ class NixlTransport:
             NotifyEnvelope(self.engine_id, bytes(notify)))
         inject_fault = self.fault_hook is not None and bool(self.fault_hook(read_id))
         job = _ReadJob(read_id, peer_id, list(src_blocks), list(dst_blocks), notif_msg,
-                       inject_fault, time.perf_counter(), nbytes=len(dst_blocks) * layout.block_nbytes)
+                       inject_fault, time.perf_counter(),
+                       nbytes=len(dst_blocks) * (local_layout or layout).block_nbytes)
         if self._read_timeout_s is not None:
             job.bound_s = self._read_timeout_s + job.nbytes / self._read_floor_bytes_per_s
             job.deadline = job.started + job.bound_s
@@ -520,7 +548,7 @@ class NixlTransport:
         error = None
         if not self._closed:
             try:
-                self._connect_peer(job.peer_id, job.metadata)
+                self._connect_peer(job.peer_id, job.metadata, job.local_layout, job.sliced)
             except Exception as exc:  # NIXL refused the agent, or its metadata lied
                 error = f"{type(exc).__name__}: {exc}"
                 logger.warning("NIXL transport %s: cannot connect peer %r: %s", self.engine_id,
@@ -528,6 +556,7 @@ class NixlTransport:
         with self._state_lock:
             if self._connecting.get(job.peer_id) is job.metadata:
                 del self._connecting[job.peer_id]
+                self._connecting_local.pop(job.peer_id, None)
                 if error is not None:
                     self._peer_errors[job.peer_id] = error
 
@@ -647,6 +676,8 @@ class NixlTransport:
             raise UnknownPeer(f"peer {job.peer_id!r} could not be connected: {failed}" if failed else
                               f"peer {job.peer_id!r} was removed before the read was posted")
         nbytes = job.nbytes
+        if peer.local_layout is not None:
+            layout = peer.local_layout  # our blocks as this peer's head slice sees them
         descriptors, landing = 0, None  # reported for reads described here (not prepped/faulty)
         described = posting  # set again just before NIXL is called to initialise the transfer
         if not job.dst_blocks:
@@ -674,8 +705,10 @@ class NixlTransport:
             # A direct read posts its runs in the order given; landed it would post at least one.
             # So with at most `landing_min_runs_saved` runs landing cannot save enough: the usual
             # contiguous read is folded once, with no sorting (coalesce stops past the limit).
-            runs = coalesce_runs(job.src_blocks, job.dst_blocks,
-                                 None if self._landing is None else self._landing_min_runs_saved)
+            # A read into a head slice of our blocks goes straight there (the landing area
+            # packs whole blocks).
+            direct = self._landing is None or peer.local_layout is not None
+            runs = coalesce_runs(job.src_blocks, job.dst_blocks, None if direct else self._landing_min_runs_saved)
             landing = None if runs is not None else self._reserve_landing(job)
             if landing is None:
                 if runs is None:  # past the limit, and the area did not take it

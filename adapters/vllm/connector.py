@@ -36,7 +36,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...control import messages as m
 from ...control.client import ipc_dir_for
 from ...transports.layout import CROSS_LAYERS_NAME
-from .identity import KvIdentity, check_supported, layout_fingerprint, tensor_parallel_size, weights_fingerprint
+from .identity import (KvIdentity, check_supported, layout_fingerprint, tensor_parallel_size, total_kv_heads,
+                       weights_fingerprint)
 from .history import HistoryPlan, history_plan
 from .scheduler_side import SchedulerSide
 from .settings import TEST_HOOKS_ENV, Settings, parse_settings
@@ -64,7 +65,7 @@ class KvbatonConnector(KVConnectorBase_V1):
         check_supported(vllm_config, kv_cache_config)
         self.layout = layout_fingerprint(vllm_config, kv_cache_config)
         self.identity = KvIdentity(self.layout, weights_fingerprint(vllm_config),
-                                   tensor_parallel_size(vllm_config))
+                                   tensor_parallel_size(vllm_config), total_kv_heads(vllm_config))
         self.history: HistoryPlan = history_plan(self.settings, kv_cache_config, self.is_producer)
         self.ipc_dir = ipc_dir_for(self.engine_id)
         self._scheduler: SchedulerSide | None = None

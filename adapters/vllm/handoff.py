@@ -130,10 +130,10 @@ def parse_handoff(params: dict, identity: KvIdentity, trusted, key: bytes | None
         if (not isinstance(blocks, list) or len(blocks) > MAX_HINT_BLOCKS
                 or not all(type(b) is int and 0 <= b <= pc.MAX_BLOCK_ID for b in blocks)):
             raise HandoffError("kvbaton handoff 'remote_block_ids' is not a list of block ids")
-    if section["tp"] != identity.tensor_parallel:
+    unmapped = identity.reads_from(section["tp"])
+    if unmapped:
         raise HandoffError(f"P runs tensor_parallel_size={section['tp']}, this engine "
-                           f"{identity.tensor_parallel}: kvbaton hands off between equal sizes only",
-                           "tensor_parallel")
+                           f"{identity.tensor_parallel}: {unmapped}", "tensor_parallel")
     if section["layout"] != identity.layout:
         raise HandoffError(f"layout fingerprint {section['layout']!r} does not match this engine's "
                            f"{identity.layout!r} (another architecture, dtype, KV cache dtype or block "

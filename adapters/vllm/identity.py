@@ -2,8 +2,10 @@
 
 Two fingerprints travel in every handoff section (and prefix every history key):
 
-* the **layout**: block size, dtypes, the KV spec of each layer group, tensor parallel size. Equal
-  layouts mean P's blocks have the shape D's blocks have, rank by rank.
+* the **layout**: block size, dtypes, the model's KV heads and head size, the KV spec of each
+  layer group. Equal layouts mean P's blocks hold what D's blocks hold, heads for heads; the
+  tensor parallel size (which ranks hold which heads) travels beside it (`tp`), and D maps
+  heads between sizes that divide each other and the model's KV heads (control/ranks.py).
 * the **weights**: which weights computed the KV. Equal layouts are not enough: two checkpoints of
   one architecture (a fine-tune, another revision, another quantization) fill the same shapes
   with different values, and D would decode from KV its own weights never produced. The identity
@@ -47,10 +49,30 @@ class KvIdentity:
     layout: str
     weights: str
     tensor_parallel: int = 1
+    kv_heads: int = 0  # the model's KV heads, all ranks together (0: not known)
+
+    def reads_from(self, tensor_parallel: int) -> str:
+        """Why KV from an engine of that tensor parallel size cannot be mapped onto this
+        engine's ranks ("" when it can)."""
+
+        ours = self.tensor_parallel
+        if tensor_parallel == ours:
+            return ""
+        if max(ours, tensor_parallel) % min(ours, tensor_parallel):
+            return f"tensor parallel sizes {tensor_parallel} and {ours} do not divide each other"
+        if not self.kv_heads or self.kv_heads % max(ours, tensor_parallel):
+            return (f"the model's {self.kv_heads or 'unknown number of'} KV heads do not split over "
+                    f"{max(ours, tensor_parallel)} ranks (replicated heads are not mapped)")
+        return ""
 
 
 def tensor_parallel_size(vllm_config) -> int:
     return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+
+
+def total_kv_heads(vllm_config) -> int:
+    hf = vllm_config.model_config.hf_config
+    return int(getattr(hf, "num_key_value_heads", 0) or getattr(hf, "num_attention_heads", 0) or 0)
 
 
 def check_supported(vllm_config, kv_cache_config) -> None:
@@ -82,22 +104,22 @@ def check_supported(vllm_config, kv_cache_config) -> None:
 
 
 def layout_fingerprint(vllm_config, kv_cache_config) -> str:
-    """What must match between P and D for blocks to be interchangeable, rank by rank (no
-    addresses, nothing about the weights' values)."""
+    """What must match between P and D for blocks to be interchangeable, head for head (no
+    addresses, no tensor parallel size, nothing about the weights' values)."""
 
     parts = [str(vllm_config.cache_config.block_size),
              str(getattr(vllm_config.cache_config, "cache_dtype", "")),
              str(vllm_config.model_config.dtype),
-             str(getattr(vllm_config.cache_config, "kv_cache_layout", "")),
-             f"tp={tensor_parallel_size(vllm_config)}"]
+             str(getattr(vllm_config.cache_config, "kv_cache_layout", ""))]
     hf = vllm_config.model_config.hf_config
     for attr in ("num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size"):
         parts.append(f"{attr}={getattr(hf, attr, None)}")
     if kv_cache_config is not None:
         for group in kv_cache_config.kv_cache_groups:
             spec = group.kv_cache_spec
-            parts.append(f"{type(spec).__name__}:{getattr(spec, 'num_kv_heads', '')}:"
-                         f"{getattr(spec, 'head_size', '')}:{getattr(spec, 'dtype', '')}:{len(group.layer_names)}")
+            # Not the spec's KV heads: those are one rank's share (num_key_value_heads above is all).
+            parts.append(f"{type(spec).__name__}:{getattr(spec, 'head_size', '')}:{getattr(spec, 'dtype', '')}:"
+                         f"{len(group.layer_names)}")
     return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
 
 

@@ -36,8 +36,13 @@ class WorkerIo:
         self.bad_peers = bad_peers
         self.link = Link(ipc_dir, "worker", rank)  # this thread's own sockets (zmq sockets are per thread)
         self.inbox: collections.deque[m.Msg] = collections.deque()  # for the engine thread
-        # read id -> (request, last read of its load): the engine thread polls these (pump)
-        self.reads: dict[str, tuple[str, bool]] = {}
+        # transport read id -> (request, last read of its load, the sidecar's read id): the engine
+        # thread polls these (pump)
+        self.reads: dict[str, tuple[str, bool, str]] = {}
+        # A read split over several source ranks: read id -> [reads out, all ok, bytes, slowest
+        # seconds, descriptors, first error] (updated from this thread and the engine thread).
+        self.parts: dict[str, list] = {}
+        self.parts_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvbaton-worker-io", daemon=True)
 
@@ -70,14 +75,19 @@ class WorkerIo:
         if kind is m.PostRead:
             self._post(msg)
         elif kind is m.AddPeer:
+            peer = msg.peer or msg.engine
             try:
                 # Connected on the transport's own thread: this one never waits on NIXL, so
                 # the reads after it reach the transport, which bounds them whatever NIXL does.
-                self.transport.add_peer(msg.engine, msg.metadata, background=True)
-                self.bad_peers.pop(msg.engine, None)
+                if (msg.remote_slice, msg.local_slice) == ((0, 1), (0, 1)) and peer == msg.engine:
+                    self.transport.add_peer(peer, msg.metadata, background=True)
+                else:
+                    self.transport.add_peer(peer, msg.metadata, background=True, engine=msg.engine,
+                                            remote_slice=tuple(msg.remote_slice), local_slice=tuple(msg.local_slice))
+                self.bad_peers.pop(peer, None)
             except Exception as exc:  # layout mismatch, bad metadata: every read fails
-                self.bad_peers[msg.engine] = str(exc)
-                logger.warning("kvbaton worker: cannot read from %s: %s", msg.engine, exc)
+                self.bad_peers[peer] = str(exc)
+                logger.warning("kvbaton worker: cannot read from %s: %s", peer, exc)
         elif kind is m.Debug and msg.key == "fail_next_reads":
             remaining = [int(msg.value)]
 
@@ -92,16 +102,45 @@ class WorkerIo:
             self.inbox.append(msg)
 
     def _post(self, msg: m.PostRead) -> None:
-        problem = self.bad_peers.get(msg.peer)
-        if problem is None:
-            # Booked before posting: a read can end inside start_read (CPU copies do), and the
-            # engine thread may poll it before start_read returns.
-            self.reads[msg.read] = (msg.request, msg.last)
-            try:
-                self.transport.start_read(msg.read, msg.peer, list(msg.src_blocks), list(msg.dst_blocks), None)
-                return
-            except Exception as exc:
-                self.reads.pop(msg.read, None)
-                problem = str(exc)
-        logger.warning("kvbaton worker: read %s for %s failed to start: %s", msg.read, msg.request, problem)
-        self.link.send(m.ReadDone(msg.request, msg.read, False, problem))
+        sources = msg.peers or (msg.peer,)
+        if len(sources) > 1:  # one transport read per source rank, one ReadDone for them all
+            with self.parts_lock:
+                self.parts[msg.read] = [len(sources), True, 0, 0.0, 0, ""]
+        for index, peer in enumerate(sources):
+            read_id = msg.read if len(sources) == 1 else f"{msg.read}|{index}"
+            problem = self.bad_peers.get(peer)
+            if problem is None:
+                # Booked before posting: a read can end inside start_read (CPU copies do), and the
+                # engine thread may poll it before start_read returns.
+                self.reads[read_id] = (msg.request, msg.last, msg.read)
+                try:
+                    self.transport.start_read(read_id, peer, list(msg.src_blocks), list(msg.dst_blocks), None)
+                    continue
+                except Exception as exc:
+                    self.reads.pop(read_id, None)
+                    problem = str(exc)
+            logger.warning("kvbaton worker: read %s for %s failed to start: %s", read_id, msg.request, problem)
+            done = self.part_done(msg.request, msg.read, False, problem)
+            if done is not None:
+                self.link.send(done)
+
+    def part_done(self, request: str, read: str, ok: bool, error: str = "", nbytes: int = 0,
+                  seconds: float = 0.0, descriptors: int = 0, landed: bool = False,
+                  phases: tuple[float, ...] = ()) -> m.ReadDone | None:
+        """One transport read of `read` ended: its ReadDone, or None while reads from other
+        source ranks of it are still out (their ReadDone then says whether all were ok)."""
+
+        with self.parts_lock:
+            part = self.parts.get(read)
+            if part is None:
+                return m.ReadDone(request, read, ok, error, nbytes, seconds, descriptors, landed, phases)
+            part[0] -= 1
+            part[1] = part[1] and ok
+            part[2] += nbytes
+            part[3] = max(part[3], seconds)
+            part[4] += descriptors
+            part[5] = part[5] or error
+            if part[0] > 0:
+                return None
+            del self.parts[read]
+        return m.ReadDone(request, read, part[1], part[5], part[2], part[3], part[4])

@@ -64,6 +64,10 @@ class WorkerSide:
         # sidecar counts a read, copy or restore done when every rank's is (control/config.py).
         self.rank = rank
         self.num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        # The KV heads this rank holds per layer: where they sit in a block lets a rank read
+        # from, or into, a share of another tensor parallel size's heads.
+        self.kv_heads = int(getattr(groups[0].kv_cache_spec, "num_kv_heads", 0) or 0) if groups else 0
         self.transport = None
         self.link: Link | None = None
         self.sending: set[str] = set()
@@ -94,6 +98,8 @@ class WorkerSide:
 
         layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self.conn.block_size,
                                          block_dim=block_dim)
+        if self.kv_heads:
+            layout = layout.with_kv_heads(self.kv_heads)
         settings, hooks = self.conn.settings, self.conn.settings.test_hooks
         # Our threads and NIXL's run on the engine's CPUs, not the core vLLM pinned this worker
         # to: on a core two spinning workers share they could wait seconds (transports/affinity.py).
@@ -203,14 +209,16 @@ class WorkerSide:
                     self._mark_reported(request)
         if self.io.reads:
             for result in self.transport.poll():
-                request, last = self.io.reads.pop(result.read_id, ("", False))
+                request, last, read = self.io.reads.pop(result.read_id, ("", False, ""))
                 if not request:
                     continue
                 logger.debug("kvbaton worker: read done %s", result)
-                self.link.send(m.ReadDone(request, result.read_id, result.ok, result.error or "",
-                                          result.nbytes, result.seconds, result.descriptors,
-                                          result.landed, tuple(result.phases)))
-                if result.ok and last:
+                done = self.io.part_done(request, read, result.ok, result.error or "", result.nbytes,
+                                         result.seconds, result.descriptors, result.landed, tuple(result.phases))
+                if done is None:  # reads from this rank's other sources are still out
+                    continue
+                self.link.send(done)
+                if done.ok and last:
                     # The bytes are in place: vLLM may schedule the request next step. The
                     # sidecar's FinishedRecving for it (after it books the read) is dropped.
                     self.recving.add(request)

@@ -13,7 +13,7 @@ from kvbaton.adapters.vllm.identity import KvIdentity
 
 KEY = handoff_key("3f9c1a7be2d84c06a5f1e93b7d20c4e8")
 TRUSTED = ([ipaddress.ip_network("127.0.0.0/8")], set())
-ME = KvIdentity("L", "W", 2)
+ME = KvIdentity("L", "W", 2, kv_heads=4)
 
 
 def section(**changes) -> dict:
@@ -57,7 +57,8 @@ def test_unsigned_foreign_and_expired_sections_are_refused():
 
 
 @pytest.mark.parametrize("identity, reason, words", [
-    (KvIdentity("L", "W", 1), "tensor_parallel", "tensor_parallel_size=2, this engine 1"),
+    (KvIdentity("L", "W", 3, kv_heads=6), "tensor_parallel", "sizes 2 and 3 do not divide each other"),
+    (KvIdentity("L", "W", 4, kv_heads=2), "tensor_parallel", "2 KV heads do not split over 4 ranks"),
     (KvIdentity("M", "W", 2), "layout", "layout fingerprint"),
     (KvIdentity("L", "V", 2), "weights", "other weights"),
 ])
@@ -66,6 +67,12 @@ def test_a_section_from_other_shapes_or_other_weights_is_refused_with_its_reason
     with pytest.raises(HandoffError, match=words) as refused:
         parse_handoff(params(signed), identity, TRUSTED, KEY)
     assert refused.value.reason == reason
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_sizes_that_divide_each_other_and_the_heads_are_read(size):
+    signed = sign_handoff(section(), KEY, ttl_s=120)
+    assert parse_handoff(params(signed), KvIdentity("L", "W", size, kv_heads=4), TRUSTED, KEY)["tp"] == 2
 
 
 def test_every_refusal_names_its_reason():

@@ -83,8 +83,10 @@ def test_dummy_weights_are_one_identity_per_configuration_wherever_the_config_li
             == weights_fingerprint(config("/y/tiny", load_format="dummy")))
 
 
-def test_the_layout_names_the_tensor_parallel_size():
-    assert layout_fingerprint(config("m", tp=1), None) != layout_fingerprint(config("m", tp=2), None)
+def test_the_layout_is_one_for_every_tensor_parallel_size_of_a_model():
+    # D maps heads between sizes (the section's `tp` says P's): the layout names the model's KV heads.
+    assert layout_fingerprint(config("m", tp=1), None) == layout_fingerprint(config("m", tp=2), None)
+    assert layout_fingerprint(config("m"), None) != layout_fingerprint(config("m", hf=HfConfig(num_key_value_heads=4)), None)
 
 
 def group(spec, *layers):

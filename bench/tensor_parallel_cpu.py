@@ -58,6 +58,7 @@ def one_round(p, d, prompts, max_tokens: int) -> dict:
     times, recompute = [], []
     for prompt in prompts:
         prefilled = p.generate([prompt], max_tokens=1, kv_transfer_params_list=[{"do_remote_decode": True}])[0]
+        time.sleep(IDLE_AFTER_STEP_S)  # P's workers stop busy-polling: D's time is D's alone
         started = time.perf_counter()
         out = d.generate([prompt], max_tokens=max_tokens, kv_transfer_params_list=[prefilled["kv_transfer_params"]])[0]
         times.append(time.perf_counter() - started)
@@ -134,7 +135,8 @@ def main() -> int:
                 # vLLM's multiprocess workers busy-poll their step queue for a second after each
                 # step; on cores the four engines share, a pair measured within that second of
                 # the other pair's last step finds its cores taken (reads then wait on the CPU,
-                # not on the transport). Each pair starts after the other's workers went idle.
+                # not on the transport). Each pair starts after the other's workers went idle, and
+                # each D after its P's (one_round).
                 time.sleep(IDLE_AFTER_STEP_S)
                 prompts = [tiny_prompt(args.prompt_tokens, seed=100_000 * (index + 1) + 1000 * names.index(size) + i)
                            for i in range(args.requests)]

@@ -145,6 +145,10 @@ class SimAuthority(Authority):
         decoded = m.DECODER.decode(m.ENCODER.encode(msg))
         asyncio.get_running_loop().call_soon(self.engine.receive, sock, decoded)
 
+    def _send_rank(self, sock, rank: int, msg: m.Msg) -> None:
+        decoded = m.DECODER.decode(m.ENCODER.encode(msg))
+        asyncio.get_running_loop().call_soon(self.engine.receive, sock, decoded, rank)
+
     async def _ref(self, address: str):
         return FakeRef(self.engine.world, address)
 
@@ -205,13 +209,16 @@ class DecodeRequest:
 class Engine:
     """One engine: its sidecar authority, plus the scheduler and worker the world simulates."""
 
-    def __init__(self, world: World, name: str, role: str, address: str, authority_class) -> None:
+    def __init__(self, world: World, name: str, role: str, address: str, authority_class, ranks: int = 1) -> None:
         self.world, self.name, self.role, self.address = world, name, role, address
         self.alive = True
+        # Worker ranks (tensor parallelism): each answers every read, copy and restore itself,
+        # late or failed on its own; the sidecar must make one fact of their answers.
+        self.ranks = ranks
         self.auditor = Auditor(world.config.reader_silence_ns)
         cfg = SidecarConfig(engine_id=name, role=role, ledger=world.config, address=address,
                             ipc_dir=f"/nonexistent/{name}", heartbeat_interval_s=0.5, call_timeout_s=1.0,
-                            tick_interval_s=0.05, layout=LAYOUT, block_size=BLOCK_SIZE)
+                            tick_interval_s=0.05, layout=LAYOUT, block_size=BLOCK_SIZE, ranks=ranks)
         self.authority = authority_class(self, cfg)
         self.authority.to_worker, self.authority.to_scheduler, self.authority.to_history = (
             "worker", "scheduler", "history")
@@ -228,7 +235,8 @@ class Engine:
         if self.role == "consumer":
             a._spawn(a._heartbeat_loop())
         else:
-            self.send(m.WorkerReady(b"sim-metadata", LAYOUT))
+            for rank in range(self.ranks):
+                self.send(m.WorkerReady(b"sim-metadata", LAYOUT), rank)
 
     def kill(self) -> None:
         """The host dies: its sidecar's tasks stop with it, nothing more is said."""
@@ -237,17 +245,24 @@ class Engine:
         for task in list(self.authority.tasks):
             task.cancel()
 
-    def send(self, msg: m.Msg) -> None:
-        """To the sidecar's inbox: in order, a little later (a busy sidecar reads its socket late,
-        so a peer's claim can reach P's sidecar before P's own ticket does)."""
+    def send(self, msg: m.Msg, rank: int = 0) -> None:
+        """To the sidecar's inbox (worker rank `rank`'s): in order, a little later (a busy sidecar
+        reads its socket late, so a peer's claim can reach P's sidecar before P's own ticket does)."""
 
         world = self.world
         self.inbox_at = max(self.inbox_at + 1e-9, world.loop.time() + world.rng.uniform(0, 0.004))
-        world.loop.call_at(self.inbox_at, self.deliver, m.DECODER.decode(m.ENCODER.encode(msg)))
+        world.loop.call_at(self.inbox_at, self.deliver, m.DECODER.decode(m.ENCODER.encode(msg)), rank)
 
-    def deliver(self, msg: m.Msg) -> None:
+    def deliver(self, msg: m.Msg, rank: int = 0) -> None:
         if self.alive:
-            self.authority._on_message(msg)
+            self.authority._on_message(msg, rank)
+
+    def each_rank(self, delay: tuple[float, float], reply, rank: int | None = None) -> None:
+        """Every worker rank (or only `rank`) answers with `reply(rank)`, each after its own delay."""
+
+        world = self.world
+        for r in range(self.ranks) if rank is None else (rank,):
+            world.later(world.rng.uniform(*delay), self.send, reply(r), r)
 
     def blocks(self, count: int) -> tuple[int, ...]:
         self.next_block += count
@@ -311,18 +326,18 @@ class Engine:
             if blk is None or blk.state not in ("GPU", "CPU") or blk.pins <= 0:
                 world.violation(self, f"restore {msg.lease} copies {key} from a slot that is "
                                       f"{blk.state + ' unpinned' if blk else 'gone'}")
-        ok = not world.fault("copy_failure")
-        world.later(world.rng.uniform(0.0005, 0.01), self.send, m.RestoreDone(msg.lease, ok, 4096 * len(msg.copies)))
+        self.each_rank((0.0005, 0.01), lambda rank: m.RestoreDone(msg.lease, not world.fault("copy_failure"),
+                                                                   4096 * len(msg.copies)))
 
     def copy(self, msg: m.Msg) -> None:
         """P's history copier: stages and demotions end a little later, some of them failed."""
 
         world = self.world
         if type(msg) is m.StageCopies:
-            world.later(world.rng.uniform(0.0005, 0.01), self.send, m.StageDone(msg.ticket, not world.fault("copy_failure")))
+            self.each_rank((0.0005, 0.01), lambda rank: m.StageDone(msg.ticket, not world.fault("copy_failure")))
         elif type(msg) is m.DemoteCopies:
-            results = tuple((key, not world.fault("copy_failure"), "") for key in msg.keys)
-            world.later(world.rng.uniform(0.0005, 0.02), self.send, m.DemotesDone(results, 0.001))
+            self.each_rank((0.0005, 0.02), lambda rank: m.DemotesDone(
+                tuple((key, not world.fault("copy_failure"), "") for key in msg.keys), 0.001))
 
     # -- D ---------------------------------------------------------------------------------------
 
@@ -356,12 +371,13 @@ class Engine:
         r.aborted = r.aborted or not preempted
         self.send(m.Apply(((ev.RequestPreempted if preempted else ev.RequestAborted)(0, rid),)))
 
-    def read(self, msg: m.PostRead) -> None:
-        """The worker's read of P's blocks: P must hold them for this ticket while it runs."""
+    def read(self, msg: m.PostRead, rank: int | None = None) -> None:
+        """The worker's read of P's blocks (every rank's, or `rank`'s when the sidecar addressed
+        one): P must hold them for this ticket while it runs."""
 
         world = self.world
         r = self.requests.get(msg.request)
-        ok = r is not None and r.handoff.source.alive and not world.fault("transport_error")
+        alive = r is not None and r.handoff.source.alive
         if r is not None and r.handoff.source.alive:
             p = r.handoff.source
             ticket = p.authority.ledger.tickets.tickets.get(r.handoff.ticket)
@@ -371,12 +387,18 @@ class Engine:
                 world.violation(self, f"read {msg.read} of {msg.request}: P does not hold blocks "
                                       f"{msg.src_blocks} for the ticket ({ticket.state if ticket else 'none'})")
         nbytes = len(msg.dst_blocks) * 4096
-        world.later(world.rng.uniform(0.0005, 0.02), self.send,
-                    m.ReadDone(msg.request, msg.read, ok, "" if ok else "simulated transport error", nbytes, 0.001))
+
+        def done(_rank: int) -> m.ReadDone:
+            ok = alive and not world.fault("transport_error")
+            return m.ReadDone(msg.request, msg.read, ok, "" if ok else "simulated transport error", nbytes, 0.001)
+
+        self.each_rank((0.0005, 0.02), done, rank)
 
     # -- what the sidecar tells the engine ---------------------------------------------------------
 
-    def receive(self, sock: str, msg: m.Msg) -> None:
+    def receive(self, sock: str, msg: m.Msg, rank: int | None = None) -> None:
+        """A decision for the engine: for every rank, or (`rank`) for one worker rank only."""
+
         if not self.alive:
             return
         world = self.world
@@ -392,7 +414,7 @@ class Engine:
             if r is not None and msg.hit and not r.parked:
                 world.later(world.rng.uniform(0, 0.02), self.allocate, msg.request)
         elif kind is m.PostRead:
-            self.read(msg)
+            self.read(msg, rank)
         elif kind is m.RestoreReply:
             self.answered(msg)
         elif kind is m.RestoreCopies:
@@ -444,10 +466,14 @@ class World:
                                    retention_writers_max=self.rng.choice((1, 2, 4)),
                                    closed_retention_ns=60 * SECOND_NS)
         authority_class = AUTHORITY_CLASSES[broken]
+        # Tensor parallel sizes: 1 or 2 ranks per engine, so P and a D may differ (each D rank
+        # then reads its share from P's ranks). Drawn apart from `rng`, whose draws set the rest.
+        sizes = random.Random(f"ranks/{seed}")
+        ranks = {name: sizes.choice((1, 1, 2)) for name in ("P", "D0", "D1")}
         asyncio.set_event_loop(self.loop)
         try:
-            self.p = Engine(self, "P", "producer", "198.18.0.1:7000", authority_class)
-            self.ds = [Engine(self, f"D{i}", "consumer", f"198.18.0.{i + 2}:7000", authority_class)
+            self.p = Engine(self, "P", "producer", "198.18.0.1:7000", authority_class, ranks["P"])
+            self.ds = [Engine(self, f"D{i}", "consumer", f"198.18.0.{i + 2}:7000", authority_class, ranks[f"D{i}"])
                        for i in range(2)]
         finally:
             asyncio.set_event_loop(None)

@@ -40,7 +40,8 @@ class WorkerIo:
         # thread polls these (pump)
         self.reads: dict[str, tuple[str, bool, str]] = {}
         # A read split over several source ranks: read id -> [reads out, all ok, bytes, slowest
-        # seconds, descriptors, first error] (updated from this thread and the engine thread).
+        # seconds, descriptors, first error, slowest phases] (updated from this thread and the
+        # engine thread).
         self.parts: dict[str, list] = {}
         self.parts_lock = threading.Lock()
         self._stop = threading.Event()
@@ -105,7 +106,7 @@ class WorkerIo:
         sources = msg.peers or (msg.peer,)
         if len(sources) > 1:  # one transport read per source rank, one ReadDone for them all
             with self.parts_lock:
-                self.parts[msg.read] = [len(sources), True, 0, 0.0, 0, ""]
+                self.parts[msg.read] = [len(sources), True, 0, 0.0, 0, "", ()]
         for index, peer in enumerate(sources):
             read_id = msg.read if len(sources) == 1 else f"{msg.read}|{index}"
             problem = self.bad_peers.get(peer)
@@ -137,10 +138,11 @@ class WorkerIo:
             part[0] -= 1
             part[1] = part[1] and ok
             part[2] += nbytes
-            part[3] = max(part[3], seconds)
+            if seconds >= part[3]:  # the slowest part's time, and where it went
+                part[3], part[6] = seconds, phases
             part[4] += descriptors
             part[5] = part[5] or error
             if part[0] > 0:
                 return None
             del self.parts[read]
-        return m.ReadDone(request, read, part[1], part[5], part[2], part[3], part[4])
+        return m.ReadDone(request, read, part[1], part[5], part[2], part[3], part[4], False, part[6])

@@ -112,3 +112,15 @@ def fail_next_read_on_rank(ctx, rank):
     """The next read one rank's transport posts fails (the other ranks' succeed)."""
 
     return any(ctx.core.model_executor.collective_rpc(_fail_next_read_on_rank, args=(rank,)))
+
+
+def _rank_pid(worker):
+    import os
+
+    return _worker_side().rank, os.getpid()
+
+
+def worker_pids(ctx):
+    """{rank: pid} of the engine's worker processes."""
+
+    return dict(ctx.core.model_executor.collective_rpc(_rank_pid))

@@ -12,6 +12,8 @@ their sums in another order flip some).
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from types import SimpleNamespace
@@ -238,3 +240,21 @@ def test_event_logs_replay(tp):
     kinds = replay_engine_logs(tp.events, engines=2)
     replay_engine_logs(tp.events.parent / "events-d1", engines=1)
     assert {"LoadRequested", "ReadGranted", "HistoryPublished", "LeaseReadFinished"} <= kinds, kinds
+
+
+def test_a_killed_rank_of_p_costs_a_recompute_and_nothing_else(tp):
+    """Last (P does not survive it): one of P's worker processes dies with a ticket open; D's
+    handoff of it recomputes, and D holds nothing afterwards."""
+
+    prompt = tiny_prompt(180, seed=7_900)
+    params = prefill(tp.p, prompt)["kv_transfer_params"]
+    pids = tp.p.run_in_engine(engine_hooks.worker_pids)
+    assert sorted(pids) == [0, 1]
+    os.kill(pids[1], signal.SIGKILL)
+    before = counters(tp.d)
+    assert decode(tp.d, prompt, params)["token_ids"] == alone(tp.d, prompt)
+    after = counters(tp.d)
+    assert delta(before, after, "loads.done") == 0, after
+    assert delta(before, after, "loads.failed") + delta(before, after, "loads.missed") == 1, after
+    state, stats = tp.d.call_connector("debug_state"), tp.d.wait_idle()
+    assert not any(state["open"].values()) and stats["free_blocks"] == stats["usable_blocks"], state["open"]

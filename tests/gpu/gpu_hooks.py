@@ -316,3 +316,13 @@ def count_preemptions(ctx) -> int:
 
         scheduler.schedule = schedule
     return len(seen)
+
+
+def _rank_token_slots(worker, block_ids):
+    return _worker().rank, read_token_slots(None, block_ids)
+
+
+def read_token_slots_by_rank(ctx, block_ids) -> dict:
+    """{rank: read_token_slots on that rank}: each worker rank's shard (tensor parallel engines)."""
+
+    return dict(ctx.core.model_executor.collective_rpc(_rank_token_slots, args=(list(block_ids),)))

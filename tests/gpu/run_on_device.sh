@@ -8,6 +8,7 @@
 #      tests/unit/test_transports_gpu.py when time is left), DIAG=1 (first watch one engine's
 #      sidecar with tests/gpu/diag_sidecar.py), HANDOFF=0 / HISTORY=0 (skip tests/gpu/test_pd_gpu.py
 #      / tests/gpu/test_history_gpu.py; both run by default, each with its own engines and log),
+#      TP=0 (skip tests/gpu/test_tensor_parallel_gpu.py, which runs only where two GPUs are visible),
 #      KVBATON_TREE_TAR (below), and the tests' own KVBATON_GPU_* switches.
 set -uo pipefail
 START=$SECONDS
@@ -79,6 +80,15 @@ if [ "${HISTORY:-1}" = 1 ] && [ "$(left)" -gt 120 ]; then
 elif [ "${HISTORY:-1}" = 1 ]; then
   echo "history run: skipped, $(left) s left" | tee -a "$OUT/env.txt"
   [ "$rc" = 0 ] && rc=1
+fi
+
+# Tensor parallelism (P and D over two GPUs, and TP=2 to TP=1): only where two GPUs are visible.
+if [ "${TP:-1}" = 1 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && [ "$(left)" -gt 120 ]; then
+  timeout $(( $(left) - 30 )) python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -v -s -rA -p no:cacheprovider \
+    --maxfail=2 $(tmo 240) 2>&1 | tee "$OUT/pytest_tp.log" | grep -v "^E  " | tail -n 40
+  trc=${PIPESTATUS[0]}
+  echo "tensor parallel run: rc=$trc after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"
+  [ "$rc" = 0 ] && rc=$trc
 fi
 
 if [ "$rc" != 0 ] && [ "${DIAG:-0}" = 1 ] && [ "$(left)" -gt 120 ]; then

@@ -443,7 +443,8 @@ def test_concurrent_handoffs_aborts_and_preemption_leak_nothing(h):
     abandon += [j for j in handoffs if j not in aborted_p][:ABANDON]
     for j in abandon:
         section = handoffs[j]["kvbaton"]
-        assert call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"]) is True
+        assert call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"],
+                                   to=section["instance"]) is True
     to_d = [j for j in handoffs if j not in abandon]
     d_ids = {j: f"d{j}-{uuid.uuid4().hex[:6]}" for j in to_d}
     for j in to_d:

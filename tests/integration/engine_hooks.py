@@ -22,7 +22,7 @@ def read_blocks(ctx, block_ids):
     """The raw bytes of these KV blocks, every layer, for bit-exact comparisons."""
 
     worker = _worker_side()
-    return [bytes(tensor[block].contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy())
+    return [bytes(tensor[block].contiguous().view(-1).view(dtype=__import__("torch").uint8).cpu().numpy())
             for tensor in worker.kv_caches.values() for block in block_ids]
 
 

@@ -35,6 +35,12 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     # layout fingerprint and block size.
     layout: str = ""
     block_size: int = 0
+    # Connections that have not yet sent a keyed frame (control/guard.py Strangers): at most this
+    # many in total and from one host, each closed when its first frame is not in within
+    # `first_frame_s`.
+    strangers_max: int = 256
+    strangers_per_source: int = 32
+    first_frame_s: float = 5.0
     # The engine's worker ranks (tensor parallel size): each holds its shard of every block, has
     # its own sockets (`ipc_paths`), and a read, copy or restore is done when every rank's is.
     ranks: int = 1

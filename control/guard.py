@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextvars
 import hashlib
 import ipaddress
@@ -276,3 +278,90 @@ def guard_pool(pool, authority_uid: str, on_refused) -> None:
         return await original(message, channel)
 
     pool.process_message = process_message
+
+
+class Strangers:
+    """Connections to the control port that have not yet sent a frame with the deployment key.
+
+    A connection counts as a stranger from accept until its first frame is read whole (xoscar
+    checks the frame's HMAC before anything in it is decoded, and drops the connection when it
+    fails). Strangers are capped per source host and in total, and each has `first_frame_s` to
+    send that frame; past a cap the connection is closed at once, past the deadline it is closed,
+    and both are refused by reason (`stranger_cap`, `first_frame_deadline`). A peer with the key
+    authenticates within its first round trip, so legitimate connections are strangers for
+    milliseconds: the caps bound what a host without the key can hold (descriptors, memory), not
+    how many peers a deployment has."""
+
+    def __init__(self, total: int, per_source: int, first_frame_s: float) -> None:
+        self.total, self.per_source, self.first_frame_s = total, per_source, first_frame_s
+        self.held = 0
+        self.by_source: collections.Counter = collections.Counter()
+
+    def admit(self, source: str) -> bool:
+        if self.held >= self.total or self.by_source[source] >= self.per_source:
+            return False
+        self.held += 1
+        self.by_source[source] += 1
+        return True
+
+    def release(self, source: str) -> None:
+        self.held -= 1
+        self.by_source[source] -= 1
+        if self.by_source[source] <= 0:
+            del self.by_source[source]
+
+
+def bound_strangers(pool, strangers: Strangers, on_refused) -> None:
+    """Serve the pool's remote connections under `strangers`' caps and first-frame deadline
+    (`on_refused(reason, peer)` for each connection closed for them). In-process channels pass."""
+
+    from xoscar.backends.communication.dummy import DummyChannel
+
+    original = pool.on_new_channel
+
+    async def on_new_channel(channel):
+        if isinstance(channel, DummyChannel):
+            return await original(channel)
+        address = _peer_of(channel)
+        source = address.rpartition(":")[0] or address
+        if not strangers.admit(source):
+            on_refused("stranger_cap", address)
+            await _close_quietly(channel)
+            return
+        stranger = True
+        try:
+            while not pool._stopped.is_set():
+                try:
+                    if stranger:
+                        message = await asyncio.wait_for(channel.recv(), strangers.first_frame_s)
+                        stranger = False
+                        strangers.release(source)
+                    else:
+                        message = await channel.recv()
+                except asyncio.TimeoutError:
+                    on_refused("first_frame_deadline", address)
+                    return
+                except (EOFError, ConnectionError, BrokenPipeError) as exc:
+                    # Said as xoscar's own loop says it: watch_refused_frames counts a frame
+                    # dropped for want of our key from this line.
+                    logging.getLogger("xoscar.backends.pool").debug("pool: close connection due to %s", exc)
+                    return
+                # What xoscar's own loop does with a frame (pool.on_new_channel).
+                if await pool._handle_buffer_meta_message(message, channel):
+                    continue
+                asyncio.create_task(pool.process_message(message, channel))
+                del message
+                await asyncio.sleep(0)
+        finally:
+            if stranger:
+                strangers.release(source)
+            await _close_quietly(channel)
+
+    pool.on_new_channel = on_new_channel
+
+
+async def _close_quietly(channel) -> None:
+    try:
+        await channel.close()
+    except Exception:  # noqa: BLE001 - already closed by the other end: nothing to release
+        pass

@@ -50,7 +50,7 @@ from . import messages as m
 from . import peer as pc
 from .client import AUTHORITY_UID
 from .config import SidecarConfig, SidecarLaunch, ipc_paths
-from .guard import RateLimitedLog, guard_pool, install_frame_key, watch_refused_frames
+from .guard import RateLimitedLog, Strangers, bound_strangers, guard_pool, install_frame_key, watch_refused_frames
 from .peer_answers import PeerAnswers
 from .peer_calls import PeerCalls
 from .ranks import RankFanIn, pack_metadata
@@ -684,6 +684,9 @@ async def _main(launch: SidecarLaunch) -> None:
     watch_refused_frames(frame_refused)
     pool = await _create_pool(cfg)
     guard_pool(pool, AUTHORITY_UID, lambda reason, peer: frame_refused(reason, f"{reason} from {peer}"))
+    # Connections without the key cannot pile up: capped, and closed unless they authenticate soon.
+    bound_strangers(pool, Strangers(cfg.strangers_max, cfg.strangers_per_source, cfg.first_frame_s),
+                    lambda reason, peer: frame_refused(reason, f"{reason} from {peer}"))
     config_json = msgspec.json.encode(cfg)
     await xo.create_actor(Authority, config_json, pool.external_address, address=pool.external_address,
                           uid=AUTHORITY_UID)

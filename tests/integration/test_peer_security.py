@@ -506,3 +506,55 @@ def test_the_log_still_replays_after_the_forgeries(peers):
     result = replay(header, records)
     assert result.events > 0
     assert result.violating_events == 0 and result.first_divergence is None
+
+
+def _held(host: str, address: str) -> socket.socket:
+    """A connection from `host` (a loopback address of its own) that never sends a byte."""
+
+    target_host, _, port = address.rpartition(":")
+    conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    conn.bind((host, 0))
+    conn.connect((target_host, int(port)))
+    conn.settimeout(5.0)
+    return conn
+
+
+def _closed_by_server(conn: socket.socket, within_s: float) -> bool:
+    conn.settimeout(within_s)
+    try:
+        return conn.recv(1) == b""
+    except socket.timeout:
+        return False
+    except OSError:
+        return True
+
+
+def test_connections_without_the_key_are_capped_and_closed_unless_they_authenticate(tmp_path):
+    """N3: a host without the secret can hold only a few connections, and only for a moment; a
+    peer at another address is answered meanwhile, and every closed connection is counted."""
+
+    handle = start_sidecar(tmp_path, "Pstrangers", "producer", strangers_max=6, strangers_per_source=3,
+                           first_frame_s=1.5)
+    held = []
+    try:
+        handle.wait_ready(START_TIMEOUT_S)
+        started = time.monotonic()
+        held = [_held("127.0.0.2", handle.address) for _ in range(3)]
+        over = _held("127.0.0.2", handle.address)  # past the per-source cap: closed at once
+        assert _closed_by_server(over, 1.0)
+        assert not any(_closed_by_server(conn, 0.05) for conn in held)  # within their deadline: held
+        assert state(handle)["open"] is not None  # a peer elsewhere (127.0.0.1) is answered meanwhile
+        held += [_held("127.0.0.3", handle.address) for _ in range(3)]  # the total cap is reached
+        assert _closed_by_server(_held("127.0.0.4", handle.address), 1.0)
+        assert all(_closed_by_server(conn, 3.0) for conn in held)  # no keyed frame: closed
+        assert time.monotonic() - started < 6.0
+        counts = refused(state(handle))
+        assert counts.get("stranger_cap", 0) == 2 and counts.get("first_frame_deadline", 0) == 6, counts
+        # Every stranger was let go: the caps are free again.
+        again = [_held("127.0.0.2", handle.address) for _ in range(3)]
+        assert not any(_closed_by_server(conn, 0.05) for conn in again)
+        held += again
+    finally:
+        for conn in held:
+            conn.close()
+        handle.stop()

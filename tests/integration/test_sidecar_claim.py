@@ -44,7 +44,7 @@ DIGEST = "d" * 32  # what both sides name the prompt's tokens (the connector com
 
 
 def start_sidecar(root, name: str, role: str, claim_wait_s: float = 30.0, port: int | None = None,
-                  call_timeout_s: float = 10.0, secret: str | None = None, instance: str = ""):
+                  call_timeout_s: float = 10.0, secret: str | None = None, instance: str = "", **config):
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
     address = f"127.0.0.1:{port or 0}"
     config = SidecarConfig(
@@ -52,7 +52,7 @@ def start_sidecar(root, name: str, role: str, claim_wait_s: float = 30.0, port: 
         ledger=LedgerConfig(claim_wait_ns=int(claim_wait_s * SECOND_NS)),
         log_path=str(root / "events" / f"{engine_id}.kvlog"), heartbeat_interval_s=1.0,
         parent_pid=os.getpid(), call_timeout_s=call_timeout_s,
-        layout=LAYOUT, block_size=BLOCK_SIZE, debug_instance=instance)
+        layout=LAYOUT, block_size=BLOCK_SIZE, debug_instance=instance, **config)
     return SidecarHandle.start(config, str(root / "logs"), secret or resolve_secret())
 
 

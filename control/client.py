@@ -29,6 +29,30 @@ from .config import SidecarConfig, SidecarLaunch, ipc_paths
 logger = logging.getLogger("kvbaton.control")
 
 
+async def close_connections(address: str) -> int:
+    """Close this process's cached xoscar connections to `address` (the running loop's), so the
+    next call dials afresh and a peer that failed holds no descriptor here; how many closed.
+    xoscar keeps them in its router's cache and offers no call for this: a newer xoscar without
+    that cache closes nothing (and the connection is dropped when the peer closes it)."""
+
+    try:
+        from xoscar.backends.router import Router
+
+        router = Router.get_instance()
+        cache = router._cache if router is not None else {}
+        keys = [key for key in cache if isinstance(key, tuple) and key and key[0] == address]
+    except Exception:  # noqa: BLE001 - an xoscar without this cache: nothing to close
+        return 0
+    for key in keys:
+        client = cache.pop(key, None)
+        if client is not None:
+            try:
+                await client.close()
+            except Exception:  # noqa: BLE001 - already closed by the peer
+                pass
+    return len(keys)
+
+
 class SidecarError(RuntimeError):
     pass
 

@@ -18,12 +18,15 @@ from ..core.reasons import Reason
 from . import messages as m
 from . import peer as pc
 from .ranks import read_plan, unpack_metadata
-from .client import AUTHORITY_UID, bounded
+from .client import AUTHORITY_UID, bounded, close_connections
 
 logger = logging.getLogger("kvbaton.sidecar")
 
 # How long D keeps asking while P answers "unknown ticket" (within the claim wait).
 UNKNOWN_TICKET_RETRY_S = 8.0
+# Control addresses a decode engine keeps connections to: one per prefill engine it reads from,
+# far more than a deployment has.
+MAX_PEERS = 256
 
 
 class PeerCalls:
@@ -58,8 +61,17 @@ class PeerCalls:
     async def _ref(self, address: str):
         ref = self.peer_refs.get(address)
         if ref is None:
+            # A bounded set of peers, the least recently called let go first: a connection per
+            # address ever dialled would otherwise stay open for the engine's lifetime.
+            while len(self.peer_refs) >= MAX_PEERS:
+                oldest = next(iter(self.peer_refs))
+                self.peer_refs.pop(oldest)
+                self.refused["peer_evicted"] += 1
+                await close_connections(oldest)
             ref = await xo.actor_ref(address, AUTHORITY_UID)
             self.peer_refs[address] = ref
+        else:
+            self.peer_refs.move_to_end(address)
         return ref
 
     async def _try_call(self, address: str, call: pc.PeerCall, to: str = "") -> tuple[str, object]:
@@ -76,7 +88,10 @@ class PeerCalls:
             return "ok", await bounded(pc.ask(ref, call, to=to, sender=self.cfg.engine_id), self.cfg.call_timeout_s,
                                        f"{what} at {address}")
         except Exception as exc:
+            # A peer that failed a call loses its connection too: the next call dials afresh
+            # (a restarted peer, or one that moved), and a dead one holds no descriptor here.
             self.peer_refs.pop(address, None)
+            await close_connections(address)
             return ("refused" if _never_arrived(exc) else "failed"), exc
 
     async def _call(self, address: str, call: pc.PeerCall, to: str = ""):

@@ -103,7 +103,8 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         self.fan_in = RankFanIn(self.cfg.ranks)
         # D side: what the shell must remember about each load to carry its effects out.
         self.loads: dict[str, dict] = {}
-        self.peer_refs: dict[str, object] = {}
+        # D: refs to the peers it calls, least recently called first (peer_calls._ref).
+        self.peer_refs: collections.OrderedDict[str, object] = collections.OrderedDict()
         # Where decisions go (`_send`): the scheduler, every worker rank, every rank's history copier.
         self.to_scheduler, self.to_worker, self.to_history = "scheduler", "worker", "history"
         # NIXL peers announced to the worker, by (control address, engine id, instance) as P's

@@ -74,6 +74,18 @@ def aborted(request: str) -> m.Apply:
     return m.Apply((ev.RequestAborted(0, request),))
 
 
+def closed_by_peer(conn: socket.socket, within_s: float) -> bool:
+    conn.settimeout(within_s)
+    try:
+        while conn.recv(4096):  # what the peer sent before closing
+            pass
+        return True
+    except socket.timeout:
+        return False
+    except OSError:
+        return True
+
+
 class SilentServer:
     """Listens and accepts, never answers: a stopped or wedged peer, or another program on the
     port. Connections stay open until close()."""
@@ -309,6 +321,8 @@ def test_claim_to_a_silent_peer_ends_with_the_call_timeout(sidecars):
     try:
         request = load(sidecars.d_impatient, server.address, uuid.uuid4().hex)
         resolved, took = wait_resolved(sidecars.d_impatient, request, 30.0)
+        # The failed peer's connection is closed, not kept for the engine's lifetime.
+        assert server.connections and all(closed_by_peer(conn, 5.0) for conn in server.connections)
     finally:
         server.close()
     assert resolved is not None and not resolved.hit and resolved.reason == "source unreachable", resolved

@@ -94,3 +94,31 @@ def test_read_plans_cover_every_head_once():
     assert read_plan(2, 1) == [[(0, (0, 1), (0, 2)), (1, (0, 1), (1, 2))]]
     assert read_plan(1, 2) == [[(0, (0, 2), (0, 1))], [(0, (1, 2), (0, 1))]]
     assert read_plan(3, 2) is None and read_plan(2, 3) is None
+
+
+def test_a_decode_engine_keeps_a_bounded_set_of_peer_connections(tmp_path, monkeypatch):
+    """The least recently called peer is let go (its connections closed) past MAX_PEERS."""
+
+    from kvbaton.control import peer_calls
+
+    authority = listed_authority(tmp_path, "D0", "consumer")
+    closed = []
+
+    async def actor_ref(address, uid):
+        return f"ref:{address}"
+
+    async def close_connections(address):
+        closed.append(address)
+        return 1
+
+    monkeypatch.setattr(peer_calls, "MAX_PEERS", 2)
+    monkeypatch.setattr(peer_calls.xo, "actor_ref", actor_ref)
+    monkeypatch.setattr(peer_calls, "close_connections", close_connections)
+
+    async def calls():
+        for address in ("a:1", "b:1", "a:1", "c:1"):  # a is used again: b is the least recent
+            await authority._ref(address)
+
+    asyncio.run(calls())
+    assert list(authority.peer_refs) == ["a:1", "c:1"] and closed == ["b:1"]
+    assert authority.refused["peer_evicted"] == 1

@@ -113,7 +113,8 @@ def hot_set(deployment, mode: str, seed: int, docs: int, doc_tokens: int) -> dic
         kept = counters(deployment, ("history.published",)) - kept0
         for url in deployment.prefill_urls:  # pressure: push the documents out of P's own cache
             for i in range(4):
-                routed.client.post(f"{url}/v1/completions", json={
+                routed.client.post(f"{url}/v1/completions", headers={
+                    "Authorization": f"Bearer {deployment.engine_api_key}"}, json={
                     "model": MODEL, "prompt": words_for(tiny_prompt(900, seed=seed + 1000 + i)),
                     "max_tokens": 1, "temperature": 0}).raise_for_status()
         time.sleep(1.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -101,6 +102,10 @@ class Deployment:
         # How the router places requests (routing.py); its block size is the engines'.
         self.routing = routing or RoutingConfig()
         self.routing.block_size = block_size
+        # The engines' own API key: vLLM serves /v1 on each engine's port only to a holder of it,
+        # the router. Random per deployment (KVBATON_ENGINE_API_KEY: the key engines that are
+        # attached were started with), given to engines in their environment, never on argv.
+        self.engine_api_key = os.environ.get("KVBATON_ENGINE_API_KEY") or secrets.token_urlsafe(32)
         self.attach_prefill_events = _aligned(attach_prefill_events, self.attach_prefill, "--prefill-events")
         self.attach_decode_events = _aligned(attach_decode_events, self.attach_decode, "--decode-events")
         self._events_dir: str | None = None
@@ -141,6 +146,7 @@ class Deployment:
         cmd += self.extra_engine_args
         if self.routing.hash_seed is not None:
             env["PYTHONHASHSEED"] = self.routing.hash_seed
+        env["VLLM_API_KEY"] = self.engine_api_key
         env.update(spec.env)
         return list(spec.prefix) + cmd, env
 
@@ -333,7 +339,8 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
                               build_app)
 
     router = Router(deployment.prefill_urls, deployment.decode_urls, models=[deployment.served_model_name],
-                    api_key=api_key, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                    api_key=api_key, engine_api_key=deployment.engine_api_key,
+                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                     max_in_flight=max_in_flight or DEFAULT_MAX_IN_FLIGHT,
                     max_batch_prompts=max_batch_prompts or DEFAULT_MAX_BATCH_PROMPTS,
                     routing=routing or deployment.routing_config(), first_token=first_token)

@@ -205,7 +205,7 @@ class Batch:
 
 class Router:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, timeout_s: float = 600.0,
-                 models: list[str] | None = None, api_key: str | None = None,
+                 models: list[str] | None = None, api_key: str | None = None, engine_api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
                  max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS, routing: RoutingConfig | None = None,
                  first_token: str = "prefill") -> None:
@@ -230,7 +230,10 @@ class Router:
         self._states_at = float("-inf")
         self.models = set(models or [])
         self.controls: dict[str, str] = {}  # P engine id -> its sidecar address (learned from handoffs)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        # The engines' API key (kvbaton serve gives each deployment's engines one): every call to an
+        # engine carries it, so only the router reaches their /v1 routes.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=(
+            {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else None))
         self.registry = CollectorRegistry()
         self.requests = Counter("kvbaton_router_requests", "Requests by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=self.registry)

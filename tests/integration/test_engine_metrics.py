@@ -18,6 +18,7 @@ from kvbaton.deploy.demo import RouterThread  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec, free_port  # noqa: E402
 
 from .metrics_checks import open_records, scrape, sidecar_url, total, wait_sidecar, wait_until  # noqa: E402
+from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -54,7 +55,7 @@ def test_one_handoff_moves_the_ticket_and_handoff_counters_of_p_and_d(stack):
     assert total(d_before, "kvbaton_sidecar_info", role="consumer") == 1
 
     prompt = words_for(tiny_prompt(200, seed=901))
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key=ENGINE_KEY, max_retries=0, timeout=120)
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
 
     def moved(name: str, before: str, after: str, **labels) -> float:

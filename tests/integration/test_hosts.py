@@ -27,6 +27,7 @@ from kvbaton.control.guard import resolve_secret  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
 
 from .hosts import Hosts, can_make_hosts  # noqa: E402
+from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -144,7 +145,7 @@ def p_state(deployment, index: int = 0) -> dict:
 
 
 def reference(deployment, prompt: str, max_tokens: int) -> str:
-    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key="x", max_retries=0)
+    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key=ENGINE_KEY, max_retries=0)
     return direct.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
 
 
@@ -165,7 +166,7 @@ def test_handoff_across_hosts_equals_a_single_engine(net, words):
     hosts, deployment, url, _root = net
     prompt = words_for(tiny_prompt(words, seed=700 + words))
     before = d_state(deployment)["counters"]
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=ENGINE_KEY, max_retries=0, timeout=120)
     text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0).choices[0].text
     after = d_state(deployment)
     done = after["counters"].get("loads.done", 0) - before.get("loads.done", 0)
@@ -184,7 +185,7 @@ def test_two_prefill_hosts_and_one_decode_host_serve_a_stream_with_no_read_past_
     before = d_state(deployment)
     before_d, before_transfer = before["counters"], before["transfer"]
     before_p = [p_state(deployment, i)["counters"] for i in range(2)]
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=ENGINE_KEY, max_retries=0, timeout=120)
     for prompt in prompts:
         text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
         assert text == reference(deployment, prompt, 6)
@@ -202,7 +203,7 @@ def test_two_prefill_hosts_and_one_decode_host_serve_a_stream_with_no_read_past_
 
 
 def prefill_on_p(deployment, prompt: str) -> dict:
-    reply = httpx.post(f"{deployment.prefill_urls[0]}/v1/completions", json={
+    reply = httpx.post(f"{deployment.prefill_urls[0]}/v1/completions", headers=ENGINE_HEADERS, json={
         "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
         timeout=120).json()
     return reply["kv_transfer_params"]
@@ -213,7 +214,7 @@ def decode_in_background(url: str, prompt: str, params: dict) -> tuple[threading
 
     def run() -> None:
         try:
-            box["reply"] = httpx.post(f"{url}/v1/completions", json={
+            box["reply"] = httpx.post(f"{url}/v1/completions", headers=ENGINE_HEADERS, json={
                 "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
                 "kv_transfer_params": params}, timeout=120)
         except httpx.HTTPError as exc:
@@ -287,7 +288,7 @@ def test_p_dies_after_a_claim_and_comes_back_at_the_same_address(net):
     restart_p(hosts, deployment)
     before = d_state(deployment)["counters"]
     started = time.monotonic()
-    d_reply = httpx.post(f"{deployment.decode_urls[0]}/v1/completions", json={
+    d_reply = httpx.post(f"{deployment.decode_urls[0]}/v1/completions", headers=ENGINE_HEADERS, json={
         "model": MODEL, "prompt": old_prompt, "max_tokens": 8, "temperature": 0, "kv_transfer_params": old_params},
         timeout=120)
     took = time.monotonic() - started
@@ -301,7 +302,7 @@ def test_p_dies_after_a_claim_and_comes_back_at_the_same_address(net):
     assert p_counters.get("peers.refused.misaddressed", 0) == 1, p_counters
     assert p_counters.get("claims.refused.unknown_ticket", 0) == 0, p_counters
     assert took < 30.0, took
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=ENGINE_KEY, max_retries=0, timeout=120)
     fresh = words_for(tiny_prompt(200, seed=802))
     before = d_state(deployment)["counters"]
     assert client.completions.create(model=MODEL, prompt=fresh, max_tokens=8,

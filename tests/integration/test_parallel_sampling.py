@@ -20,6 +20,7 @@ from kvbaton.deploy.demo import RouterThread  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec, free_port  # noqa: E402
 
 from .metrics_checks import open_records, scrape, sidecar_url, total, wait_sidecar, wait_until  # noqa: E402
+from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -53,7 +54,7 @@ def stack(tmp_path_factory):
 
 
 def client(url: str) -> "openai.OpenAI":
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=ENGINE_KEY, max_retries=0, timeout=180)
 
 
 class Books:

@@ -23,6 +23,7 @@ psutil = pytest.importorskip("psutil")
 from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
 from kvbaton.control.client import call_authority_sync, free_port  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
+from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -56,12 +57,13 @@ def state(deployment, role: str) -> dict:
 
 
 def complete(url: str, prompt: str, **extra) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8,
-                                                     "temperature": 0, **extra}, timeout=120)
+    return httpx.post(f"{url}/v1/completions", headers=ENGINE_HEADERS,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 8,
+                            "temperature": 0, **extra}, timeout=120)
 
 
 def hand_off(deployment, prompt: str) -> dict:
-    reply = httpx.post(f"{deployment.prefill_urls[0]}/v1/completions", json={
+    reply = httpx.post(f"{deployment.prefill_urls[0]}/v1/completions", headers=ENGINE_HEADERS, json={
         "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
         timeout=120)
     assert reply.status_code == 200, reply.text

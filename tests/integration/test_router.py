@@ -21,6 +21,7 @@ from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, word
 from kvbaton.deploy.demo import RouterThread  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec, free_port  # noqa: E402
 from kvbaton.router.app import STATE_REFRESH_S  # noqa: E402
+from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -52,14 +53,14 @@ def stack(tmp_path_factory):
 
 
 def client_for(router) -> "openai.OpenAI":
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="test", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key=ENGINE_KEY, max_retries=0, timeout=120)
 
 
 def reference_completion(deployment, prompt, max_tokens: int) -> str:
     """The same prompt (text or token ids) computed by one engine alone (a D engine, without a
     handoff)."""
 
-    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key="test", max_retries=0)
+    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key=ENGINE_KEY, max_retries=0)
     return direct.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
 
 
@@ -148,7 +149,7 @@ def test_a_list_of_prompts_is_one_handoff_each_and_equals_each_prompt_alone(stac
     wait_no_open_tickets(router)
     assert [c.index for c in reply.choices] == list(range(6))
     # Each prompt alone on one engine (after the request: D then holds these prompts).
-    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key="test", max_retries=0)
+    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key=ENGINE_KEY, max_retries=0)
     alone = [direct.completions.create(model=MODEL, prompt=p, **sampling) for p in prompts]
     for i, single in enumerate(alone):
         assert [c.text for c in reply.choices[2 * i:2 * i + 2]] == [c.text for c in single.choices]
@@ -181,7 +182,7 @@ def test_a_streamed_list_of_prompts_equals_each_prompt_alone(stack):
 def test_chat_completion_equals_single_engine(stack, stream):
     deployment, router = stack
     messages = [{"role": "user", "content": words_for(tiny_prompt(90, seed=502))}]
-    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key="test", max_retries=0)
+    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key=ENGINE_KEY, max_retries=0)
     expected = direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     client = client_for(router)
     if stream:
@@ -209,7 +210,7 @@ def rr_router(stack):
 def reference(deployment, endpoint: str, body: dict) -> dict:
     """One engine's answer to the same request (a D engine, without a handoff)."""
 
-    reply = httpx.post(f"{deployment.decode_urls[0]}{endpoint}", json={"model": MODEL, **body}, timeout=120)
+    reply = httpx.post(f"{deployment.decode_urls[0]}{endpoint}", headers=ENGINE_HEADERS, json={"model": MODEL, **body}, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -381,6 +382,24 @@ def test_bad_requests_get_openai_errors(stack):
         client.completions.create(model=MODEL, prompt=[words_for(tiny_prompt(20, seed=508)),
                                                        words_for(tiny_prompt(3000, seed=509))], max_tokens=2)
     assert httpx.get(f"http://127.0.0.1:{router.port}/health").status_code == 200
+    wait_no_open_tickets(router)
+
+
+def test_engine_ports_answer_only_the_router(stack):
+    """Under kvbaton serve every engine requires the deployment's engine key, which only the
+    router holds: a local user who finds an engine's port cannot send it kv_transfer_params (or
+    anything else on /v1), and the router's own calls pass."""
+
+    deployment, router = stack
+    body = {"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    for url in deployment.prefill_urls + deployment.decode_urls:
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
+        wrong = {"Authorization": "Bearer not-the-engine-key"}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=wrong, timeout=60).status_code == 401
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert deployment.engine_api_key == ENGINE_KEY
+    answer = client_for(router).completions.create(model=MODEL, prompt="w5 w6 w7", max_tokens=2)
+    assert answer.choices[0].text
     wait_no_open_tickets(router)
 
 

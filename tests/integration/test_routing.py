@@ -27,6 +27,7 @@ from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, word
 from kvbaton.control.client import call_authority_sync  # noqa: E402
 from kvbaton.deploy.demo import RouterThread  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec, free_port  # noqa: E402
+from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -69,7 +70,7 @@ class Routed:
 
     def __enter__(self):
         self.thread.start(timeout_s=120)
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.thread.port}/v1", api_key="test",
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.thread.port}/v1", api_key=ENGINE_KEY,
                                     max_retries=0, timeout=120)
         return self
 
@@ -107,7 +108,7 @@ class Routed:
 def reference(deployment, prompt: str) -> str:
     """One engine alone (D, no handoff): a P's own prefix cache is left as the routing made it."""
 
-    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key="test", max_retries=0, timeout=120)
+    direct = openai.OpenAI(base_url=f"{deployment.decode_urls[0]}/v1", api_key=ENGINE_KEY, max_retries=0, timeout=120)
     return direct.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
 
 
@@ -131,7 +132,7 @@ def flush_prefix_caches(deployment, seed: int) -> None:
     """Push the documents out of every P's own prefix cache, straight to each P (not routed)."""
 
     for url in deployment.prefill_urls:
-        direct = openai.OpenAI(base_url=f"{url}/v1", api_key="test", max_retries=0, timeout=120)
+        direct = openai.OpenAI(base_url=f"{url}/v1", api_key=ENGINE_KEY, max_retries=0, timeout=120)
         for i in range(4):
             direct.completions.create(model=MODEL, prompt=words_for(tiny_prompt(900, seed=seed + i)),
                                       max_tokens=1, temperature=0)

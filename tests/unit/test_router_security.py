@@ -557,3 +557,23 @@ def test_a_client_leaving_a_streamed_batch_leaves_no_ticket_open(monkeypatch):
     slow = next(t for t, p in fleet.issued.items() if p == "slow one")
     quick = next(t for t, p in fleet.issued.items() if p == "quick one")
     assert slow in fleet.abandoned and quick in fleet.claimed
+
+
+def test_the_router_sends_the_engines_their_key_and_never_the_clients():
+    async def go():
+        seen = []
+
+        def engine(request: httpx.Request) -> httpx.Response:
+            seen.append(request.headers.get("authorization"))
+            return Engines()(request)
+
+        router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY, engine_api_key="engine-key-1")
+        router.client._transport = httpx.MockTransport(engine)  # the router's own client, headers and all
+        app = build_app(router)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            reply = await client.post("/v1/completions", headers=bearer(), json=BODY)
+        return reply, seen
+
+    reply, seen = asyncio.run(go())
+    assert reply.status_code == 200, reply.text
+    assert seen and set(seen) == {"Bearer engine-key-1"}

@@ -38,7 +38,9 @@ logger = logging.getLogger("kvbaton.router.kv_index")
 MAX_BATCH_BYTES = 8 << 20
 MAX_EVENTS_PER_BATCH = 65536
 MAX_BLOCKS_PER_EVENT = 65536
-MAX_TOKENS_PER_EVENT = 1 << 20
+# A BlockStored names at most this many tokens: a model's whole context (vLLM publishes one event
+# per stored run of blocks), where 2^20 let one batch cost seconds of hashing.
+MAX_TOKENS_PER_EVENT = 1 << 17
 # Entries kept per engine (about 100 bytes each): past this the oldest are forgotten.
 DEFAULT_MAX_BLOCKS_PER_ENGINE = 1 << 20
 
@@ -112,6 +114,7 @@ class Refusal(StrEnum):
     BLOCK_SIZE = "block_size"  # another block size than the router's
     HASH_MISMATCH = "hash_mismatch"  # the engine hashes blocks differently
     FRAMING = "framing"  # a ZeroMQ message that is not (topic, 8-byte number, payload)
+    OVER_BUDGET = "over_budget"  # the feed spent its CPU share: dropped, the engine's entries forgotten
 
 
 class EventRefused(Exception):
@@ -229,22 +232,43 @@ class KvIndex:
         """Decode and apply one batch from `engine`; returns the events applied. Never raises:
         a refused batch or event is counted under (source, reason)."""
 
+        checked, refusals = self.check(engine, payload, source)
+        return self.apply_checked(engine, checked, refusals, source)
+
+    def check(self, engine: str, payload: object, source: str = "vllm") -> tuple[list, list[EventRefused]]:
+        """The costly half of `ingest`, which touches no entry of the index (the router runs it
+        off its event loop): decode the batch and check every event (its bounds, tier, block
+        size, and a root chain's hashes recomputed). Returns (events to apply, refusals)."""
+
         try:
             batch = decode_batch(payload)
         except EventRefused as refused:
+            return [], [refused]
+        checked, refusals = [], []
+        for event in batch.events:
+            try:
+                checked.append((event, self._check_one(engine, event, source)))
+            except EventRefused as refused:
+                refusals.append(refused)
+        return checked, refusals
+
+    def apply_checked(self, engine: str, checked: list, refusals: list[EventRefused], source: str = "vllm") -> int:
+        """The cheap half of `ingest`: apply what `check` passed, count what it refused."""
+
+        for refused in refusals:
             self._refused(engine, source, refused)
-            return 0
-        return self.apply(engine, batch.events, source)
+        for event, tier in checked:
+            self._apply_one(engine, event, source, tier)
+        return len(checked)
 
     def apply(self, engine: str, events: Iterable, source: str = "vllm") -> int:
-        applied = 0
+        checked, refusals = [], []
         for event in events:
             try:
-                self._apply_one(engine, event, source)
-                applied += 1
+                checked.append((event, self._check_one(engine, event, source)))
             except EventRefused as refused:
-                self._refused(engine, source, refused)
-        return applied
+                refusals.append(refused)
+        return self.apply_checked(engine, checked, refusals, source)
 
     def _refused(self, engine: str, source: str, refused: EventRefused) -> None:
         key = (source, refused.reason)
@@ -269,24 +293,17 @@ class KvIndex:
             raise EventRefused(Refusal.WRONG_SOURCE, "prefix-cache event on a history stream")
         return CACHE
 
-    def _apply_one(self, engine: str, event, source: str) -> None:
+    def _check_one(self, engine: str, event, source: str) -> int:
+        """The tier an event speaks of, or EventRefused; reads no entry of the index."""
+
         kind = type(event)
         if kind is AllBlocksCleared:
-            held = self.engine(engine)
-            bit = (HISTORY_GPU | HISTORY_CPU) if source == "history" else CACHE
-            for key in [k for k, v in held.items() if v & bit]:
-                self._clear(held, key, bit)
-            self.accepted[(source, "cleared")] += 1
-            return
+            return (HISTORY_GPU | HISTORY_CPU) if source == "history" else CACHE
         if event.group_idx not in (None, 0):
             raise EventRefused(Refusal.OTHER_GROUP, f"KV cache group {event.group_idx}")
         tier = self._tier(event, source)
-        held = self.engine(engine)
         if kind is BlockRemoved:
-            for value in event.block_hashes:
-                self._clear(held, external_hash(value), tier)
-            self.accepted[(source, "removed")] += 1
-            return
+            return tier
         # BlockStored
         if event.lora_id is not None or event.lora_name or _has_extra_keys(event.extra_keys):
             raise EventRefused(Refusal.UNROUTABLE, "hashed with LoRA, multimodal or salt keys")
@@ -303,6 +320,21 @@ class KvIndex:
                 self.hash_agreement[engine] = agrees
                 if not agrees:
                     raise EventRefused(Refusal.HASH_MISMATCH, "the engine hashes blocks differently")
+        return tier
+
+    def _apply_one(self, engine: str, event, source: str, tier: int) -> None:
+        kind = type(event)
+        held = self.engine(engine)
+        if kind is AllBlocksCleared:
+            for key in [k for k, v in held.items() if v & tier]:
+                self._clear(held, key, tier)
+            self.accepted[(source, "cleared")] += 1
+            return
+        if kind is BlockRemoved:
+            for value in event.block_hashes:
+                self._clear(held, external_hash(value), tier)
+            self.accepted[(source, "removed")] += 1
+            return
         for value in event.block_hashes:
             key = external_hash(value)
             bits = held.pop(key, 0)  # re-inserted: the most recent entries are kept longest

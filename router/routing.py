@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -141,6 +142,27 @@ class CacheRouting:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks, self._history_tasks = [], {}
 
+    async def _ingest(self, url: str, payload, source: str, budget: "CpuBudget") -> None:
+        """One batch from a feed: decoded and checked on a worker thread (a batch can hold a
+        model's context of tokens to hash), applied here (dict updates), within the feed's CPU
+        share. A feed past its share loses batches until it is back under it, and what the index
+        held for the engine from that source is forgotten (it would be incomplete): routing by
+        cache then treats the engine as holding nothing there, which costs a recompute at worst."""
+
+        if not budget.available():
+            self.index.refused[(source, Refusal.OVER_BUDGET)] += 1
+            if not budget.dropping:
+                budget.dropping = True
+                self.index.forget(url, CACHE if source == "vllm" else HISTORY_GPU | HISTORY_CPU)
+                logger.warning("KV events from %s (%s) exceed the router's CPU share for a feed (%.0f%% of a "
+                               "core): dropping batches until it is back under it", url, source,
+                               100 * budget.share)
+            return
+        budget.dropping = False
+        checked, refusals, seconds = await asyncio.to_thread(_timed_check, self.index, url, payload, source)
+        budget.spend(seconds)
+        self.index.apply_checked(url, checked, refusals, source)
+
     def _feed_error(self, source: str, reason: str) -> None:
         key = (source, reason)
         self.feed_errors[key] = self.feed_errors.get(key, 0) + 1
@@ -157,10 +179,13 @@ class CacheRouting:
         sock = self._zmq.socket(zmq.SUB)
         # libzmq drops a larger message before it is handed to us.
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
-        sock.setsockopt(zmq.RCVHWM, 10000)
+        # Few batches wait: a feed that falls behind loses batches (counted as gaps), it does not
+        # queue gigabytes in libzmq.
+        sock.setsockopt(zmq.RCVHWM, EVENT_QUEUE_BATCHES)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         last_seq = None
+        budget = CpuBudget(EVENT_CPU_SHARE, EVENT_CPU_BURST_S)
         try:
             sock.connect(endpoint)
             while True:
@@ -177,7 +202,7 @@ class CacheRouting:
                     elif last_seq is not None and seq > last_seq + 1:
                         self._feed_error("vllm", "gap")  # missed batches: the index may lag
                     last_seq = seq
-                    self.index.ingest(url, frames[2], "vllm")
+                    await self._ingest(url, frames[2], "vllm", budget)
                 except Exception:  # a bug here must not stop the feed
                     logger.exception("applying KV events from %s failed", url)
                     self._feed_error("vllm", "internal_error")
@@ -194,6 +219,7 @@ class CacheRouting:
         from ..control.client import call_peer
 
         since, instance, failures = -1, "", 0
+        history_budget = CpuBudget(EVENT_CPU_SHARE, EVENT_CPU_BURST_S)
         while True:
             try:
                 answer = await call_peer(address, pc.Residency(since, instance), timeout_s=5.0)
@@ -209,7 +235,7 @@ class CacheRouting:
                 continue
             if answer.reset or answer.instance != instance:
                 self.index.forget(url, HISTORY_GPU | HISTORY_CPU)
-            self.index.ingest(url, answer.events, "history")
+            await self._ingest(url, answer.events, "history", history_budget)
             since, instance = answer.seq, answer.instance
             # An answer holds up to 65536 changes, so this keeps up with any history's churn.
             await asyncio.sleep(RESIDENCY_POLL_S)
@@ -329,3 +355,34 @@ class RoutingCollector:
                                        "Prompts the router tokenized to a different length than the engine")
         mismatch.add_metric([], self.routing.token_mismatches)
         yield from (events, refused, feeds, blocks, agree, mismatch)
+
+
+# What one engine's event feed may cost the router: a share of one core, with a burst allowance.
+EVENT_CPU_SHARE = 0.25
+EVENT_CPU_BURST_S = 0.5
+EVENT_QUEUE_BATCHES = 256
+
+
+class CpuBudget:
+    """A token bucket of CPU seconds, refilled at `share` seconds per second up to `burst_s`."""
+
+    def __init__(self, share: float, burst_s: float) -> None:
+        self.share, self.burst_s = share, burst_s
+        self.tokens = burst_s
+        self.at = time.monotonic()
+        self.dropping = False
+
+    def available(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst_s, self.tokens + (now - self.at) * self.share)
+        self.at = now
+        return self.tokens > 0
+
+    def spend(self, seconds: float) -> None:
+        self.tokens -= seconds
+
+
+def _timed_check(index, url: str, payload, source: str):
+    started = time.thread_time()
+    checked, refusals = index.check(url, payload, source)
+    return checked, refusals, time.thread_time() - started

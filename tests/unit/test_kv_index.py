@@ -207,3 +207,44 @@ def test_routing_settings_are_checked():
         RoutingConfig(mode="random")
     with pytest.raises(ValueError, match="disaggregate_below"):
         RoutingConfig(disaggregate_below=-0.1)
+
+
+def test_feeds_check_batches_off_the_event_loop_and_within_a_cpu_share(monkeypatch):
+    """N7: hashing a batch runs on a worker thread, never on the router's loop, and a feed that
+    spends its CPU share loses its batches (counted) and what the index held for it until it is
+    back under the share."""
+
+    from kvbaton.router import routing as r
+
+    routing = CacheRouting(RoutingConfig(mode="round-robin", block_size=BS), ["http://p0"], ["http://d0"])
+    index = routing.index
+    threads = []
+    real_check = index.check
+
+    def check(*args):
+        import threading
+
+        threads.append(threading.get_ident())
+        return real_check(*args)
+
+    monkeypatch.setattr(index, "check", check)
+    tokens = prompt(3)
+    hashes = PrefixHasher(BS).block_hashes(tokens)
+
+    async def feed():
+        import threading
+
+        loop_thread = threading.get_ident()
+        budget = r.CpuBudget(share=0.0, burst_s=1e-9)  # no share to spare: after a first batch it is spent
+        budget.tokens = 1.0
+        await routing._ingest("http://d0", batch(stored(hashes, tokens)), "vllm", budget)
+        assert index.prefix("http://d0", hashes) == (3, CACHE)
+        budget.tokens = -1.0  # the share is spent
+        await routing._ingest("http://d0", batch(stored(hashes, tokens)), "vllm", budget)
+        await routing._ingest("http://d0", batch(stored(hashes, tokens)), "vllm", budget)
+        return loop_thread
+
+    loop_thread = asyncio.run(feed())
+    assert threads and loop_thread not in threads
+    assert index.prefix("http://d0", hashes) == (0, 0)  # forgotten: it would be incomplete
+    assert index.refused[("vllm", "over_budget")] == 2

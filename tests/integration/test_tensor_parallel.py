@@ -27,6 +27,7 @@ from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, writ
 
 from . import engine_hooks  # noqa: E402
 from .engine_harness import EngineProcess  # noqa: E402
+from .history_checks import delta, state  # noqa: E402
 from .log_checks import replay_engine_logs  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -94,11 +95,7 @@ def alone(engine, prompt) -> list[int]:
 
 
 def counters(engine) -> dict:
-    return engine.call_connector("debug_state")["counters"]
-
-
-def delta(before: dict, after: dict, key: str) -> int:
-    return after.get(key, 0) - before.get(key, 0)
+    return state(engine)["counters"]
 
 
 def flush(engine) -> None:

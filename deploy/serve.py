@@ -329,10 +329,22 @@ def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, pr
     return specs
 
 
+def tenant_key(secret_file: str = "") -> bytes:
+    """The key tenants' cache salts are made with: derived from the deployment secret, so a
+    restarted router salts each tenant as before (its cached prefixes stay found)."""
+
+    import hashlib
+
+    from ..control.guard import resolve_secret
+
+    return hashlib.blake2b(resolve_secret(secret_file).encode(), key=b"kvbaton-tenant-salt", digest_size=32).digest()
+
+
 async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio.Event, *,
                      api_key: str | None = None, max_body_bytes: int | None = None,
                      max_in_flight: int | None = None, max_batch_prompts: int | None = None,
-                     first_token: str = "prefill", routing=None) -> None:
+                     first_token: str = "prefill", routing=None, tenant_header: str | None = None,
+                     metrics_key: str | None = None, secret_file: str = "") -> None:
     import uvicorn
 
     from ..router.app import (DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, Router,
@@ -343,7 +355,9 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                     max_in_flight=max_in_flight or DEFAULT_MAX_IN_FLIGHT,
                     max_batch_prompts=max_batch_prompts or DEFAULT_MAX_BATCH_PROMPTS,
-                    routing=routing or deployment.routing_config(), first_token=first_token)
+                    routing=routing or deployment.routing_config(), first_token=first_token,
+                    tenant_header=tenant_header, metrics_key=metrics_key,
+                    tenant_key=tenant_key(secret_file) if tenant_header else None)
     config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we own the signals
@@ -399,6 +413,14 @@ def add_serve_arguments(parser) -> None:
                              "local user sees it (ps): prefer KVBATON_API_KEY or --api-key-file")
     parser.add_argument("--api-key-file", default=None,
                         help="read the API key from this file (owner-only, like the secret file)")
+    parser.add_argument("--tenant-header", default=None, metavar="NAME",
+                        help="serve several tenants: every request names its tenant in this header (set by "
+                             "the gateway in front, not the client), and each tenant's prompts are cached "
+                             "under a salt of its own, so no tenant can find or time another's cached "
+                             "prefixes (routing by cache is off for them)")
+    parser.add_argument("--metrics-key-file", default=None,
+                        help="/metrics answers only this key (an operator's, owner-only file; default: "
+                             "$KVBATON_METRICS_KEY), not the API key")
     parser.add_argument("--secret-file", default=None,
                         help="the deployment secret that authenticates control frames (default: "
                              "$KVBATON_SECRET, else this user's per-host secret)")
@@ -481,6 +503,11 @@ def run_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         progress(f"warning: the router listens on {args.host} without an API key (--api-key or "
                  f"KVBATON_API_KEY): anyone who reaches it can use it")
+    try:
+        metrics_key = read_api_key_file(args.metrics_key_file) or os.environ.get("KVBATON_METRICS_KEY") or None
+    except ValueError as exc:
+        progress(str(exc).replace("--api-key-file", "--metrics-key-file"))
+        return 2
     if args.max_batch_prompts is not None and args.max_batch_prompts < 1:
         progress(f"--max-batch-prompts must be at least 1, not {args.max_batch_prompts}")
         return 2
@@ -515,7 +542,9 @@ def run_serve(args) -> int:
                  f"metrics at /metrics; Ctrl-C stops everything")
         await run_router(deployment, args.host, args.port, stop, api_key=api_key,
                          max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
-                         max_batch_prompts=args.max_batch_prompts, first_token=args.first_token)
+                         max_batch_prompts=args.max_batch_prompts, first_token=args.first_token,
+                         tenant_header=args.tenant_header, metrics_key=metrics_key,
+                         secret_file=args.secret_file or "")
 
     try:
         asyncio.run(main())

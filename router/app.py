@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -86,6 +88,8 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_IN_FLIGHT = 1024
 # A completion request may carry at most this many prompts (each is its own handoff).
 DEFAULT_MAX_BATCH_PROMPTS = 16
+# A tenant's name, as the tenant header carries it.
+MAX_TENANT_CHARS = 256
 # The router refreshes sidecar states for /metrics at most this often.
 STATE_REFRESH_S = 5.0
 
@@ -208,7 +212,8 @@ class Router:
                  models: list[str] | None = None, api_key: str | None = None, engine_api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
                  max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS, routing: RoutingConfig | None = None,
-                 first_token: str = "prefill") -> None:
+                 first_token: str = "prefill", tenant_header: str | None = None,
+                 tenant_key: bytes | None = None, metrics_key: str | None = None) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode engine URL")
         if first_token not in ft.MODES:
@@ -219,6 +224,13 @@ class Router:
         self.decode_urls = [u.rstrip("/") for u in decode_urls]
         self.timeout_s = timeout_s
         self.api_key = api_key or None
+        # Tenants (multi-tenant deployments): each request names its tenant in this header, and
+        # the router salts its prompt's cache with a key only it holds, so no tenant's requests
+        # can find (or time) another's cached prefixes; routing by cache is off for them.
+        self.tenant_header = tenant_header.lower() if tenant_header else None
+        self.tenant_key = tenant_key or secrets.token_bytes(32)
+        # /metrics answers this key, not the API key (operators, not API clients), when set.
+        self.metrics_key = metrics_key or None
         self.max_body_bytes = max_body_bytes
         self.max_in_flight = max_in_flight
         self.max_batch_prompts = max_batch_prompts
@@ -376,6 +388,19 @@ class Router:
 
     # -- the request path ------------------------------------------------------------------------
 
+    def tenant_salt(self, tenant: str, client_salt=None) -> str:
+        """The cache salt of a tenant's request: keyed by the router, folding in the client's own
+        salt (a tenant may still separate its users)."""
+
+        extra = client_salt if isinstance(client_salt, str) else ""
+        return hmac.new(self.tenant_key, f"{tenant}\0{extra}".encode(), hashlib.sha256).hexdigest()[:32]
+
+    def metrics_authorized(self, request: Request) -> bool:
+        if self.metrics_key is None:
+            return self.authorized(request)
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.metrics_key.encode())
+
     async def handle(self, request: Request, endpoint: str) -> Response:
         if self.active >= self.max_in_flight:
             self.requests.labels(endpoint, "too_many_in_flight").inc()
@@ -406,6 +431,13 @@ class Router:
         except BadRequest as exc:
             self.requests.labels(endpoint, "too_large" if exc.status == 413 else "bad_request").inc()
             return openai_error(exc.status, exc.message)
+        if self.tenant_header is not None:
+            tenant = request.headers.get(self.tenant_header, "")
+            if not tenant or len(tenant) > MAX_TENANT_CHARS:
+                self.requests.labels(endpoint, "no_tenant").inc()
+                return openai_error(400, f"this router serves several tenants: the {self.tenant_header} header must "
+                                         f"name the request's tenant (1 to {MAX_TENANT_CHARS} characters)")
+            body["cache_salt"] = self.tenant_salt(tenant, body.get("cache_salt"))
         # Handoff parameters and request ids are the router's to set, never the client's (vLLM
         # also reads kv_transfer_params from vllm_xargs).
         body.pop("kv_transfer_params", None)
@@ -1039,7 +1071,13 @@ def build_app(router: Router) -> FastAPI:
 
     @app.middleware("http")
     async def require_key(request: Request, call_next):
-        if request.url.path != "/health" and not router.authorized(request):
+        path = request.url.path
+        if path == "/metrics" and router.metrics_key is not None:
+            if not router.metrics_authorized(request):
+                router.requests.labels("metrics", "unauthorized").inc()
+                return openai_error(401, "missing or wrong metrics key (Authorization: Bearer KEY)",
+                                    kind="invalid_request_error", code="invalid_api_key")
+        elif path != "/health" and not router.authorized(request):
             router.requests.labels("any", "unauthorized").inc()
             return openai_error(401, "missing or wrong API key (Authorization: Bearer KEY)",
                                 kind="invalid_request_error", code="invalid_api_key")

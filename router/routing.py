@@ -282,7 +282,9 @@ class CacheRouting:
         return Pick(p, d, "round_robin")
 
     async def pick(self, endpoint: str, body: dict) -> Pick:
-        if not self.cache_aware:
+        if not self.cache_aware or body.get("cache_salt"):
+            # A salted prompt's blocks hash apart from everyone else's (vLLM adds the salt): the
+            # index cannot place it, and must not (a tenant's routing would reveal another's).
             return self.round_robin()
         tokens = await self.prompt_tokens(endpoint, body)
         hashes = self.hasher.block_hashes(tokens) if tokens else []

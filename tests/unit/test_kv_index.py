@@ -248,3 +248,18 @@ def test_feeds_check_batches_off_the_event_loop_and_within_a_cpu_share(monkeypat
     assert threads and loop_thread not in threads
     assert index.prefix("http://d0", hashes) == (0, 0)  # forgotten: it would be incomplete
     assert index.refused[("vllm", "over_budget")] == 2
+
+
+def test_a_salted_prompt_is_never_placed_by_what_the_index_knows():
+    """N6: routing by cache would tell a tenant whether anyone sent its prefix (a prompt D holds
+    goes to D alone, and answers faster); a salted prompt is placed round robin."""
+
+    config = RoutingConfig(mode="cache-aware", block_size=BS, disaggregate_below=0.5)
+    routing = CacheRouting(config, ["http://p0"], ["http://d0"])
+    tokens = prompt(4)
+    routing.index.ingest("http://d0", batch(stored(PrefixHasher(BS).block_hashes(tokens), tokens)))
+    body = {"model": "m", "prompt": tokens}
+    plain = asyncio.run(routing.pick("/v1/completions", body))
+    salted = asyncio.run(routing.pick("/v1/completions", dict(body, cache_salt="s" * 32)))
+    assert plain.p_url is None  # the oracle: D alone, because D holds the prefix
+    assert salted.p_url == "http://p0"

@@ -577,3 +577,47 @@ def test_the_router_sends_the_engines_their_key_and_never_the_clients():
     reply, seen = asyncio.run(go())
     assert reply.status_code == 200, reply.text
     assert seen and set(seen) == {"Bearer engine-key-1"}
+
+
+def tenant_call(engines: Engines, tenant: str | None, *, body=None, path="/v1/completions", **router_kw):
+    headers = dict(bearer())
+    if tenant is not None:
+        headers["X-Tenant"] = tenant
+    return call(engines, "POST", path, headers=headers, json_body=body or BODY, tenant_header="X-Tenant",
+                tenant_key=b"k" * 32, **router_kw)
+
+
+def salts(engines: Engines) -> list:
+    return [body.get("cache_salt") for _role, body in engines.seen if body]
+
+
+def test_each_tenant_is_cached_under_a_salt_of_its_own_on_p_and_d():
+    """N6: with tenants on, a tenant's prompt is salted on P and D alike (the handoff's digest
+    covers the salt), two tenants never share a salt, and a client cannot pick another's."""
+
+    first, again, other, chosen = Engines(), Engines(), Engines(), Engines()
+    for engines, tenant in ((first, "acme"), (again, "acme"), (other, "globex")):
+        assert tenant_call(engines, tenant).status_code == 200
+    assert len(set(salts(first))) == 1 and salts(first)[0] and len(salts(first)) == 2  # P's and D's
+    assert salts(again) == salts(first)
+    assert set(salts(other)).isdisjoint(salts(first))
+    stolen = dict(BODY, cache_salt=salts(first)[0])  # another tenant's salt, sent as the client's own
+    assert tenant_call(chosen, "globex", body=stolen).status_code == 200
+    assert set(salts(chosen)).isdisjoint(salts(first))
+
+
+def test_a_request_without_its_tenant_is_refused():
+    engines = Engines()
+    reply = tenant_call(engines, None)
+    assert reply.status_code == 400 and "X-Tenant".lower() in reply.json()["error"]["message"].lower()
+    assert tenant_call(engines, "t" * 300).status_code == 400
+    assert engines.seen == []
+
+
+def test_metrics_answer_the_operator_key_not_the_api_key():
+    engines = Engines()
+    assert call(engines, "GET", "/metrics", headers=bearer(), metrics_key="ops-key").status_code == 401  # API key
+    assert call(engines, "GET", "/metrics", headers=bearer("ops-key"), metrics_key="ops-key").status_code == 200
+    assert call(engines, "POST", "/v1/completions", headers=bearer("ops-key"), json_body=BODY,
+                metrics_key="ops-key").status_code == 401
+    assert call(engines, "GET", "/metrics", headers=bearer()).status_code == 200  # no metrics key: the API key

@@ -131,10 +131,10 @@ class WorkerIo:
         """One transport read of `read` ended: its ReadDone, or None while reads from other
         source ranks of it are still out (their ReadDone then says whether all were ok)."""
 
+        if read not in self.parts:  # one source (booked before its reads were posted): no lock
+            return m.ReadDone(request, read, ok, error, nbytes, seconds, descriptors, landed, phases)
         with self.parts_lock:
-            part = self.parts.get(read)
-            if part is None:
-                return m.ReadDone(request, read, ok, error, nbytes, seconds, descriptors, landed, phases)
+            part = self.parts[read]
             part[0] -= 1
             part[1] = part[1] and ok
             part[2] += nbytes

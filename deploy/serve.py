@@ -358,7 +358,9 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
                     routing=routing or deployment.routing_config(), first_token=first_token,
                     tenant_header=tenant_header, metrics_key=metrics_key,
                     tenant_key=tenant_key(secret_file) if tenant_header else None)
-    config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on")
+    # Connections beyond what the in-flight cap can use are answered 503 by uvicorn itself.
+    config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on",
+                            limit_concurrency=2 * router.max_in_flight + 64)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we own the signals
     task = asyncio.create_task(server.serve())

@@ -86,6 +86,11 @@ class EngineSidecarCollector:
 # Requests larger than this are refused (413): prompts of a 128k context are ~1 MB of JSON.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_IN_FLIGHT = 1024
+# Raw bytes of the bodies requests in flight hold, at most (a JSON body parses to ten or more
+# times its size): past it a request is answered 503 until others end.
+DEFAULT_MAX_BODY_MEMORY = 256 << 20
+# A body must arrive whole within this long: a client trickling one holds an in-flight slot.
+BODY_READ_S = 30.0
 # A completion request may carry at most this many prompts (each is its own handoff).
 DEFAULT_MAX_BATCH_PROMPTS = 16
 # A tenant's name, as the tenant header carries it.
@@ -213,7 +218,8 @@ class Router:
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
                  max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS, routing: RoutingConfig | None = None,
                  first_token: str = "prefill", tenant_header: str | None = None,
-                 tenant_key: bytes | None = None, metrics_key: str | None = None) -> None:
+                 tenant_key: bytes | None = None, metrics_key: str | None = None,
+                 max_body_memory: int = DEFAULT_MAX_BODY_MEMORY, body_read_s: float = BODY_READ_S) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode engine URL")
         if first_token not in ft.MODES:
@@ -232,6 +238,9 @@ class Router:
         # /metrics answers this key, not the API key (operators, not API clients), when set.
         self.metrics_key = metrics_key or None
         self.max_body_bytes = max_body_bytes
+        self.max_body_memory = max(max_body_memory, max_body_bytes)
+        self.body_read_s = body_read_s
+        self.body_bytes = 0  # raw bytes of the bodies requests in flight hold
         self.max_in_flight = max_in_flight
         self.max_batch_prompts = max_batch_prompts
         self.first_token = first_token
@@ -371,11 +380,23 @@ class Router:
             if int(declared) > self.max_body_bytes:
                 raise BadRequest(413, f"the request body is larger than {self.max_body_bytes} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise BadRequest(413, f"the request body is larger than {self.max_body_bytes} bytes")
-            chunks.append(chunk)
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise BadRequest(413, f"the request body is larger than {self.max_body_bytes} bytes")
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.body_read_s)
+        except asyncio.TimeoutError:
+            raise BadRequest(408, f"the request body did not arrive within {self.body_read_s:.0f} s") from None
+        if self.body_bytes + size > self.max_body_memory:
+            raise BadRequest(503, "the router holds as many request bodies as it may; retry shortly")
+        self.body_bytes += size
+        request.state.body_bytes = size  # given back when the request ends (_release)
         try:
             body = json.loads(b"".join(chunks))
         except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
@@ -411,25 +432,27 @@ class Router:
         try:
             response = await self._handle(request, endpoint)
             if isinstance(response, HeldStream):
-                # A stream holds its place until it is over, however it ends (a client that
-                # leaves before its first byte included).
-                response.on_close = self._release
+                # A stream holds its place (and its body) until it is over, however it ends (a
+                # client that leaves before its first byte included).
+                response.on_close = lambda: self._release(request)
                 streaming = True
             return response
         finally:
             if not streaming:
-                self._release()
+                self._release(request)
 
-    def _release(self) -> None:
+    def _release(self, request: Request) -> None:
         self.active -= 1
         self.in_flight.dec()
+        self.body_bytes -= getattr(request.state, "body_bytes", 0)
 
 
     async def _handle(self, request: Request, endpoint: str) -> Response:
         try:
             body = await self.read_body(request)
         except BadRequest as exc:
-            self.requests.labels(endpoint, "too_large" if exc.status == 413 else "bad_request").inc()
+            self.requests.labels(endpoint, {413: "too_large", 408: "slow_body", 503: "body_memory"}.get(
+                exc.status, "bad_request")).inc()
             return openai_error(exc.status, exc.message)
         if self.tenant_header is not None:
             tenant = request.headers.get(self.tenant_header, "")

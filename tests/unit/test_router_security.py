@@ -621,3 +621,34 @@ def test_metrics_answer_the_operator_key_not_the_api_key():
     assert call(engines, "POST", "/v1/completions", headers=bearer("ops-key"), json_body=BODY,
                 metrics_key="ops-key").status_code == 401
     assert call(engines, "GET", "/metrics", headers=bearer()).status_code == 200  # no metrics key: the API key
+
+
+def test_a_body_that_trickles_is_cut_off_and_bodies_in_flight_are_bounded_in_memory():
+    """N13: a body that does not arrive within the deadline is answered 408 (its slot comes back);
+    bodies held by requests in flight are bounded in bytes (503 past it, until they end)."""
+
+    async def go():
+        router = Router([P_URL], [D_URL], models=["tiny"], body_read_s=0.3, max_body_bytes=1024,
+                        max_body_memory=64 << 10)
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(Engines()))
+        app = build_app(router)
+
+        async def trickle():
+            yield b'{"model": "tiny", '
+            await asyncio.sleep(2.0)
+            yield b'"prompt": "x"}'
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            slow = await client.post("/v1/completions", content=trickle(), headers={"content-type": "application/json"})
+            after_slow = (router.active, router.body_bytes)
+            router.body_bytes = (64 << 10) - 10  # as if other requests held nearly the whole budget
+            full = await client.post("/v1/completions", json=BODY)
+            router.body_bytes = 0
+            fine = await client.post("/v1/completions", json=BODY)
+            return slow, after_slow, full, fine, (router.active, router.body_bytes)
+
+    slow, after_slow, full, fine, after = asyncio.run(go())
+    assert slow.status_code == 408 and "did not arrive" in slow.json()["error"]["message"]
+    assert after_slow == (0, 0)
+    assert full.status_code == 503
+    assert fine.status_code == 200 and after == (0, 0)

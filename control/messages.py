@@ -134,12 +134,22 @@ class Resolved(Msg, tag="resolved"):
     num_tokens: int = 0  # on a hit: the prompt tokens P granted (its blocks hold them)
 
 
+class LoadEnded(Msg, tag="loadend"):
+    """D: how a request's load ended (`core.reasons.LoadOutcome`, with detail): what the
+    request's report of its prompt says about the tokens it did not read."""
+
+    request: str
+    ok: bool
+    reason: str = ""
+
+
 class RestoreReply(Msg, tag="rreply"):
     """P: history can restore the first `blocks` blocks asked for under `lease` (0: nothing)."""
 
     lease: str
     request: str
     blocks: int
+    cpu_blocks: int = 0  # of them, how many the CPU tier holds (the rest are in the GPU tier)
 
 
 class LeaseEnded(Msg, tag="lended"):
@@ -240,7 +250,7 @@ class Debug(Msg, tag="debug"):
 
 
 AnyMsg = Union[
-    Apply, HandoffRefused, WorkerReady, ReadDone, Ready, Resolved,
+    Apply, HandoffRefused, WorkerReady, ReadDone, Ready, Resolved, LoadEnded,
     AddPeer, PostRead, InvalidBlocks, FinishedRecving, FinishedSending, Stop, Debug,
     StageDone, DemotesDone, RestoreDone,
     SlotStats, RestoreReply, LeaseEnded, StageCopies, DemoteCopies, DropSlot, RestoreCopies,

@@ -342,6 +342,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         elif kind is fx.ReportInvalidBlocks:
             self._send(self.to_worker, m.InvalidBlocks(effect.request, effect.blocks))
         elif kind is fx.LoadFinished:
+            self._send(self.to_scheduler, m.LoadEnded(effect.request, effect.ok, effect.reason))
             if effect.parked:
                 # Only an allocated (async) load is parked in WAITING_FOR_REMOTE_KVS: vLLM waits
                 # for exactly one finished_recving for it, and asserts on any other.
@@ -358,7 +359,9 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         elif kind is fx.DropHistory:
             self._send(self.to_history, m.DropSlot(effect.key, effect.tier))
         elif kind is fx.ReplyRestore:
-            self._send(self.to_scheduler, m.RestoreReply(effect.lease, effect.request, len(effect.keys)))
+            blocks = self.ledger.history.blocks
+            cpu = sum(1 for key in effect.keys if getattr(blocks.get(key), "state", "") == "CPU")
+            self._send(self.to_scheduler, m.RestoreReply(effect.lease, effect.request, len(effect.keys), cpu))
         elif kind is fx.RestoreBlocks:
             # Restores run on the engine's thread (the request is parked, the engine steps).
             self._send(self.to_worker, m.RestoreCopies(effect.lease, effect.request, effect.copies))

@@ -36,6 +36,26 @@ class Handoff:
     # this one started waiting for it. None for a request that reads its own handoff.
     reader: Any = None
     waiting_since: float = 0.0
+    # What the request's report of its prompt says (prompt_report): tokens asked of P past the
+    # local prefix-cache hit, and how the load ended ("" while it runs).
+    external: int = 0
+    ended: str = ""
+    loaded: bool = False
+
+
+def prompt_report(h: Handoff, prompt_tokens: int) -> dict:
+    """Where a decode request's prompt tokens came from: D's own prefix cache, P's handoff, or
+    recomputed, and why recomputed (the refusal, miss or failure, as it was counted)."""
+
+    cached = min(h.local_computed, prompt_tokens)
+    handed = h.external if h.loaded else 0
+    report = {"prompt_tokens": prompt_tokens, "engine_cache": cached, "handoff": handed,
+              "recomputed": max(0, prompt_tokens - cached - handed)}
+    if report["recomputed"]:
+        # Past a delivered handoff the engine computes the rest itself (the prompt's last token,
+        # and what P did not hold); otherwise the refusal, miss or failure, as it was counted.
+        report["recomputed_because"] = "tail" if h.loaded else (h.ended or h.reason or "miss")
+    return report
 
 
 class HandoffError(ValueError):

@@ -21,11 +21,16 @@ from ...control.client import SidecarHandle
 from ...control.config import SidecarConfig
 from ...control.guard import RateLimitedLog, capability_digest, install_frame_key, mint_capability, resolve_secret
 from ...core import events as ev
-from .handoff import PARAMS_VERSION, Handoff, HandoffError, handoff_key, parse_handoff, prompt_digest, sign_handoff
+from ...core.reasons import LoadOutcome
+from .handoff import (PARAMS_VERSION, Handoff, HandoffError, handoff_key, parse_handoff, prompt_digest, prompt_report,
+                      sign_handoff)
 from .settings import EVENT_LOG_HASH_EVERY, parse_peer_networks
 
 if TYPE_CHECKING:
     from .connector import KvbatonConnector
+
+# A sibling of an n > 1 request: it reads no handoff of its own (see _handoff).
+SHARES_A_HANDOFF = "shares a handoff"
 
 logger = logging.getLogger("vllm.kvbaton.connector")
 
@@ -50,6 +55,23 @@ class Restore:
     asked_at: float
     state: str = ASKED
     blocks: int = 0  # restorable blocks, once answered
+    cpu_blocks: int = 0  # of them, in the CPU tier
+    ended: str = ""  # how the lease ended, when it did not restore ("" otherwise)
+    restored: bool = False  # the copy into the request's blocks succeeded
+
+    def report(self, prompt_tokens: int, block_size: int) -> dict:
+        """Where P's prompt tokens came from: its own prefix cache, the history tiers, or
+        recomputed (and why, when history was asked and did not restore)."""
+
+        cached = min(self.first * block_size, prompt_tokens)
+        restored = min(self.blocks * block_size, prompt_tokens - cached) if self.restored else 0
+        cpu = min(self.cpu_blocks * block_size, restored)
+        report = {"prompt_tokens": prompt_tokens, "engine_cache": cached, "history_gpu": restored - cpu,
+                  "history_cpu": cpu, "recomputed": prompt_tokens - cached - restored}
+        if report["recomputed"]:
+            report["recomputed_because"] = ("tail" if self.restored else
+                                            self.ended or ("miss" if not self.blocks else "not restored"))
+        return report
 
 
 class SchedulerSide:
@@ -161,10 +183,14 @@ class SchedulerSide:
                         h.num_tokens = min(h.num_tokens, msg.num_tokens)
                     else:
                         logger.info("kvbaton: request %s recomputes locally: %s", msg.request, msg.reason)
+            elif kind is m.LoadEnded:
+                h = self.handoffs.get(msg.request)
+                if h is not None:
+                    h.ended, h.loaded = msg.reason, msg.ok and msg.reason == LoadOutcome.LOADED
             elif kind is m.RestoreReply:
                 r = self.restores.get(msg.request)
                 if r is not None and r.lease == msg.lease and r.state == ASKED:
-                    r.blocks = msg.blocks
+                    r.blocks, r.cpu_blocks = msg.blocks, msg.cpu_blocks
                     r.state = RESERVED if msg.blocks > 0 else DONE
             elif kind is m.LeaseEnded:
                 r = self.restores.get(msg.request)
@@ -172,6 +198,8 @@ class SchedulerSide:
                     if r.state != ALLOCATED and not msg.ok:
                         logger.info("kvbaton: history lease of request %s ended before use: %s",
                                     msg.request, msg.reason)
+                    r.restored = r.state == ALLOCATED and msg.ok
+                    r.ended = "" if r.restored else msg.reason
                     r.state = DONE
 
     def _handoff(self, request) -> Handoff | None:
@@ -194,7 +222,7 @@ class SchedulerSide:
             reason = getattr(exc, "reason", "invalid")
             self.refusal_log.warning(reason, "kvbaton: request %s: %s; recomputing locally", rid, exc)
             self.sidecar.send(m.HandoffRefused(reason))  # counted: kvbaton_handoffs_refused{reason}
-            h = Handoff("", "", 0, 0, hit=False, consumed=True, reason=str(exc))
+            h = Handoff("", "", 0, 0, hit=False, consumed=True, reason=f"refused: {reason}")
             self.handoffs[rid] = h
             return h
         reader = self.readers.get(section["ticket"])
@@ -205,7 +233,7 @@ class SchedulerSide:
             # caches a finished load's blocks before it schedules waiting requests), then take
             # them from there and compute only the tail (the last partial block). A sibling never
             # claims, so P sees one claim and one read per handoff whatever n is.
-            h = Handoff("", "", 0, 0, hit=False, consumed=True, reason="shares a handoff", reader=reader,
+            h = Handoff("", "", 0, 0, hit=False, consumed=True, reason=SHARES_A_HANDOFF, reader=reader,
                         waiting_since=time.monotonic())
             self.handoffs[rid] = h
             return h
@@ -266,6 +294,7 @@ class SchedulerSide:
             self.send(ev.LoadAllocated(0, request.request_id, ()))
             return 0, False
         h.local_computed = num_computed_tokens
+        h.external = count
         return count, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -296,6 +325,8 @@ class SchedulerSide:
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
+        if self.conn.is_consumer and rid in self.handoffs:
+            self.drain()  # the end of its load may have been reported in this step
         h = self.handoffs.pop(rid, None)
         if h is not None and h.ticket and self.readers.get(h.ticket) is request:
             del self.readers[h.ticket]
@@ -306,17 +337,28 @@ class SchedulerSide:
             # D: a load not over yet is given up; the sidecar drains reads in flight first.
             self.send(ev.RequestAborted(0, rid))
         keys = self.keys_by_request.pop(rid, None)
+        if self.history_on and rid in self.restores:
+            self.drain()  # the end of its lease may have been reported in this step
         r = self.restores.pop(rid, None)
         if r is not None and r.state in (ASKED, RESERVED):
             self._release(rid, r)  # an abort before allocation gives the lease back
         params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         remote_decode = self.conn.is_producer and bool(params.get("do_remote_decode"))
+        # P: a request that asked history says where its prompt came from (its own cache, history's
+        # tiers, recomputed and why).
+        report = (None if r is None or aborted else
+                  {"kvbaton_prompt": r.report(len(request.prompt_token_ids or ()), self.conn.block_size)})
         if not remote_decode:
             if self.history_on and not aborted and block_ids and self.usable():
-                return self._retain_plain(request, block_ids, keys)
+                delay, _ = self._retain_plain(request, block_ids, keys)
+                return delay, report
+            if h is not None and h.reader is None and not aborted and h.reason != SHARES_A_HANDOFF:
+                # D: the request's response says where its prompt came from (its own cache, P's
+                # handoff, recomputed and why).
+                return False, {"kvbaton_prompt": prompt_report(h, len(request.prompt_token_ids or ()))}
             return False, None
         if aborted or not block_ids or not self.usable():
-            return False, None
+            return False, report
         blocks = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
         num_tokens = min(len(request.prompt_token_ids or ()), len(blocks) * self.conn.block_size)
         blocks = tuple(blocks[: math.ceil(num_tokens / self.conn.block_size)])
@@ -364,6 +406,7 @@ class SchedulerSide:
                 "abandon": abandon,
                 "instance": self.sidecar.instance,
             }, self.handoff_key, self.conn.settings.unclaimed_ttl_s),
+            **(report or {}),
         }
 
     # -- history (P) -------------------------------------------------------------------------------

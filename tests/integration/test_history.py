@@ -145,12 +145,18 @@ def test_revisits_restore_from_both_tiers_bit_exact(hist):
     flush(p)
     before = state(p)["counters"]
     restored_total = 0
+    tiers_seen: set[str] = set()
     for doc, ref in zip(hist.docs, hist.refs):
         out = prefill(p, doc)
         params = out["kv_transfer_params"]
         restored = out["num_cached_tokens"] // BLOCK  # the local cache was flushed: all restored
         if len(doc) >= BLOCK:
             assert restored >= 1, f"a {len(doc)}-token document was not restored"
+            # P's response says where the prompt came from: history's tiers, and the rest.
+            where = params["kvbaton_prompt"]
+            assert sum(where[k] for k in ("engine_cache", "history_gpu", "history_cpu", "recomputed")) == len(doc)
+            assert where["history_gpu"] + where["history_cpu"] >= restored * BLOCK - BLOCK, where
+            tiers_seen.update(k for k in ("history_gpu", "history_cpu") if where[k])
         restored_total += restored
         # Restored blocks hold the very bytes the first prefill computed (a block whose last
         # token is recomputed after a whole-prompt hit is left out).
@@ -161,6 +167,7 @@ def test_revisits_restore_from_both_tiers_bit_exact(hist):
         hist.timings.setdefault("restore_s", []).append(out["elapsed_s"])
         assert decode(hist, doc, params) == ref
     after = state(p)
+    assert tiers_seen == {"history_gpu", "history_cpu"}, tiers_seen
     hits_gpu = delta(before, after["counters"], "restores.hits.gpu")
     hits_cpu = delta(before, after["counters"], "restores.hits.cpu")
     assert hits_gpu > 0 and hits_cpu > 0, after["counters"]

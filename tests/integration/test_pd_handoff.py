@@ -255,6 +255,38 @@ def test_transport_error_mid_read_recomputes(pd):
     assert_nothing_held(pd)
 
 
+def test_each_decode_response_says_where_its_prompt_came_from(pd):
+    """D's response carries `kvbaton_prompt`: its prompt's tokens from D's own cache, from P's
+    handoff, and recomputed, with why (a refused section, a failed read, or the tail a delivered
+    handoff leaves to the engine)."""
+
+    def report(prompt, params) -> dict:
+        out = pd.d.generate([prompt], max_tokens=2, kv_transfer_params_list=[params])[0]
+        got = out["kv_transfer_params"]["kvbaton_prompt"]
+        assert got["engine_cache"] + got["handoff"] + got["recomputed"] == got["prompt_tokens"] == len(prompt), got
+        return got
+
+    prompt = tiny_prompt(210, seed=40)
+    handed = report(prompt, prefill(pd, prompt))
+    assert handed["handoff"] >= 192 and handed["engine_cache"] == 0, handed
+    assert handed["recomputed"] == 0 or handed["recomputed_because"] == "tail", handed
+
+    prompt = tiny_prompt(150, seed=41)
+    params = prefill(pd, prompt)
+    unsigned = copy.deepcopy(params)
+    del unsigned["kvbaton"]["sig"]
+    refused = report(prompt, unsigned)
+    assert refused["handoff"] == 0 and refused["recomputed_because"] == "refused: unsigned", refused
+    section = params["kvbaton"]
+    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
+
+    pd.d.call_connector("debug_set", "fail_next_reads", 1)
+    prompt = tiny_prompt(260, seed=42)
+    failed = report(prompt, prefill(pd, prompt))
+    assert failed["handoff"] == 0 and failed["recomputed_because"].startswith("transport error"), failed
+    assert_nothing_held(pd)
+
+
 def test_decode_aborted_before_allocation(pd):
     pd.d.call_connector("debug_set", "debug_delay_claim_s", 1.5)
     try:

@@ -308,7 +308,7 @@ def cmd_serve(args) -> int:
 
 def cmd_timings(args) -> int:
     from .core.log import LogError, read_log_prefix
-    from .core.timings import engine_stream, format_timings, timings
+    from .core.timings import engine_stream, format_story, format_timings, request_story, timings
 
     paths = event_logs("timings", args.logs)
     if paths is None:
@@ -322,8 +322,12 @@ def cmd_timings(args) -> int:
             return 2
         if stopped is not None:  # a live engine's log ends mid-record: time what is there
             print(f"kvbaton timings: {path}: read {len(records)} records, then {stopped}", file=sys.stderr)
-        logs.append(engine_stream(header, records))
-    result = timings(logs)
+        logs.append((header.engine, *engine_stream(header, records)))
+    if args.request:
+        story = request_story(logs, args.request)
+        print(json.dumps(story, indent=1) if args.json else format_story(story))
+        return 0 if story["events"] else 1
+    result = timings([log[1:] for log in logs])
     result["logs"] = [str(p) for p in paths]
     print(json.dumps(result, indent=1) if args.json else format_timings(result))
     return 0
@@ -352,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(phase latencies from event logs)")
     p.add_argument("logs", nargs="+", help="event logs, or folders holding them (a P and a D of one "
                                            "host also join across the handoff)")
+    p.add_argument("--request", help="one request's story instead (P's or D's request id; the other "
+                                     "side joins by ticket): each event, what came of it, how its load "
+                                     "or restore ended")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_timings)
 

@@ -216,3 +216,86 @@ def format_timings(result: dict) -> str:
         if counts:
             lines.append(f"{role}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     return "\n".join(lines)
+
+
+# The effects that say how a request's handoff, load or restore went, as the story tells them.
+_OUTCOMES = {
+    fx.LoadResolved: lambda e: "hit" if e.hit else f"miss: {e.reason}",
+    fx.LoadFinished: lambda e: f"load ended: {e.reason}",
+    fx.LeaseDone: lambda e: f"restore ended: {e.reason}",
+    fx.ReplyRestore: lambda e: f"history holds {len(e.keys)} blocks",
+    fx.FreeEngineBlocks: lambda e: "P's blocks returned",
+}
+
+
+def request_story(logs: Iterable[tuple[str, str, LedgerConfig, list[ev.Event]]], request: str) -> dict:
+    """Everything the logs say about one request: `logs` is (engine, role, config, events) per
+    engine, `request` an engine's request id (P's or D's). The handoff it took part in joins the
+    two engines by ticket, so P's and D's sides come together (one host: one clock). Returns
+    {"request", "tickets", "events": [(ms from the first, engine, event, what it said, outcomes)],
+    "outcome": the last load's or restore's end}."""
+
+    logs = [(engine, role, config, list(events)) for engine, role, config, events in logs]
+    tickets: set[str] = set()
+    leases: set[str] = set()
+    for _engine, _role, _config, events in logs:
+        for e in events:
+            if getattr(e, "request", None) == request:
+                if getattr(e, "ticket", ""):
+                    tickets.add(e.ticket)
+                if getattr(e, "lease", ""):
+                    leases.add(e.lease)
+    requests = {request}
+    for _engine, _role, _config, events in logs:  # the other side's id for the same ticket
+        for e in events:
+            if getattr(e, "ticket", None) in tickets and getattr(e, "request", ""):
+                requests.add(e.request)
+    lines: list[tuple[int, str, str, str, list[str]]] = []
+    outcome = ""
+    for engine, _role, config, events in logs:
+        ledger = Ledger(config)
+        for e in events:
+            effects = ledger.apply(e)
+            if not (getattr(e, "request", None) in requests or getattr(e, "ticket", None) in tickets
+                    or getattr(e, "lease", None) in leases):
+                continue
+            said = [_OUTCOMES[type(x)](x) for x in effects if type(x) in _OUTCOMES
+                    and getattr(x, "request", request) in requests]
+            for text in said:
+                if text.startswith(("load ended", "restore ended", "miss")):
+                    outcome = text
+            lines.append((e.at_ns, engine, type(e).__name__, _what(e), said))
+    lines.sort(key=lambda line: line[0])
+    first = lines[0][0] if lines else 0
+    return {"request": request, "requests": sorted(requests), "tickets": sorted(tickets),
+            "events": [(round(_ms(at, first), 3), engine, name, what, said) for at, engine, name, what, said in lines],
+            "outcome": outcome}
+
+
+def _what(e: ev.Event) -> str:
+    """The fields of an event worth a line (ids shortened, block lists counted)."""
+
+    parts = []
+    for name in getattr(type(e), "__struct_fields__", ()):
+        if name == "at_ns":
+            continue
+        value = getattr(e, name)
+        if isinstance(value, tuple):
+            parts.append(f"{name}={len(value)}")
+        elif isinstance(value, str) and len(value) > 16:
+            parts.append(f"{name}={value[:8]}…")
+        elif value not in ("", None, 0, False) or name in ("ok", "hit"):
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
+
+
+def format_story(story: dict) -> str:
+    lines = [f"request {story['request']} (ids {', '.join(story['requests'])}; tickets "
+             f"{', '.join(t[:8] for t in story['tickets']) or 'none'})"]
+    for at, engine, name, what, said in story["events"]:
+        lines.append(f"{at:>10.3f} ms  {engine[:12]:<12} {name:<20} {what}" + (f"  -> {'; '.join(said)}" if said else ""))
+    if not story["events"]:
+        lines.append("no event of this request in these logs")
+    elif story["outcome"]:
+        lines.append(f"outcome: {story['outcome']}")
+    return "\n".join(lines)

@@ -260,8 +260,11 @@ def test_each_decode_response_says_where_its_prompt_came_from(pd):
     handoff, and recomputed, with why (a refused section, a failed read, or the tail a delivered
     handoff leaves to the engine)."""
 
+    ids = []
+
     def report(prompt, params) -> dict:
         out = pd.d.generate([prompt], max_tokens=2, kv_transfer_params_list=[params])[0]
+        ids.append(out["internal_request_id"])
         got = out["kv_transfer_params"]["kvbaton_prompt"]
         assert got["engine_cache"] + got["handoff"] + got["recomputed"] == got["prompt_tokens"] == len(prompt), got
         return got
@@ -285,6 +288,18 @@ def test_each_decode_response_says_where_its_prompt_came_from(pd):
     failed = report(prompt, prefill(pd, prompt))
     assert failed["handoff"] == 0 and failed["recomputed_because"].startswith("transport error"), failed
     assert_nothing_held(pd)
+    # The event logs tell the same request's story, P's side joined by its ticket.
+    from kvbaton.core.log import read_log_prefix
+    from kvbaton.core.timings import engine_stream, request_story
+
+    logs = []
+    for path in sorted(pd.events.glob("*.kvlog")):
+        header, records, _stopped = read_log_prefix(str(path))
+        logs.append((header.engine, *engine_stream(header, records)))
+    story = request_story(logs, ids[-1])
+    assert story["outcome"].startswith("load ended: transport error"), story
+    names = [name for _at, _engine, name, _what, _said in story["events"]]
+    assert names[0] == "TicketIssued" and "LoadRequested" in names and "ReadFinished" in names, names
 
 
 def test_decode_aborted_before_allocation(pd):

@@ -210,7 +210,8 @@ def rr_router(stack):
 def reference(deployment, endpoint: str, body: dict) -> dict:
     """One engine's answer to the same request (a D engine, without a handoff)."""
 
-    reply = httpx.post(f"{deployment.decode_urls[0]}{endpoint}", headers=ENGINE_HEADERS, json={"model": MODEL, **body}, timeout=120)
+    reply = httpx.post(f"{deployment.decode_urls[0]}{endpoint}", headers=ENGINE_HEADERS,
+                       json={"model": MODEL, **body}, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -226,8 +227,9 @@ def streamed(port: int, endpoint: str, body: dict) -> tuple[list[dict], list[flo
 
     events, times = [], []
     started = time.perf_counter()
+    # The same key to the router (which has none) and to an engine (which needs the engines' key).
     with httpx.stream("POST", f"http://127.0.0.1:{port}{endpoint}", json={"model": MODEL, "stream": True, **body},
-                      timeout=120) as reply:
+                      headers=ENGINE_HEADERS, timeout=120) as reply:
         assert reply.status_code == 200
         for line in reply.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":

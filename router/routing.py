@@ -356,7 +356,12 @@ class RoutingCollector:
         mismatch = CounterMetricFamily("kvbaton_router_prompt_token_mismatches",
                                        "Prompts the router tokenized to a different length than the engine")
         mismatch.add_metric([], self.routing.token_mismatches)
-        yield from (events, refused, feeds, blocks, agree, mismatch)
+        in_flight = GaugeMetricFamily("kvbaton_router_engine_in_flight",
+                                      "Requests the router has in flight on each engine (a stream until it ends)",
+                                      labels=["engine"])
+        for engine, n in sorted(self.routing.in_flight.items()):
+            in_flight.add_metric([engine], n)
+        yield from (events, refused, feeds, blocks, agree, mismatch, in_flight)
 
 
 # What one engine's event feed may cost the router: a share of one core, with a burst allowance.

@@ -459,7 +459,11 @@ def test_decode_engine_killed_mid_request(stack):
         return float(found.group(1)) if found else 0.0
 
     def running_on_victim() -> float:
-        return running_on(victim)
+        # The router's own count of what it streams from each engine: exact at once (vLLM's
+        # gauges are updated by its stats logging, and lagged on a busy 2-core machine).
+        text = httpx.get(f"http://127.0.0.1:{router.port}/metrics", timeout=30).text
+        found = re.search(r'kvbaton_router_engine_in_flight\{engine="' + re.escape(victim.url) + r'"\} ([0-9.]+)', text)
+        return float(found.group(1)) if found else 0.0
 
     broke = False
     seen = []  # per attempt: (victim before, victim after, the other D after)

@@ -321,8 +321,9 @@ def test_claim_to_a_silent_peer_ends_with_the_call_timeout(sidecars):
     try:
         request = load(sidecars.d_impatient, server.address, uuid.uuid4().hex)
         resolved, took = wait_resolved(sidecars.d_impatient, request, 30.0)
-        # The failed peer's connection is closed, not kept for the engine's lifetime.
-        assert server.connections and all(closed_by_peer(conn, 5.0) for conn in server.connections)
+        # The failed claim's connection is closed, not kept for the engine's lifetime (the calls
+        # that follow it, a release and heartbeats, open and close their own).
+        assert server.connections and closed_by_peer(server.connections[0], 10.0)
     finally:
         server.close()
     assert resolved is not None and not resolved.hit and resolved.reason == "source unreachable", resolved

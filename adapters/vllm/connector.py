@@ -64,8 +64,11 @@ class KvbatonConnector(KVConnectorBase_V1):
         # A model kvbaton cannot hand off stops the engine here, with a message naming the setting.
         check_supported(vllm_config, kv_cache_config)
         self.layout = layout_fingerprint(vllm_config, kv_cache_config)
-        self.identity = KvIdentity(self.layout, weights_fingerprint(vllm_config),
-                                   tensor_parallel_size(vllm_config), total_kv_heads(vllm_config))
+        # Only the scheduler side names the weights (in handoff sections and history keys): a
+        # worker does not read the checkpoint's files for it.
+        weights = weights_fingerprint(vllm_config) if role == KVConnectorRole.SCHEDULER else ""
+        self.identity = KvIdentity(self.layout, weights, tensor_parallel_size(vllm_config),
+                                   total_kv_heads(vllm_config))
         self.history: HistoryPlan = history_plan(self.settings, kv_cache_config, self.is_producer)
         self.ipc_dir = ipc_dir_for(self.engine_id)
         self._scheduler: SchedulerSide | None = None

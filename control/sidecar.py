@@ -586,6 +586,8 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         refused = self.refused + FRAME_REFUSALS
         counters.update({f"peers.refused.{reason}": n for reason, n in refused.items()})
         counters.update({f"handoffs.refused.{reason}": n for reason, n in self.handoffs_refused.items()})
+        if self.fan_in.dropped:  # rank reports forgotten at the bound: those reads or copies never ended here
+            counters["ranks.dropped"] = self.fan_in.dropped
         return {"open": self.ledger.open_counts(), "counters": counters, "state_hash": self.ledger.state_hash(),
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "layout": self.cfg.layout, "ranks": self.cfg.ranks,

@@ -256,12 +256,5 @@ AnyMsg = Union[
     SlotStats, RestoreReply, LeaseEnded, StageCopies, DemoteCopies, DropSlot, RestoreCopies,
 ]
 
-def history_claimer(engine_id: str) -> str:
-    """The claimer a prefill engine uses on its own tickets when a plain request is retained for
-    history: no decode engine will claim them, so the engine claims and releases them itself."""
-
-    return engine_id + "/history"
-
-
 ENCODER = msgspec.msgpack.Encoder()
 DECODER = msgspec.msgpack.Decoder(AnyMsg)

@@ -22,6 +22,7 @@ from .client import AUTHORITY_UID, bounded, close_connections
 
 logger = logging.getLogger("kvbaton.sidecar")
 
+STALE_SOURCE = Reason.SOURCE_RESTARTED.detail("the ticket was issued by an earlier instance of P")
 # How long D keeps asking while P answers "unknown ticket" (within the claim wait).
 UNKNOWN_TICKET_RETRY_S = 8.0
 # Control addresses a decode engine keeps connections to: one per prefill engine it reads from,
@@ -37,10 +38,9 @@ class PeerCalls:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
             by_source: dict[tuple[str, str], list[pc.HeartbeatTicket]] = {}
             for load in self.ledger.loads.loads.values():
-                if load.state not in ("DONE", "MISSED", "FAILED", "CANCELLED"):
-                    ctx = self.loads.get(load.request) or {}
+                if load.state not in loads.SPEC.terminal:
                     by_source.setdefault((load.source, self._issuer(load.ticket, load.request)), []).append(
-                        pc.HeartbeatTicket(load.ticket, ctx.get("keepalive", "")))
+                        pc.HeartbeatTicket(load.ticket, self.keepalives.get(load.request, "")))
             for (source, instance), tickets in by_source.items():
                 for lo in range(0, len(tickets), pc.MAX_HEARTBEAT_TICKETS):
                     self._spawn(self._call(source, pc.Heartbeat(
@@ -51,9 +51,9 @@ class PeerCalls:
         """The instance of the P that issued `ticket`: calls about it are addressed to it (the
         load's own record first; the bounded book by ticket for calls after the load ended)."""
 
-        ctx = self.loads.get(request) if request else None
-        if ctx is not None and ctx.get("ticket") == ticket and ctx.get("instance"):
-            return ctx["instance"]
+        load = self.ledger.loads.loads.get(request) if request else None
+        if load is not None and load.ticket == ticket and load.source_instance:
+            return load.source_instance
         return self.ticket_instances.get(ticket, "")
 
     # -- calls to peers (D side) -------------------------------------------------------------------
@@ -116,23 +116,6 @@ class PeerCalls:
         return (load is not None and load.state in loads.AWAITING_ANSWER and load.ticket == effect.ticket
                 and load.epoch == effect.epoch)
 
-    def _grant_problem(self, ctx: dict, answer: pc.ClaimAnswer) -> str:
-        """Why a grant must not be read (P is the authority on what D reads, and D reads only
-        when P's grant names exactly what its own request holds), or "" when it may."""
-
-        bs = self.cfg.block_size or 1
-        if answer.layout != self.cfg.layout:
-            return f"grant mismatch: layout {answer.layout!r}, this engine's is {self.cfg.layout!r}"
-        if answer.num_tokens != ctx["num_tokens"] or answer.digest != ctx["digest"]:
-            return "grant mismatch: the ticket holds other tokens than this request's prompt"
-        if len(answer.blocks) != -(-answer.num_tokens // bs):
-            return f"grant mismatch: {len(answer.blocks)} blocks for {answer.num_tokens} tokens"
-        if any(not 0 <= b <= pc.MAX_BLOCK_ID for b in answer.blocks) or len(set(answer.blocks)) != len(answer.blocks):
-            return "grant mismatch: block ids out of range or repeated"
-        if not answer.engine or len(answer.engine) > pc.MAX_ID:
-            return "grant mismatch: no engine named"
-        return ""
-
     async def _claim(self, effect: fx.SendClaim) -> None:
         if self.cfg.debug_delay_claim_s:
             await asyncio.sleep(self.cfg.debug_delay_claim_s)
@@ -151,22 +134,17 @@ class PeerCalls:
         unknown_since = None
         call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch, self.instance, self.bound_address,
                         self.started_ns)
-        expected_instance = (self.loads.get(effect.request) or {}).get("instance", "")
+        expected_instance = self._issuer(effect.ticket, effect.request)
         while True:
             status, value = await self._try_call(effect.source, call, self._issuer(effect.ticket, effect.request))
             reply = value if status == "ok" else None
-            if reply is not None and not reply.granted and reply.reason == pc.MISADDRESSED_ANSWER:
+            if reply is not None and not reply.granted and (
+                    reply.reason == pc.MISADDRESSED_ANSWER
+                    or (expected_instance and reply.instance and reply.instance != expected_instance)):
                 # The sidecar at this address is not the instance that issued the ticket: P
-                # restarted (its tickets died with the old instance). A miss at once.
-                reply = pc.ClaimAnswer(False, "source restarted: the ticket was issued by an earlier "
-                                              "instance of P")
-                self.refused["stale_instance"] += 1
-                break
-            if reply is not None and expected_instance and reply.instance and reply.instance != expected_instance:
-                # P restarted at this address: its tickets died with the old instance. A miss at
-                # once (never the unknown-ticket retries), and nothing of the old peer is used.
-                reply = pc.ClaimAnswer(False, "source restarted: the ticket was issued by an earlier "
-                                              "instance of P", instance=reply.instance)
+                # restarted (its tickets died with the old instance). A miss at once, never the
+                # unknown-ticket retries. (A grant from another instance is the core's to refuse.)
+                reply = pc.ClaimAnswer(False, STALE_SOURCE, instance=reply.instance)
                 self.refused["stale_instance"] += 1
                 break
             unknown = reply is not None and not reply.granted and reply.reason == Reason.UNKNOWN_TICKET
@@ -196,29 +174,26 @@ class PeerCalls:
             pause = min(pause * 2, 0.5)
             retried += 1
         now = self._now()
-        ctx = self.loads.get(effect.request)
-        problem = ""
         if reply is not None and reply.granted:
-            problem = self._grant_problem(ctx, reply) if ctx is not None else ""
-            if problem:
-                self.refused["grant_mismatch"] += 1
-                self.refusal_log.warning("grant_mismatch", "request %s: %s (P at %s); recomputing",
-                                         effect.request, problem, effect.source)
-        if reply is not None and reply.granted and not problem:
-            if ctx is not None:
-                ctx["granted"], ctx["engine"] = reply.blocks, reply.engine
-                ctx["granted_instance"] = reply.instance
-            effects = self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch))
+            # What P granted goes to the core as it came: the load machine decides whether it may
+            # be read (core.load.grant_problem), and gives the ticket back when not.
+            effects = self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch, reply.engine,
+                                                  reply.instance, tuple(reply.blocks), reply.num_tokens,
+                                                  reply.digest, reply.layout))
             if _forgotten(effects):  # the load was pruned meanwhile: give the ticket back
                 self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
                                                                  effect.epoch), self._issuer(effect.ticket, effect.request)))
+            for refusal in (e for e in effects if type(e) is fx.LoadResolved and not e.hit):
+                head = Reason.head(refusal.reason)
+                self.refused["stale_instance" if head == Reason.SOURCE_RESTARTED else "grant_mismatch"] += 1
+                self.refusal_log.warning("grant_mismatch", "request %s: %s (P at %s); recomputing",
+                                         effect.request, refusal.reason, effect.source)
         else:
-            reason = problem or (reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE)
+            reason = reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE
             self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
-            if status == "failed" or problem:
-                # The call may have reached P and been granted there (or was granted for blocks
-                # this request must not read): give the ticket back rather than leave P's blocks
-                # claimed for a whole idle lease.
+            if status == "failed":
+                # The call may have reached P and been granted there: give the ticket back rather
+                # than leave P's blocks claimed for a whole idle lease.
                 self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
                                                                  effect.epoch), self._issuer(effect.ticket, effect.request)))
 
@@ -263,13 +238,11 @@ class PeerCalls:
         return True
 
     async def _read_start(self, effect: fx.SendReadStart) -> None:
-        ctx = self.loads.get(effect.request, {})
         if effect.read.endswith("/0") and self.cfg.debug_hold_first_read_s:
             await asyncio.sleep(self.cfg.debug_hold_first_read_s)
         elif not effect.read.endswith("/0") and self.cfg.debug_pause_between_reads_s:
             await asyncio.sleep(self.cfg.debug_pause_between_reads_s)
-        engine = ctx.get("engine", "")
-        if engine and not await self._announce_peer(effect.source, engine, ctx.get("granted_instance", "")):
+        if effect.engine and not await self._announce_peer(effect.source, effect.engine, effect.instance):
             self._apply(ev.ReadRefused(self._now(), effect.request, effect.read, Reason.NO_TRANSPORT_METADATA))
             return
         reply = await self._call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
@@ -289,27 +262,11 @@ class PeerCalls:
     async def _post_read(self, effect: fx.PostRead) -> None:
         if self.cfg.debug_hold_post_s:
             await asyncio.sleep(self.cfg.debug_hold_post_s)
-        ctx = self.loads.get(effect.request)
-        if ctx is None:
-            return
-        first, dst = ctx["first"], ctx["dst"]
-        src = tuple(ctx["granted"][first:first + len(dst)])
-        reads = ctx.get("reads", 1)  # as the ledger was told at allocation
-        index = int(effect.read.rsplit("/", 1)[1])
-        if len(src) != len(dst) or first < 0:
-            # More destination blocks than P granted past the local hit: read nothing, fail the
-            # load so vLLM recomputes them.
-            self._apply(ev.LoadReadFinished(self._now(), effect.request, effect.read, False))
-            return
-        # Sequential reads split the blocks into near-equal slices (one slice per read).
-        bounds = [len(dst) * i // reads for i in range(reads + 1)]
-        lo, hi = bounds[index], bounds[index + 1]
-        post = m.PostRead(effect.request, effect.read, ctx["engine"], src[lo:hi], tuple(dst[lo:hi]),
-                          index == reads - 1)
-        sources = self.read_sources.get(ctx["engine"])
+        post = m.PostRead(effect.request, effect.read, effect.engine, effect.src, effect.dst, effect.last)
+        sources = self.read_sources.get(effect.engine)
         if sources is None:  # a source of this engine's size: every rank reads its counterpart
             self._send(self.to_worker, post)
-        else:
+        else:  # each rank reads its heads from the source ranks that hold them
             for rank, peers in enumerate(sources):
                 self._send_rank(self.to_worker, rank, msgspec.structs.replace(post, peers=peers))
 

@@ -61,7 +61,7 @@ logger = logging.getLogger("kvbaton.sidecar")
 # The events a connector's scheduler side observes and sends (`m.Apply`); ClaimRequested and
 # ReleaseRequested only as this engine's own history claimer (a plain request retained for history).
 SCHEDULER_EVENTS = frozenset({
-    ev.TicketIssued, ev.ClaimRequested, ev.ReleaseRequested, ev.HistoryObserved, ev.RestoreRequested,
+    ev.TicketIssued, ev.RetainRequested, ev.HistoryObserved, ev.RestoreRequested,
     ev.LeaseAllocated, ev.LeaseReleased, ev.LoadRequested, ev.LoadAllocated, ev.RequestPreempted,
     ev.RequestAborted,
 })
@@ -93,7 +93,6 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         self.handoffs_refused: collections.Counter = collections.Counter()
         self.refusal_log = RateLimitedLog(logger)
         self.ledger = Ledger(self.cfg.ledger)
-        self.history_claimer = m.history_claimer(self.cfg.engine_id)
         self.residency = ResidencyLog(self.cfg.block_size)
         self.log: LogWriter | None = None
         # The transport metadata peers read this engine with: every rank's, once all registered.
@@ -101,8 +100,9 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         self.rank_metadata: dict[int, bytes] = {}
         self.layout_fingerprint = ""
         self.fan_in = RankFanIn(self.cfg.ranks)
-        # D side: what the shell must remember about each load to carry its effects out.
-        self.loads: dict[str, dict] = {}
+        # D side: the one thing about a load only the shell holds (the core never sees a secret):
+        # the keepalive its heartbeats present to P, by request, until the load finishes.
+        self.keepalives: dict[str, str] = {}
         # D: refs to the peers it calls, least recently called first (peer_calls._ref).
         self.peer_refs: collections.OrderedDict[str, object] = collections.OrderedDict()
         # Where decisions go (`_send`): the scheduler, every worker rank, every rank's history copier.
@@ -323,9 +323,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         if kind is fx.FreeEngineBlocks:
             self._send(self.to_worker, m.FinishedSending(effect.request))
         elif kind is fx.LoadResolved:
-            ctx = self.loads.get(effect.request)
-            granted = ctx.get("num_tokens", 0) if (ctx is not None and effect.hit) else 0
-            self._send(self.to_scheduler, m.Resolved(effect.request, effect.hit, effect.reason, granted))
+            self._send(self.to_scheduler, m.Resolved(effect.request, effect.hit, effect.reason, effect.num_tokens))
         elif kind is fx.SendClaim:
             self._spawn(self._claim(effect))
         elif kind is fx.SendReadStart:
@@ -347,7 +345,7 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                 # Only an allocated (async) load is parked in WAITING_FOR_REMOTE_KVS: vLLM waits
                 # for exactly one finished_recving for it, and asserts on any other.
                 self._send(self.to_worker, m.FinishedRecving(effect.request))
-            self.loads.pop(effect.request, None)
+            self.keepalives.pop(effect.request, None)
         elif kind is fx.ReturnParked:
             # The scheduler parked the request for an allocation the core refused: fail its
             # blocks so vLLM recomputes them, and report it received, once.
@@ -460,10 +458,10 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                 stats["failed"] += 1
                 if msg.error.startswith("read timed out"):
                     stats["timed_out"] = stats.get("timed_out", 0) + 1
-                    ctx = self.loads.get(msg.request) or {}
+                    load = self.ledger.loads.loads.get(msg.request)
                     self.refusal_log.warning("read_timed_out", "read %s of request %s from P at %s "
                                              "(engine %s, rank %d): %s; the request recomputes", msg.read,
-                                             msg.request, ctx.get("source", "?"), ctx.get("engine", "?"),
+                                             msg.request, load.source if load else "?", load.engine if load else "?",
                                              rank, msg.error)
                 elif self.cfg.ranks > 1:
                     logger.warning("read %s of request %s failed on rank %d: %s; the request recomputes",
@@ -500,46 +498,38 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             self.metadata = pack_metadata([self.rank_metadata[r] for r in range(self.cfg.ranks)])
 
     def _scheduler_event(self, now: int, event: ev.Event, keepalive: str) -> None:
-        """One event the scheduler observed: stamped with this process's clock and applied, after
-        the shell noted what it needs to carry the effects out (a load's peer and capability, the
-        blocks a read goes into). Events a scheduler does not observe are refused."""
+        """One event the scheduler observed: stamped with this process's clock and applied. The
+        shell adds the facts only it knows (this engine's KV layout on a load, which a grant must
+        name; how the transport splits a load into reads) and keeps a load's keepalive, which
+        the core never sees. Events a scheduler does not observe are refused."""
 
         kind = type(event)
-        if kind not in SCHEDULER_EVENTS or (kind in (ev.ClaimRequested, ev.ReleaseRequested)
-                                            and event.claimer != self.history_claimer):
-            # Only this engine's own history claim and release: every other claimer is a peer.
+        if kind not in SCHEDULER_EVENTS:  # claims, reads and releases come from peers only
             self.refused["scheduler_event"] += 1
             self.refusal_log.warning("scheduler_event", "refused an event from the connector: %s is not "
                                      "one its scheduler observes", kind.__name__)
             return
-        if kind is ev.LoadRequested and event.request not in self.ledger.loads.loads:
-            # The blocks to read and the engine that holds them come from P's grant (see _claim),
-            # never from the request: until then the load knows only what it asks for. (A request
-            # the ledger knows already is refused there and keeps its own context.)
-            # Every call about this ticket is addressed to the P instance that issued it.
+        new_load = kind is ev.LoadRequested and event.request not in self.ledger.loads.loads
+        if new_load:
+            # Calls about this ticket after its load is pruned are still addressed to the P
+            # instance that issued it.
             self.ticket_instances[event.ticket] = event.source_instance
             while len(self.ticket_instances) > 65536:
                 self.ticket_instances.popitem(last=False)
-            self.loads[event.request] = {"source": event.source, "engine": "", "ticket": event.ticket,
-                                         "instance": event.source_instance, "granted_instance": "",
-                                         "num_tokens": event.num_tokens, "digest": event.digest,
-                                         "keepalive": keepalive, "granted": (), "first": 0, "dst": ()}
+            event = msgspec.structs.replace(event, layout=self.cfg.layout)
         elif kind is ev.LoadAllocated:
-            ctx = self.loads.get(event.request)
-            reads = max(1, self.cfg.debug_reads_per_load)  # how the transport splits this load
-            if ctx is not None:
-                # Often before P answered the claim: the ledger holds it until then (ALLOCATED_EARLY).
-                ctx["first"], ctx["dst"], ctx["reads"] = event.first, event.blocks, reads
-            event = msgspec.structs.replace(event, reads=reads)
+            event = msgspec.structs.replace(event, reads=max(1, self.cfg.debug_reads_per_load))
         elif kind in (ev.RequestPreempted, ev.RequestAborted) and event.request not in self.ledger.loads.loads:
             return  # a request whose handoff never became a load (its claim could not be sent)
         elif kind is ev.LeaseReleased:
             lease = self.ledger.leases.leases.get(event.lease)
             if lease is None or lease.state not in leases.RELEASABLE:
                 return  # nothing held to give back: a miss, or a lease that expired or is copying
+        if new_load:
+            self.keepalives[event.request] = keepalive  # before the claim the event sends goes out
         self._apply(msgspec.structs.replace(event, at_ns=now))
-        if kind is ev.LoadRequested and event.request not in self.ledger.loads.loads:
-            self.loads.pop(event.request, None)  # refused (no blocks to load, or unloggable)
+        if new_load and event.request not in self.ledger.loads.loads:
+            self.keepalives.pop(event.request, None)  # refused (no blocks to load, or unloggable)
 
     def _restore_done(self, now: int, msg: m.RestoreDone) -> None:
         io = self.history_io

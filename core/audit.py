@@ -49,7 +49,7 @@ class Auditor:
             for ticket, reads in self.reads.items():
                 if reads and self.now - self.heard.get(ticket, 0) >= self.reader_silence_ns:
                     reads.clear()
-        if kind is ev.TicketIssued and not rejected:
+        if kind in (ev.TicketIssued, ev.RetainRequested) and not rejected:
             if event.ticket in self.held or event.ticket in self.returned:
                 self._flag(seq, f"ticket {event.ticket} issued twice")
             self.held[event.ticket] = (event.request, len(event.blocks))

@@ -127,30 +127,40 @@ class SendClaim(Effect, tag="scl"):
 
 
 class LoadResolved(Effect, tag="lrs"):
-    """Tell D's scheduler whether the request has a remote hit (`hit`) or must recompute."""
+    """Tell D's scheduler whether the request has a remote hit (`hit`, for the `num_tokens` P
+    granted) or must recompute."""
 
     request: str
     hit: bool
     reason: str = ""  # a miss: P's refusal as it came, or a `Reason`/`LoadOutcome` said here
+    num_tokens: int = 0
 
 
 class SendReadStart(Effect, tag="srs"):
-    """Ask P to pin the ticket's blocks for the next read."""
+    """Ask P to pin the ticket's blocks for the next read; `engine` and `instance` are what P's
+    grant named (the transport metadata to read with must come from them)."""
 
     request: str
     ticket: str
     source: str
     epoch: int
     read: str
+    engine: str = ""
+    instance: str = ""
 
 
 class PostRead(Effect, tag="prd"):
-    """P granted the read: post the transfer from P's blocks into the destination blocks."""
+    """P granted the read: post the transfer from P engine `engine`'s blocks `src` into D's
+    blocks `dst` (pairwise); `last` is the load's last read."""
 
     request: str
     ticket: str
     source: str
     read: str
+    engine: str = ""
+    src: tuple[int, ...] = ()
+    dst: tuple[int, ...] = ()
+    last: bool = True
 
 
 class SendReadEnd(Effect, tag="sre"):

@@ -50,6 +50,17 @@ class TicketIssued(Event, tag="ti"):
     keepalive_digest: str = ""
 
 
+class RetainRequested(Event, tag="rt"):
+    """P finished a request nobody hands off (history keeps every prompt): its prompt's full
+    `blocks` (with their `keys`) go to history, and back to the engine once copied. A ticket
+    nobody claims, released as it is issued: answered by exactly one `FreeEngineBlocks`."""
+
+    ticket: str
+    request: str
+    blocks: tuple[int, ...]
+    keys: tuple[str, ...] = ()
+
+
 class ClaimRequested(Event, tag="cr"):
     """A decode engine `claimer` asks to own `ticket`; `epoch` numbers its attempts."""
 
@@ -121,20 +132,29 @@ class LoadRequested(Event, tag="lq"):
     source: str
     epoch: int
     num_blocks: int
-    # What D's own request holds (its prompt's first `num_tokens` tokens and their digest): P's
-    # grant must name the same, or nothing is read; and the P instance that issued the ticket
-    # (its handoff says). "" / 0 in logs written before the connector sent events itself.
+    # What D's own request holds (its prompt's first `num_tokens` tokens and their digest), the P
+    # instance that issued the ticket (its handoff says) and the KV layout of D's blocks: P's
+    # grant must name the same, or nothing is read (`ClaimGranted`).
     num_tokens: int = 0
     digest: str = ""
     source_instance: str = ""
+    layout: str = ""
 
 
 class ClaimGranted(Event, tag="cg"):
-    """P's answer reached D: the claim holds."""
+    """P's answer reached D: the claim holds, for what P says it granted. The load machine reads
+    it only when the grant names exactly what D's request holds (`core.load`, Reason.GRANT_MISMATCH
+    and SOURCE_RESTARTED otherwise)."""
 
     request: str
     ticket: str
     epoch: int
+    engine: str = ""  # P's engine (whose transport metadata D reads with)
+    instance: str = ""  # the P instance that answered
+    blocks: tuple[int, ...] = ()  # P's blocks holding the prompt, in order
+    num_tokens: int = 0
+    digest: str = ""
+    layout: str = ""
 
 
 class ClaimRefused(Event, tag="cx"):
@@ -266,6 +286,7 @@ class Tick(Event, tag="tk"):
 
 AnyEvent = Union[
     TicketIssued,
+    RetainRequested,
     ClaimRequested,
     HeartbeatReceived,
     ReadStarted,

@@ -30,13 +30,8 @@ SECOND_NS = 1_000_000_000
 # Bump when the snapshot that `state_hash` digests changes shape, or when the ledger answers the
 # same events with another state: replay then still re-checks old logs' invariants but no longer
 # compares their recorded hashes.
-STATE_HASH_VERSION = 5  # 2: closed records are pruned after closed_retention_ns; 3: a retention
-# that finds the writer busy refreshes its resident keys (LRU order) and counts only the rest
-# (tests/golden/v1h3-busy-P0: the refreshed prefix outlives a later demotion); 4: tickets carry
-# their grant (token count, digest) and capability digests, and reads end only by their claimer;
-# 5: a load takes its allocation before P's answer (ALLOCATED_EARLY), and a closing ticket puts its
-# unkept keys on probation in the same event (the shell's separate HistoryObserved is gone), and
-# history keeps a list of writers (up to `retention_writers_max` retentions copy at once)
+STATE_HASH_VERSION = 6  # 6 (log schema 2): a load keeps what its request holds and what P
+# granted (engine, blocks), and decides itself whether a grant may be read
 
 
 class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,6 +101,7 @@ class Ledger:
         t, ld, ls = self.tickets, self.loads, self.leases
         self._handlers = {
             ev.TicketIssued: t.issued,
+            ev.RetainRequested: t.retain,
             ev.ClaimRequested: t.claim,
             ev.HeartbeatReceived: t.heartbeat,
             ev.ReadStarted: t.read_start,

@@ -116,14 +116,48 @@ class Load(msgspec.Struct):
     num_blocks: int
     state: str
     deadline_ns: int
-    blocks: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()  # D's destination blocks (from the allocation)
     reads_left: int = 0
     reads_done: int = 0
     read: str = ""
     outcome: str = ""
+    # What the request holds, which a grant must name (LoadRequested).
+    num_tokens: int = 0
+    digest: str = ""
+    source_instance: str = ""
+    layout: str = ""
+    # What P granted (ClaimGranted): its engine and blocks; and which granted block the first
+    # destination block takes (the ones before it were a local prefix-cache hit).
+    engine: str = ""
+    granted: tuple[int, ...] = ()
+    first: int = 0
+    reads: int = 0  # how many reads the allocation asked for (the blocks split evenly)
 
 
 KIND_LOAD = 1
+# The largest engine block id and engine name a grant may carry (what P's answers are decoded with).
+MAX_BLOCK_ID = (1 << 31) - 1
+MAX_ENGINE_ID = 128
+
+
+def grant_problem(ld: Load, grant: ClaimGranted) -> str:
+    """Why a grant must not be read, or "" when it may: P is the authority on what D reads, and D
+    reads only when P's grant names exactly what its own request holds, from the P instance that
+    issued the ticket."""
+
+    if ld.source_instance and grant.instance != ld.source_instance:
+        return Reason.SOURCE_RESTARTED.detail("the ticket was issued by an earlier instance of P")
+    if grant.layout != ld.layout:
+        return Reason.GRANT_MISMATCH.detail(f"layout {grant.layout!r}, this engine's is {ld.layout!r}")
+    if grant.num_tokens != ld.num_tokens or grant.digest != ld.digest:
+        return Reason.GRANT_MISMATCH.detail("the ticket holds other tokens than this request's prompt")
+    if len(grant.blocks) != ld.num_blocks:
+        return Reason.GRANT_MISMATCH.detail(f"{len(grant.blocks)} blocks for a prompt of {ld.num_blocks}")
+    if any(not 0 <= b <= MAX_BLOCK_ID for b in grant.blocks) or len(set(grant.blocks)) != len(grant.blocks):
+        return Reason.GRANT_MISMATCH.detail("block ids out of range or repeated")
+    if not grant.engine or len(grant.engine) > MAX_ENGINE_ID:
+        return Reason.GRANT_MISMATCH.detail("no engine named")
+    return ""
 
 
 class LoadBook(Book):
@@ -157,7 +191,16 @@ class LoadBook(Book):
     def _next_read(self, ld: Load, now: int) -> SendReadStart:
         ld.read = f"{ld.request}/{ld.reads_done}"
         self._set_deadline(ld, now + self.config.read_grant_wait_ns)
-        return SendReadStart(ld.request, ld.ticket, ld.source, ld.epoch, ld.read)
+        return SendReadStart(ld.request, ld.ticket, ld.source, ld.epoch, ld.read, ld.engine, ld.source_instance)
+
+    def _post(self, ld: Load) -> PostRead:
+        """The read in flight: its share of the destination blocks (the reads split them into
+        near-equal consecutive slices) and the granted blocks that go into them."""
+
+        index, count = ld.reads_done, max(1, ld.reads)
+        lo, hi = len(ld.blocks) * index // count, len(ld.blocks) * (index + 1) // count
+        return PostRead(ld.request, ld.ticket, ld.source, ld.read, ld.engine,
+                        ld.granted[ld.first + lo:ld.first + hi], ld.blocks[lo:hi], index == count - 1)
 
     # -- handlers --------------------------------------------------------------------------------
 
@@ -170,7 +213,8 @@ class LoadBook(Book):
         if e.num_blocks <= 0:
             return [reject(self.counters, "lq", e.request, Reason.INVALID.detail("no blocks")),
                     LoadResolved(e.request, False, Reason.INVALID_HANDOFF)]
-        ld = Load(e.request, e.ticket, e.source, e.epoch, e.num_blocks, AWAITING_CLAIM, NEVER)
+        ld = Load(e.request, e.ticket, e.source, e.epoch, e.num_blocks, AWAITING_CLAIM, NEVER,
+                  num_tokens=e.num_tokens, digest=e.digest, source_instance=e.source_instance, layout=e.layout)
         self.loads[e.request] = ld
         self._set_deadline(ld, now + self.config.claim_wait_ns)
         self.counters.add("loads.requested")
@@ -178,23 +222,35 @@ class LoadBook(Book):
 
     def granted(self, e: ClaimGranted, now: int) -> list[Effect]:
         """From AWAITING_CLAIM (same ticket and epoch) → CLAIMED, a hit; from ALLOCATED_EARLY → a hit,
-        then as `allocated` from CLAIMED (ALLOCATED, first read asked; no blocks: DONE); past them,
-        Rejected(LATE_GRANT) and the ticket released; else Rejected(UNKNOWN_LOAD)."""
+        then as `allocated` from CLAIMED (ALLOCATED, first read asked; no blocks: DONE). A grant
+        that names other than what the request holds (`grant_problem`) → MISSED, the ticket
+        released (parked blocks invalid). Past them, Rejected(LATE_GRANT) and the ticket
+        released; else Rejected(UNKNOWN_LOAD)."""
 
         ld = self.loads.get(e.request)
         if ld is None or ld.ticket != e.ticket or ld.epoch != e.epoch:
             return [reject(self.counters, "cg", e.request, Reason.UNKNOWN_LOAD)]
-        if ld.state == ALLOCATED_EARLY:
-            out: list[Effect] = [LoadResolved(e.request, True)]
-            out += self._start_reads(ld, "granted", ld.reads_left, now)
-            return out
-        if ld.state != AWAITING_CLAIM:
+        if ld.state not in (AWAITING_CLAIM, ALLOCATED_EARLY):
             # A grant that arrives after we gave up (abort, claim timeout) would hold P's blocks
             # for a whole idle lease: give the ticket straight back.
             return [reject(self.counters, "cg", e.request, Reason.LATE_GRANT), self._release(ld)]
+        problem = grant_problem(ld, e)
+        if problem:
+            # P holds the claim for blocks this request must not read: give them back.
+            self.counters.add(f"loads.grant_refused.{Reason.head(problem) or 'other'}")
+            out: list[Effect] = [LoadResolved(ld.request, False, problem), self._release(ld)]
+            if ld.state == ALLOCATED_EARLY and ld.blocks:
+                out.append(ReportInvalidBlocks(ld.request, ld.blocks))
+            self._end(ld, "refused", MISSED, LoadOutcome.GRANT_REFUSED.detail(problem), out)
+            return out
+        ld.engine, ld.granted = e.engine, tuple(e.blocks)
+        if ld.state == ALLOCATED_EARLY:
+            out = [LoadResolved(e.request, True, num_tokens=ld.num_tokens)]
+            out += self._start_reads(ld, "granted", ld.reads_left, now)
+            return out
         self._move(ld, "granted", CLAIMED)
         self._set_deadline(ld, now + self.config.claim_lease_ns)
-        return [LoadResolved(e.request, True)]
+        return [LoadResolved(e.request, True, num_tokens=ld.num_tokens)]
 
     def refused(self, e: ClaimRefused, now: int) -> list[Effect]:
         """From AWAITING_CLAIM or ALLOCATED_EARLY (same ticket and epoch) → MISSED (parked blocks
@@ -221,14 +277,14 @@ class LoadBook(Book):
             return self._refuse_allocation(e, Reason.UNKNOWN_LOAD)
         if ld.state == AWAITING_CLAIM:
             self._move(ld, "allocated", ALLOCATED_EARLY)  # its claim deadline still runs
-            ld.blocks = tuple(e.blocks)
+            ld.blocks, ld.first = tuple(e.blocks), e.first
             ld.reads_left = max(1, e.reads)
             return []
         if ld.state != CLAIMED:
             if ld.state in SPEC.terminal:
                 return self._refuse_allocation(e, Reason.CONSUMED)
             return [reject(self.counters, "la", e.request, Reason.CONSUMED)]  # allocated twice
-        ld.blocks = tuple(e.blocks)
+        ld.blocks, ld.first = tuple(e.blocks), e.first
         return self._start_reads(ld, "allocated", e.reads, now)
 
     def _refuse_allocation(self, e: LoadAllocated, reason: Reason) -> list[Effect]:
@@ -246,7 +302,15 @@ class LoadBook(Book):
             self._end(ld, trigger, DONE, LoadOutcome.LOCAL_HIT, out)
             return out
         self._move(ld, trigger, ALLOCATED)
-        ld.reads_left = max(1, reads)
+        ld.reads_left = ld.reads = max(1, reads)
+        if ld.first < 0 or ld.first + len(ld.blocks) > len(ld.granted):
+            # More destination blocks than P granted past the local hit: read nothing, and vLLM
+            # recomputes them.
+            out = [ReportInvalidBlocks(ld.request, ld.blocks), self._release(ld)]
+            self._end(ld, "read_refused", FAILED, LoadOutcome.READ_REFUSED.detail(
+                Reason.GRANT_MISMATCH.detail(f"{len(ld.blocks)} blocks from granted block {ld.first} "
+                                             f"of {len(ld.granted)}")), out)
+            return out
         return [self._next_read(ld, now)]
 
     def read_granted(self, e: ReadGranted, now: int) -> list[Effect]:
@@ -265,7 +329,7 @@ class LoadBook(Book):
             return out
         self._move(ld, "read_granted", LOADING)
         ld.deadline_ns = NEVER
-        return [PostRead(ld.request, ld.ticket, ld.source, ld.read)]
+        return [self._post(ld)]
 
     def read_refused(self, e: ReadRefused, now: int) -> list[Effect]:
         """From ALLOCATED, for the read asked → FAILED, blocks invalid, ticket released; else

@@ -27,7 +27,11 @@ from .events import AnyEvent
 from .ledger import STATE_HASH_VERSION, LedgerConfig
 
 MAGIC = b"KVBATON\n"
-SCHEMA_VERSION = 1
+# 2: D's loads log what P granted (ClaimGranted carries the grant; the load machine decides
+# whether it may be read). Older logs replay only with the kvbaton that wrote them: replaying
+# their claims here would refuse every grant and tell another story than the engine lived.
+SCHEMA_VERSION = 2
+OLDEST_SCHEMA = 2
 _U32 = struct.Struct("<I")
 MAX_RECORD_BYTES = 16 << 20
 
@@ -175,6 +179,10 @@ def read_header(data: bytes) -> tuple[LogHeader, int]:
     if schema > SCHEMA_VERSION:
         raise LogError(len(MAGIC), f"log schema {schema} is newer than this kvbaton reads "
                                    f"(up to {SCHEMA_VERSION}); upgrade kvbaton to replay it")
+    if schema < OLDEST_SCHEMA:
+        raise LogError(len(MAGIC), f"log schema {schema} is older than this kvbaton reads "
+                                   f"({OLDEST_SCHEMA} to {SCHEMA_VERSION}): its decode engine's claims "
+                                   f"do not record what P granted; replay it with the kvbaton that wrote it")
     try:
         header = _HEADER_DECODER.decode(payload)
     except msgspec.DecodeError as exc:

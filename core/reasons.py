@@ -46,6 +46,10 @@ class Reason(StrEnum):
     CONSUMED = "consumed"
     NO_READ_PENDING = "no read pending"
     NO_READ_IN_FLIGHT = "no read in flight"
+    # A grant D must not read (with detail: what differs), or one from another instance of P
+    # than the one that issued the ticket (its tickets died with it).
+    GRANT_MISMATCH = "grant mismatch"
+    SOURCE_RESTARTED = "source restarted"
     # Said by D's shell when P never answered: the words of a `ClaimRefused`/`ReadRefused`.
     SOURCE_UNREACHABLE = "source unreachable"
     NO_TRANSPORT_METADATA = "no transport metadata"
@@ -92,6 +96,7 @@ class LoadOutcome(StrEnum):
     NEVER_ALLOCATED = "never allocated"
     READ_REFUSED = "read refused"  # with detail: P's reason
     READ_GRANT_UNANSWERED = "read grant unanswered"
+    GRANT_REFUSED = "grant refused"  # with detail: why D would not read what P granted
     TRANSPORT_ERROR = "transport error"
     CANCELLED_WHILE_LOADING = "cancelled while loading"
     PREEMPTED = "preempted"

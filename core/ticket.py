@@ -14,6 +14,7 @@ connector reports as `finished_sending`), exactly once, when it closes: each acc
       │                  │                                    
       ├─expire/abandon─▶ CLOSED ◀─expire── CLAIMED            CLAIMED ──release──▶ (close)
     (close) = RETAINING (history copies its blocks, soft deadline) ──▶ CLOSED, or CLOSED at once
+    RetainRequested: a plain request's prompt, a ticket nobody claims ──retain──▶ (close) at once
 
 * An unclaimed ticket expires after `unclaimed_grace_ns` unless claimed or heartbeated by then,
   and after `unclaimed_ttl_ns` from its last heartbeat: the decode engine that holds the request
@@ -47,6 +48,7 @@ from .events import (
     ReadFinished,
     ReadStarted,
     ReleaseRequested,
+    RetainRequested,
     TicketIssued,
 )
 from .machine import Book, MachineSpec
@@ -80,6 +82,8 @@ SPEC = MachineSpec(
         {"trigger": "release", "source": CLAIMED, "dest": CLOSED},
         {"trigger": "release", "source": READING, "dest": DRAINING},
         {"trigger": "abandon", "source": ISSUED, "dest": CLOSED},
+        {"trigger": "retain", "source": ISSUED, "dest": RETAINING},
+        {"trigger": "retain", "source": ISSUED, "dest": CLOSED},
         {"trigger": "expire", "source": [ISSUED, CLAIMED], "dest": CLOSED},
         {"trigger": "publish", "source": RETAINING, "dest": CLOSED},
         {"trigger": "retention_timeout", "source": RETAINING, "dest": CLOSED},
@@ -175,20 +179,28 @@ class TicketBook(Book):
 
     # -- handlers --------------------------------------------------------------------------------
 
+    def _invalid(self, e: TicketIssued | RetainRequested, tag: str) -> list[Effect]:
+        """A ticket's id and blocks as the book takes them, or the refusal."""
+
+        if e.ticket in self.tickets:
+            return [reject(self.counters, tag, e.ticket, Reason.DUPLICATE_TICKET)]
+        if not e.blocks:
+            return [reject(self.counters, tag, e.ticket, Reason.INVALID.detail("no blocks"))]
+        if len(set(e.blocks)) != len(e.blocks) or min(e.blocks) < 0:
+            return [reject(self.counters, tag, e.ticket,
+                           Reason.INVALID.detail("block ids repeat or are negative"))]
+        if len(e.keys) > len(e.blocks):
+            return [reject(self.counters, tag, e.ticket, Reason.INVALID.detail("more keys than blocks"))]
+        return []
+
     def issued(self, e: TicketIssued, now: int) -> list[Effect]:
         """New id with distinct, non-negative blocks and no more keys than blocks → ISSUED (deadline:
         the unclaimed grace, or the unclaimed TTL without one); else Rejected(DUPLICATE_TICKET |
         INVALID)."""
 
-        if e.ticket in self.tickets:
-            return [reject(self.counters, "ti", e.ticket, Reason.DUPLICATE_TICKET)]
-        if not e.blocks:
-            return [reject(self.counters, "ti", e.ticket, Reason.INVALID.detail("no blocks"))]
-        if len(set(e.blocks)) != len(e.blocks) or min(e.blocks) < 0:
-            return [reject(self.counters, "ti", e.ticket,
-                           Reason.INVALID.detail("block ids repeat or are negative"))]
-        if len(e.keys) > len(e.blocks):
-            return [reject(self.counters, "ti", e.ticket, Reason.INVALID.detail("more keys than blocks"))]
+        refused = self._invalid(e, "ti")
+        if refused:
+            return refused
         t = Ticket(e.ticket, e.request, tuple(e.blocks), tuple(e.keys), ISSUED, NEVER,
                    num_tokens=e.num_tokens, digest=e.digest, abandon_digest=e.abandon_digest,
                    keepalive_digest=e.keepalive_digest)
@@ -198,6 +210,20 @@ class TicketBook(Book):
         self._set_deadline(t, now + (min(grace, ttl) if grace else ttl))
         self.counters.add("tickets.issued")
         return []
+
+    def retain(self, e: RetainRequested, now: int) -> list[Effect]:
+        """New id, blocks as for `issued` → RETAINING (history copies what its policy keeps) or
+        CLOSED(released) when it keeps none; else Rejected(DUPLICATE_TICKET | INVALID)."""
+
+        refused = self._invalid(e, "rt")
+        if refused:
+            return refused
+        t = Ticket(e.ticket, e.request, tuple(e.blocks), tuple(e.keys), ISSUED, NEVER)
+        self.tickets[e.ticket] = t
+        self.counters.add("tickets.retained")
+        out: list[Effect] = []
+        self._released(t, "retain", now, out)
+        return out
 
     def _grant(self, t: Ticket, e: ClaimRequested, reason: str = "") -> ReplyClaim:
         return ReplyClaim(e.ticket, e.claimer, e.epoch, True, reason, t.blocks, t.num_tokens, t.digest)

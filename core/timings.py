@@ -71,8 +71,11 @@ def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int]
     revisits: dict[str, int] = {}  # request -> when it first asked history for its prefix
     for e in events:
         kind = type(e)
-        if kind is ev.TicketIssued:
-            issued[e.ticket] = e.at_ns
+        if kind is ev.TicketIssued or kind is ev.RetainRequested:
+            if kind is ev.TicketIssued:
+                issued[e.ticket] = e.at_ns
+            else:  # a plain request's prompt: released as it is issued, its retention starts now
+                released[e.ticket] = e.at_ns
             ticket_of[e.ticket] = e.request
             ended = restored_at.pop(e.request, None)
             if ended is not None:

@@ -218,7 +218,11 @@ class Engine:
         self.auditor = Auditor(world.config.reader_silence_ns)
         cfg = SidecarConfig(engine_id=name, role=role, ledger=world.config, address=address,
                             ipc_dir=f"/nonexistent/{name}", heartbeat_interval_s=0.5, call_timeout_s=1.0,
-                            tick_interval_s=0.05, layout=LAYOUT, block_size=BLOCK_SIZE, ranks=ranks)
+                            tick_interval_s=0.05, layout=LAYOUT, block_size=BLOCK_SIZE, ranks=ranks,
+                            # Seeded, as everything else here: loads record the P instance a
+                            # ticket came from, so a random one would make runs differ.
+                            debug_instance=f"{world.instances + 1:032x}")
+        world.instances += 1
         self.authority = authority_class(self, cfg)
         self.authority.to_worker, self.authority.to_scheduler, self.authority.to_history = (
             "worker", "scheduler", "history")
@@ -283,13 +287,11 @@ class Engine:
         abandon, keepalive = (f"{world.rng.getrandbits(128):032x}" for _ in range(2))
         self.tickets[ticket] = (request, blocks)
         keys = world.keys(request, num_tokens // BLOCK_SIZE) if world.history else ()
-        issued = ev.TicketIssued(0, ticket, request, blocks, keys, num_tokens, digest,
-                                 capability_digest(abandon), capability_digest(keepalive))
         if remote:
-            self.send(m.Apply((issued,)))
+            self.send(m.Apply((ev.TicketIssued(0, ticket, request, blocks, keys, num_tokens, digest,
+                                               capability_digest(abandon), capability_digest(keepalive)),)))
         else:
-            claimer = m.history_claimer(self.name)
-            self.send(m.Apply((issued, ev.ClaimRequested(0, ticket, claimer, 0), ev.ReleaseRequested(0, ticket, claimer, 0))))
+            self.send(m.Apply((ev.RetainRequested(0, ticket, request, blocks, keys),)))
         return Handoff(request, ticket, num_tokens, digest, keepalive, self)
 
     def ask_history(self, request: str) -> None:
@@ -470,6 +472,7 @@ class World:
         # then reads its share from P's ranks). Drawn apart from `rng`, whose draws set the rest.
         sizes = random.Random(f"ranks/{seed}")
         ranks = {name: sizes.choice((1, 1, 2)) for name in ("P", "D0", "D1")}
+        self.instances = 0
         asyncio.set_event_loop(self.loop)
         try:
             self.p = Engine(self, "P", "producer", "198.18.0.1:7000", authority_class, ranks["P"])

@@ -51,6 +51,7 @@ FAULTS = (
     "abort_before_claim",
     "lost_read_end",
     "allocate_before_grant",
+    "mismatched_grant",
 )
 
 MS = 1_000_000
@@ -253,8 +254,14 @@ class Swarm:
             if request is None:
                 return
             if effect.granted:
+                grant = {"engine": P_NAME, "blocks": effect.blocks, "num_tokens": effect.num_tokens,
+                         "digest": effect.digest}
+                if self.fault("mismatched_grant"):
+                    # The ticket holds another prompt than D's request (a client's mixed-up
+                    # handoff section): D must refuse to read it and give the ticket back.
+                    grant["digest"] = effect.digest + "-other"
                 self.send(effect.claimer, ev.ClaimGranted, request=request, ticket=effect.ticket,
-                          epoch=effect.epoch)
+                          epoch=effect.epoch, **grant)
             else:
                 self.send(effect.claimer, ev.ClaimRefused, request=request, ticket=effect.ticket,
                           epoch=effect.epoch, reason=effect.reason)
@@ -452,6 +459,15 @@ class Swarm:
             return
         self.ticket_request[ticket] = request
         self.ticket_blocks[ticket] = tuple(blocks)  # the oracle's own copy (records get pruned)
+        if self.rng.random() < 0.15:
+            # A plain request (no decode engine): its prompt goes to history, nobody claims it.
+            self.local(p, ev.RetainRequested, {"ticket": ticket, "request": request, "blocks": blocks,
+                                               "keys": keys[: self.rng.randint(0, n_blocks)]})
+            if p.ledger.tickets.tickets.get(ticket) is None:  # rejected: the engine frees at once
+                for block in blocks:
+                    p.owner.pop(block, None)
+                    p.free.add(block)
+            return
         self.local(p, ev.TicketIssued, {"ticket": ticket, "request": request, "blocks": blocks,
                                         "keys": keys[: self.rng.randint(0, n_blocks)]})
         if p.ledger.tickets.tickets.get(ticket) is None:  # rejected: the engine frees at once

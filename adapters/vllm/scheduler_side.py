@@ -467,11 +467,8 @@ class SchedulerSide:
             return False, None
         blocks = tuple(blocks[:n])
         ticket_keys = self._ticket_keys(request, keys[:n], n, n * bs)
-        # No decode engine will claim this ticket: the engine claims and releases it itself, and
-        # the release admits its prefix into history.
-        ticket, claimer = uuid.uuid4().hex, m.history_claimer(self.conn.engine_id)
-        if not self.send(ev.TicketIssued(0, ticket, request.request_id, blocks, ticket_keys),
-                         ev.ClaimRequested(0, ticket, claimer, 0), ev.ReleaseRequested(0, ticket, claimer, 0)):
+        # No decode engine will claim these blocks: the ledger keeps them for history only.
+        if not self.send(ev.RetainRequested(0, uuid.uuid4().hex, request.request_id, blocks, ticket_keys)):
             return False, None  # not queued: vLLM frees the blocks now, nothing is retained
         return True, None  # the blocks are returned (finished_sending) once history copied them
 

@@ -96,7 +96,7 @@ def test_invalid_ticket_is_rejected_not_raised():
 def test_decode_preempted_after_allocation_never_reads_twice():
     d = Ledger()
     d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2))
-    d.apply(ev.ClaimGranted(1, "r", "t", 1))
+    d.apply(ev.ClaimGranted(1, "r", "t", 1, "P", "", (3, 4)))
     out = d.apply(ev.LoadAllocated(2, "r", (7, 8)))
     assert kinds(out) == ["SendReadStart"]
     out = d.apply(ev.RequestPreempted(3, "r"))
@@ -111,7 +111,7 @@ def test_decode_preempted_after_allocation_never_reads_twice():
 def test_ticket_expired_between_reads_gives_invalid_blocks():
     d = Ledger()
     d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2))
-    d.apply(ev.ClaimGranted(1, "r", "t", 1))
+    d.apply(ev.ClaimGranted(1, "r", "t", 1, "P", "", (3, 4)))
     d.apply(ev.LoadAllocated(2, "r", (7, 8), reads=2))
     d.apply(ev.ReadGranted(3, "r", "r/0"))
     out = d.apply(ev.LoadReadFinished(4, "r", "r/0", True))
@@ -372,7 +372,7 @@ def early(blocks=(7, 8)):
 
 def test_an_early_allocation_becomes_the_first_read_when_the_grant_comes():
     d = early()
-    out = d.apply(ev.ClaimGranted(2, "r", "t", 1))
+    out = d.apply(ev.ClaimGranted(2, "r", "t", 1, "P", "", (3, 4)))
     assert kinds(out) == ["LoadResolved", "SendReadStart"] and out[0].hit
     ld = d.loads.loads["r"]
     assert (ld.state, ld.blocks, ld.reads_left) == ("ALLOCATED", (7, 8), 2)
@@ -381,8 +381,64 @@ def test_an_early_allocation_becomes_the_first_read_when_the_grant_comes():
 
 def test_an_early_local_hit_ends_done_at_the_grant():
     d = early(blocks=())
-    out = d.apply(ev.ClaimGranted(2, "r", "t", 1))
+    out = d.apply(ev.ClaimGranted(2, "r", "t", 1, "P", "", (3, 4)))
     assert kinds(out) == ["LoadResolved", "SendRelease", "LoadFinished"] and out[-1].ok
+
+
+def test_a_grant_is_read_only_when_it_names_what_the_request_holds():
+    """P is the authority on what D reads, and D reads only what its own request holds: a grant
+    for other tokens, blocks, layout or from another P instance is refused by the load machine,
+    the ticket is given back and blocks vLLM parked are reported invalid."""
+
+    def load(**kw):
+        d = Ledger()
+        d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2, 40, "d" * 32, "inst-1", "layout-a"))
+        return d
+
+    good = dict(engine="P", instance="inst-1", blocks=(3, 4), num_tokens=40, digest="d" * 32, layout="layout-a")
+    out = load().apply(ev.ClaimGranted(1, "r", "t", 1, **good))
+    assert kinds(out) == ["LoadResolved"] and out[0].hit and out[0].num_tokens == 40
+    bad = {"instance": dict(instance="inst-2"), "layout": dict(layout="layout-b"),
+           "tokens": dict(num_tokens=41), "digest": dict(digest="e" * 32), "count": dict(blocks=(3,)),
+           "repeated": dict(blocks=(3, 3)), "range": dict(blocks=(3, -1)), "engine": dict(engine="")}
+    for name, change in bad.items():
+        d = load()
+        out = d.apply(ev.ClaimGranted(1, "r", "t", 1, **{**good, **change}))
+        assert kinds(out) == ["LoadResolved", "SendRelease", "LoadFinished"], name
+        want = "source restarted" if name == "instance" else "grant mismatch"
+        assert not out[0].hit and out[0].reason.startswith(want), (name, out[0].reason)
+        assert d.loads.loads["r"].state == "MISSED" and out[-1].reason.startswith("grant refused"), name
+        assert d.check_invariants() == [], name
+    # Allocated before P answered: the parked blocks hold nothing and are reported invalid.
+    d = load()
+    d.apply(ev.LoadAllocated(1, "r", (7, 8)))
+    out = d.apply(ev.ClaimGranted(2, "r", "t", 1, **{**good, "digest": "e" * 32}))
+    assert kinds(out) == ["LoadResolved", "SendRelease", "ReportInvalidBlocks", "LoadFinished"]
+    assert out[2].blocks == (7, 8)
+
+
+def test_the_read_names_the_granted_blocks_that_go_into_each_destination_block():
+    """PostRead carries P's blocks and D's, pairwise (past a local prefix-cache hit, split evenly
+    over the reads), so the log says what D read where."""
+
+    d = Ledger()
+    d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 5))
+    d.apply(ev.ClaimGranted(1, "r", "t", 1, "P0", "", (10, 11, 12, 13, 14)))
+    d.apply(ev.LoadAllocated(2, "r", (7, 8, 9), reads=2, first=2))  # the first two were a local hit
+    posts = []
+    out = d.apply(ev.ReadGranted(3, "r", "r/0"))
+    posts.append(out[0])
+    d.apply(ev.LoadReadFinished(4, "r", "r/0", True))
+    posts.append(d.apply(ev.ReadGranted(5, "r", "r/1"))[0])
+    assert [(p.engine, p.src, p.dst, p.last) for p in posts] == [("P0", (12,), (7,), False),
+                                                                 ("P0", (13, 14), (8, 9), True)]
+    # More destination blocks than P granted past the hit: nothing is read, vLLM recomputes them.
+    d = Ledger()
+    d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2))
+    d.apply(ev.ClaimGranted(1, "r", "t", 1, "P0", "", (10, 11)))
+    out = d.apply(ev.LoadAllocated(2, "r", (7, 8), first=1))
+    assert kinds(out) == ["ReportInvalidBlocks", "SendRelease", "LoadFinished"] and not out[-1].ok
+    assert d.loads.loads["r"].state == "FAILED" and d.check_invariants() == []
 
 
 def test_a_refused_claim_reports_the_parked_blocks_invalid():

@@ -134,6 +134,46 @@ def test_golden_logs_still_replay(name):
         assert result.state_hash == expected["state_hash"]
 
 
+def test_a_log_of_an_older_schema_is_refused_with_one_line(tmp_path):
+    """Schema 1 logs do not record what P granted: replaying their claims would tell another story
+    than the engine lived, so replay says so instead of guessing."""
+
+    enc = msgspec.msgpack.Encoder()
+    header = dict(msgspec.to_builtins(LogHeader()), schema=1)
+    path = tmp_path / "old.kvlog"
+    path.write_bytes(MAGIC + _frame(enc.encode(header)) + _frame(enc.encode([1, ["tk", 5], None])))
+    with pytest.raises(LogError, match="log schema 1 is older than this kvbaton reads"):
+        read_log(str(path))
+    out = _cli_replay(path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "replay it with the kvbaton that wrote it" in out.stderr
+
+
+def test_golden_logs_cover_grants_refused_and_plain_retention():
+    """The simulator's golden pair keeps two paths a demo run rarely takes: D refusing a grant
+    for other tokens than its prompt (and giving the ticket back), and P keeping a plain
+    request's prompt for history without any claim."""
+
+    def replayed(name):
+        header, records = read_log(str(GOLDEN / f"{name}.kvlog"))
+        ledger = Ledger(header.config)
+        for record in records:
+            if record.event is not None:
+                ledger.apply(record.event)
+        return ledger, [r.event for r in records if r.event is not None]
+
+    d, _ = replayed("v2-sim-D0")
+    assert d.counters["loads.grant_refused.grant mismatch"] == 1
+    p, events = replayed("v2-sim-P0")
+    retained = {e.ticket for e in events if type(e) is ev.RetainRequested}
+    assert retained and p.counters["tickets.retained"] == len(retained)
+    assert not any(type(e) is ev.ClaimRequested and e.ticket in retained for e in events)
+    # The demo's decode log shows what D read where: P's blocks and D's, pairwise.
+    header, records = read_log(str(GOLDEN / "v2-D0.kvlog"))
+    grants = [r.event for r in records if type(r.event) is ev.ClaimGranted]
+    assert grants and all(g.blocks and g.engine and g.digest for g in grants)
+
+
 def test_writer_flushes_on_close(tmp_path):
     path = tmp_path / "w.kvlog"
     ledger = Ledger()
@@ -194,7 +234,7 @@ def test_replay_needs_only_the_core():
     """A core-only install (msgspec, transitions) runs `kvbaton replay`: the command line never
     imports the serving or control-plane packages to build its parser or replay a log."""
 
-    golden = GOLDEN / "v1h4-P0.kvlog"
+    golden = GOLDEN / "v2-P0.kvlog"
     code = ("import sys\n"
             "for name in ('httpx', 'fastapi', 'uvicorn', 'xoscar', 'zmq', 'torch', 'vllm', 'prometheus_client'):\n"
             "    sys.modules[name] = None\n"

@@ -23,7 +23,8 @@ def test_members_are_their_words_on_the_wire_and_in_counters():
     assert LoadOutcome.CLAIM_REFUSED.detail(Reason.UNKNOWN_TICKET) == "claim refused: unknown ticket"
     assert Reason.head("closed: expired") is Reason.CLOSED
     assert Reason.head("invalid: no blocks") is Reason.INVALID
-    assert Reason.head("source restarted: an earlier instance") is None
+    assert Reason.head("source restarted: an earlier instance") is Reason.SOURCE_RESTARTED
+    assert Reason.head("engine on fire: no such reason") is None
 
 
 @pytest.mark.parametrize("enum", [Reason, Closed, LoadOutcome, LeaseOutcome, Dropped])

@@ -43,7 +43,8 @@ def refused(a):
 
 
 def granted(a):
-    a._apply(ev.ClaimGranted(a._now(), "r1", "t1", 1))
+    a._apply(ev.ClaimGranted(a._now(), "r1", "t1", 1, GRANT.engine, GRANT.instance, GRANT.blocks,
+                             GRANT.num_tokens, GRANT.digest, GRANT.layout))
 
 
 def test_allocated_before_a_refusal_recomputes_those_blocks(authority):

@@ -26,14 +26,17 @@ def test_events_are_stamped_by_the_sidecar_and_peer_only_events_are_refused(tmp_
     assert a.ledger.tickets.tickets["t1"].state == "ISSUED"
 
 
-def test_a_plain_request_retained_for_history_is_claimed_by_the_engine_itself(tmp_path):
+def test_a_plain_request_retained_for_history_is_its_own_event(tmp_path):
+    """No decode engine claims a plain request's prompt: the scheduler says "retain", and the
+    engine's own claims and releases are refused like any other peer-only event."""
+
     a = listed_authority(tmp_path, "P0", "producer")
-    claimer = m.history_claimer("P0")
-    a._on_message(m.Apply((ev.TicketIssued(0, "t1", "r1", (1, 2)), ev.ClaimRequested(0, "t1", claimer, 0),
-                           ev.ReleaseRequested(0, "t1", claimer, 0))))
+    a._on_message(m.Apply((ev.RetainRequested(0, "t1", "r1", (1, 2)),)))
     assert a.refused["scheduler_event"] == 0
-    assert a.ledger.tickets.tickets["t1"].state == "CLOSED"
+    assert a.ledger.tickets.tickets["t1"].state == "CLOSED"  # history off here: nothing to copy
     assert [type(msg).__name__ for sock, msg in a.sent if sock == "worker"] == ["FinishedSending"]
+    a._on_message(m.Apply((ev.TicketIssued(0, "t2", "r2", (3,)), ev.ClaimRequested(0, "t2", "P0/history", 0))))
+    assert a.refused["scheduler_event"] == 1 and a.ledger.tickets.tickets["t2"].state == "ISSUED"
 
 
 def test_an_allocation_for_a_load_that_never_was_returns_the_parked_blocks(tmp_path):

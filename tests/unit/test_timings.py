@@ -36,13 +36,13 @@ def prefill_events():
 def decode_events():
     return [
         ev.LoadRequested(1 * MS, "q1", "t1", "p", 1, 2),  # 1 ms after P issued t1
-        ev.ClaimGranted(3 * MS, "q1", "t1", 1),
+        ev.ClaimGranted(3 * MS, "q1", "t1", 1, "p", "", (1, 2)),
         ev.LoadAllocated(3 * MS + MS // 2, "q1", (8, 9)),
         ev.ReadGranted(4 * MS, "q1", "x"),
         ev.LoadReadFinished(6 * MS, "q1", "x", True),
         ev.RequestPreempted(7 * MS, "q1"),  # after its load ended: the load's phases stay
         ev.LoadRequested(48 * MS, "q2", "t2", "p", 1, 3),  # 8 ms after P issued t2
-        ev.ClaimGranted(49 * MS, "q2", "t2", 1),
+        ev.ClaimGranted(49 * MS, "q2", "t2", 1, "p", "", (1, 2, 3)),
         ev.LoadAllocated(50 * MS, "q2", (1, 2, 3)),
         ev.ReadGranted(51 * MS, "q2", "y"),
         ev.RequestAborted(52 * MS, "q2"),  # before its read ended: no read phase

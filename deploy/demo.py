@@ -223,6 +223,10 @@ def run_demo(args) -> int:
         say("other prompts push the hot documents out of P's prefix cache, then they come back")
         for i in range(12):
             complete(tiny_prompt(400, seed=3000 + i), max_tokens=4)
+        # The router learns of the engines' evictions from their KV event feeds, a moment after
+        # they happen: let it catch up, or a returning prompt can go to an engine that just
+        # evicted it (which recomputes it: correct, but the demo would not show history).
+        settle_feeds(router.port)
         for prompt in hot:
             complete(prompt)
 
@@ -306,9 +310,32 @@ def run_demo(args) -> int:
                                        ("no request was served by D alone", routed.get("d_alone", 0))) if not seen]
     for what in missing:
         print(f"failure: {what}")
+    if missing:  # what the router saw of the engines' caches
+        print(f"router: {routed}")
     print(f"demo: {requests} requests, {hits_gpu + hits_cpu} history hits, {open_tickets} open tickets, logs in {log_dir}")
     ok = not failures and not missing and open_tickets == 0 and violations == 0 and requests > 0
     return 0 if ok else 1
+
+
+def settle_feeds(port: int, quiet_s: float = 0.5, limit_s: float = 5.0) -> None:
+    """Wait until the router's count of vLLM KV events stays put for `quiet_s` (at most
+    `limit_s`)."""
+
+    import httpx
+
+    deadline, last, since = time.monotonic() + limit_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return
+        seen = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvbaton_router_kv_events_total{") and 'source="vllm"' in line)
+        if seen != last:
+            last, since = seen, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.1)
 
 
 def router_counts(port: int) -> dict[str, int]:
@@ -321,8 +348,10 @@ def router_counts(port: int) -> dict[str, int]:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    counts = {"first_from_p": 0, "d_alone": 0}
+    counts = {"first_from_p": 0, "d_alone": 0, "feed_problems": 0}
     for line in text.splitlines():
+        if line.startswith("kvbaton_router_kv_feed_problems{"):
+            counts["feed_problems"] += int(float(line.rsplit(" ", 1)[1]))
         if line.startswith("kvbaton_router_first_token_total{") and 'source="prefill"' in line:
             counts["first_from_p"] += int(float(line.rsplit(" ", 1)[1]))
         elif line.startswith("kvbaton_router_routed_total{") and 'disaggregated="false"' in line:

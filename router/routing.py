@@ -200,7 +200,12 @@ class CacheRouting:
                         self.index.forget(url, CACHE)
                         self._feed_error("vllm", "restarted")
                     elif last_seq is not None and seq > last_seq + 1:
-                        self._feed_error("vllm", "gap")  # missed batches: the index may lag
+                        # Missed batches (dropped at the queue bound): a removal among them would
+                        # leave the index claiming blocks the engine evicted, and routing would
+                        # send prompts to an engine that recomputes them. Start over from what
+                        # comes next: holding too little costs a recompute at worst.
+                        self.index.forget(url, CACHE)
+                        self._feed_error("vllm", "gap")
                     last_seq = seq
                     await self._ingest(url, frames[2], "vllm", budget)
                 except Exception:  # a bug here must not stop the feed

@@ -273,14 +273,16 @@ def test_plain_requests_retain_history_when_asked(hist):
     assert p.generate([doc], max_tokens=MAX_TOKENS)[0]["token_ids"] == ref  # default: not retained
     settle_history(p)
     mid = state(p)["counters"]
-    assert delta(before, mid, "tickets.issued") == 0 and delta(before, mid, "history.staged") == 0
+    assert delta(before, mid, "tickets.issued") == 0 and delta(before, mid, "tickets.retained") == 0
+    assert delta(before, mid, "history.staged") == 0
     old = p.run_in_engine(engine_hooks.set_connector_setting, "history_scope", "all")
     assert old == "handoff"
     try:
         assert p.generate([doc], max_tokens=MAX_TOKENS)[0]["token_ids"] == ref
         settle_history(p)
         after = state(p)["counters"]
-        assert delta(mid, after, "tickets.issued") == 1  # claimed and released by P itself
+        # Kept for history by its own event: no ticket is issued (nobody could claim it).
+        assert delta(mid, after, "tickets.retained") == 1 and delta(mid, after, "tickets.issued") == 0
         assert delta(mid, after, "history.staged") == 5
         flush(p)
         out = p.generate([doc], max_tokens=MAX_TOKENS)[0]

@@ -77,6 +77,18 @@ def p_worker(deployment) -> psutil.Process:
     return workers[0]
 
 
+def diagnose(deployment, d_state: dict) -> str:
+    """What D's books and both sidecars' logs say, for a failure message: which path ended the
+    load when the read did not (a claim or read start that failed, a grant refused)."""
+
+    counters = {k: v for k, v in d_state["counters"].items() if k.startswith(("loads.", "rejected."))}
+    lines = [f"D transfer {d_state['transfer']}", f"D loads {counters}", f"D refused {d_state.get('refused')}"]
+    for log in sorted(Path(deployment.log_dir).rglob("sidecar-*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        lines += [f"--- {log.name}", *tail]
+    return "\n".join(lines)
+
+
 def wait_nothing_open(deployment, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while any(any(state(deployment, role)["open"].values()) for role in ("prefill", "decode")):
@@ -102,8 +114,8 @@ def test_a_read_from_a_stalled_p_ends_at_its_bound_and_recomputes(pair):
     assert reply.json()["choices"][0]["text"] == expected
     after = state(pair, "decode")
     transfer, counters = after["transfer"], after["counters"]
-    assert transfer.get("timed_out", 0) == before["transfer"].get("timed_out", 0) + 1, transfer
-    assert counters.get("loads.failed", 0) == before["counters"].get("loads.failed", 0) + 1, counters
+    assert transfer.get("timed_out", 0) == before["transfer"].get("timed_out", 0) + 1, diagnose(pair, after)
+    assert counters.get("loads.failed", 0) == before["counters"].get("loads.failed", 0) + 1, diagnose(pair, after)
     # Given up at its bound (a few seconds), not held until a client or engine timeout.
     assert PEER_TIMEOUT_S <= took < PEER_TIMEOUT_S + 20, took
     wait_nothing_open(pair)  # P heard the read ended and returned its blocks

@@ -263,3 +263,57 @@ def test_a_salted_prompt_is_never_placed_by_what_the_index_knows():
     salted = asyncio.run(routing.pick("/v1/completions", dict(body, cache_salt="s" * 32)))
     assert plain.p_url is None  # the oracle: D alone, because D holds the prefix
     assert salted.p_url == "http://p0"
+
+
+def test_a_gap_in_an_engines_feed_forgets_what_the_index_held_for_it():
+    """Batches lost on the way (a removal among them) would leave the index claiming blocks the
+    engine evicted: after a gap in the sequence numbers the engine's cache entries are dropped
+    and rebuilt from what comes next, and the gap is counted."""
+
+    import zmq
+    import zmq.asyncio
+
+    routing = CacheRouting(RoutingConfig(block_size=BS), ["http://p0"], ["http://d0"])
+    index = routing.index
+    first, second = prompt(3), prompt(2, offset=500)
+    first_hashes, second_hashes = PrefixHasher(BS).block_hashes(first), PrefixHasher(BS).block_hashes(second)
+
+    async def run():
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        feed = asyncio.get_running_loop().create_task(routing._vllm_feed("http://d0", f"tcp://127.0.0.1:{port}"))
+        try:
+            seq = 0
+            for _ in range(300):  # a SUB socket joins a moment after it connects: warm it up
+                seq += 1
+                nothing = {"type": "BlockRemoved", "block_hashes": [seq], "medium": "GPU"}
+                await pub.send_multipart([b"kv", seq.to_bytes(8, "big", signed=True), batch(nothing)])
+                await asyncio.sleep(0.01)
+                if index.accepted:
+                    break
+            await asyncio.sleep(0.05)
+
+            async def publish(at, payload, until):
+                await pub.send_multipart([b"kv", at.to_bytes(8, "big", signed=True), payload])
+                for _ in range(300):
+                    await asyncio.sleep(0.01)
+                    if until():
+                        return
+                raise AssertionError("the feed never applied the batch")
+
+            await publish(seq + 1, batch(stored(first_hashes, first)),
+                          lambda: index.prefix("http://d0", first_hashes)[0] == 3)
+            # Two batches never arrive; the next one stores another prompt.
+            await publish(seq + 4, batch(stored(second_hashes, second)),
+                          lambda: index.prefix("http://d0", second_hashes)[0] == 2)
+        finally:
+            feed.cancel()
+            await asyncio.gather(feed, return_exceptions=True)
+            pub.close(linger=0)
+            ctx.term()
+
+    asyncio.run(run())
+    assert index.prefix("http://d0", first_hashes) == (0, 0)  # held before the gap: forgotten
+    assert index.prefix("http://d0", second_hashes) == (2, CACHE)
+    assert routing.feed_errors == {("vllm", "gap"): 1}

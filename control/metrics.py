@@ -26,17 +26,22 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..core import lease as lease_machine
+from ..core import load as load_machine
+from ..core import ticket as ticket_machine
+
 logger = logging.getLogger("kvbaton.sidecar.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Live record states shown even at zero, so a dashboard's series exist from the first scrape.
-TICKET_STATES = ("ISSUED", "CLAIMED", "READING", "DRAINING", "RETAINING")
-LOAD_STATES = ("AWAITING_CLAIM", "ALLOCATED_EARLY", "CLAIMED", "ALLOCATED", "LOADING", "DRAINING")
-LEASE_STATES = ("RESERVED", "ALLOCATED", "READING")
+# Live record states shown even at zero, so a dashboard's series exist from the first scrape: the
+# machines' own (core), never a copy.
+TICKET_STATES = tuple(s for s in ticket_machine.SPEC.states if s not in ticket_machine.SPEC.terminal)
+LOAD_STATES = tuple(s for s in load_machine.SPEC.states if s not in load_machine.SPEC.terminal)
+LEASE_STATES = tuple(s for s in lease_machine.SPEC.states if s not in lease_machine.SPEC.terminal)
 # Ended records the ledger keeps a while before pruning them: counted by the *_ended and
 # *_closed counters, never shown as open.
-ENDED_STATES = frozenset({"CLOSED", "DONE", "MISSED", "FAILED", "CANCELLED", "RELEASED", "EXPIRED"})
+ENDED_STATES = ticket_machine.SPEC.terminal | load_machine.SPEC.terminal | lease_machine.SPEC.terminal
 # How a load ended, as the ledger counts it (`loads.<state>`).
 LOAD_OUTCOMES = ("done", "missed", "failed", "cancelled")
 LEASE_OUTCOMES = ("released", "expired", "cancelled")

@@ -10,6 +10,7 @@ from xoscar.core import CALL_METHOD_DEFAULT
 
 from ..core import effects as fx
 from ..core import events as ev
+from ..core import ticket as tickets
 from ..core.reasons import Reason
 from . import peer as pc
 from .guard import capability_digest, peer_address
@@ -125,7 +126,7 @@ class PeerAnswers:
         # older instance's (the newer one has claimed nothing yet).
         ended = reading = 0
         for ticket in list(self.ledger.tickets.tickets.values()):
-            if ticket.claimer != claimer or ticket.state not in ("CLAIMED", "READING"):
+            if ticket.claimer != claimer or ticket.state not in (tickets.CLAIMED, tickets.READING):
                 continue
             if ticket.reads:
                 reading += 1

@@ -103,6 +103,11 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         # D side: the one thing about a load only the shell holds (the core never sees a secret):
         # the keepalive its heartbeats present to P, by request, until the load finishes.
         self.keepalives: dict[str, str] = {}
+        # Parked requests a worker rank already reported received itself (its last read, or its
+        # restore copy, succeeded), by ("load", request) or ("lease", lease); and each load's last
+        # read, which is the one whose success the worker reports.
+        self.reported: dict[tuple[str, str], set[int]] = {}
+        self.last_reads: dict[str, str] = {}
         # D: refs to the peers it calls, least recently called first (peer_calls._ref).
         self.peer_refs: collections.OrderedDict[str, object] = collections.OrderedDict()
         # Where decisions go (`_send`): the scheduler, every worker rank, every rank's history copier.
@@ -313,6 +318,15 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         else:
             self.outboxes[dest][rank].put_nowait(m.ENCODER.encode(msg))
 
+    def _report_received(self, request: str, reported) -> None:
+        """Tell the worker ranks that have not told vLLM themselves that `request` was received.
+        A rank whose last read or restore copy succeeded reported it in the same engine step
+        (`worker_side.pump`), so each rank reports a parked request exactly once, by one path."""
+
+        for rank in range(self.cfg.ranks):
+            if rank not in reported:
+                self._send_rank(self.to_worker, rank, m.FinishedRecving(request))
+
     async def _sender_loop(self, sock, queue: asyncio.Queue) -> None:
         while True:
             payload = await queue.get()
@@ -329,6 +343,8 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         elif kind is fx.SendReadStart:
             self._spawn(self._read_start(effect))
         elif kind is fx.PostRead:
+            if effect.last:
+                self.last_reads[effect.request] = effect.read
             self._spawn(self._post_read(effect))
         elif kind is fx.SendReadEnd:
             self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id, effect.epoch,
@@ -341,10 +357,12 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             self._send(self.to_worker, m.InvalidBlocks(effect.request, effect.blocks))
         elif kind is fx.LoadFinished:
             self._send(self.to_scheduler, m.LoadEnded(effect.request, effect.ok, effect.reason))
+            reported = self.reported.pop(("load", effect.request), ())
+            self.last_reads.pop(effect.request, None)
             if effect.parked:
                 # Only an allocated (async) load is parked in WAITING_FOR_REMOTE_KVS: vLLM waits
-                # for exactly one finished_recving for it, and asserts on any other.
-                self._send(self.to_worker, m.FinishedRecving(effect.request))
+                # for exactly one finished_recving for it from every rank, and asserts on any other.
+                self._report_received(effect.request, reported)
             self.keepalives.pop(effect.request, None)
         elif kind is fx.ReturnParked:
             # The scheduler parked the request for an allocation the core refused: fail its
@@ -366,10 +384,11 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
             # Posted: from here the lease is reading and cannot expire (its slots are being read).
             self.followups.append(ev.LeaseReadStarted(self._now(), effect.lease))
         elif kind is fx.LeaseDone:
+            reported = self.reported.pop(("lease", effect.lease), ())
             if effect.parked:
                 # vLLM parked the request in WAITING_FOR_REMOTE_KVS: report it received exactly
                 # once (any invalid blocks went to the worker just before, in the same order).
-                self._send(self.to_worker, m.FinishedRecving(effect.request))
+                self._report_received(effect.request, reported)
             self._send(self.to_scheduler, m.LeaseEnded(effect.lease, effect.request, effect.ok, effect.reason))
         elif kind is fx.Rejected:
             logger.debug("rejected %s %s: %s", effect.event, pc.short(effect.subject), effect.reason)
@@ -433,6 +452,8 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                 except Exception:
                     logger.exception("history: applying the demotion of %s failed", key)
         elif kind is m.RestoreDone:
+            if msg.ok:  # this rank told vLLM the request was received (worker_side.pump)
+                self.reported.setdefault(("lease", msg.lease), set()).add(rank)
             ok = self.fan_in.note(("restore", msg.lease), rank, msg.ok)
             if ok is not None:
                 self._restore_done(now, msgspec.structs.replace(msg, ok=ok))
@@ -442,6 +463,9 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         elif kind is m.WorkerReady:
             self._worker_ready(msg, rank)
         elif kind is m.ReadDone:
+            if msg.ok and self.last_reads.get(msg.request) == msg.read:
+                # This rank told vLLM the request was received (worker_side.pump).
+                self.reported.setdefault(("load", msg.request), set()).add(rank)
             # The transfer counters count the transport's reads: one per rank of a read.
             stats = self.transfer
             stats["reads"] += 1

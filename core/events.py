@@ -91,16 +91,14 @@ class ReadStarted(Event, tag="rs"):
 
 class ReadFinished(Event, tag="rf"):
     """A read of the ticket's blocks ended, successfully or not, as reported by `claimer` with
-    `epoch` (only the claimer may end its reads). `claimer` "" with epoch -1 appears only in logs
-    written before reads carried their owner; the sidecar never builds such an event (its peer
-    messages require a claimer). A reader that falls silent has its reads ended by `Tick` instead
-    (`LedgerConfig.reader_silence_ns`)."""
+    `epoch`: only the claimer may end its reads. A reader that falls silent has its reads ended by
+    `Tick` instead (`LedgerConfig.reader_silence_ns`)."""
 
     ticket: str
     read: str
     ok: bool
-    claimer: str = ""
-    epoch: int = -1
+    claimer: str
+    epoch: int
 
 
 class ReleaseRequested(Event, tag="rr"):

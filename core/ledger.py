@@ -42,7 +42,7 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # handoff never reached a decode engine (a client that asked P directly, a router that lost
     # it) gives P's blocks back in seconds, not after `unclaimed_ttl_ns`; one a decode engine
     # holds is heartbeated from the request's arrival on, and each heartbeat extends it to the
-    # full TTL. 0: no grace (logs written before the rule replay as they ran).
+    # full TTL. 0: no grace (the settings set one; see adapters/vllm/settings.py).
     unclaimed_grace_ns: int = 0
     claim_lease_ns: int = 600 * SECOND_NS
     claim_wait_ns: int = 30 * SECOND_NS
@@ -53,8 +53,8 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # retry, a read's start or end, its release) for this long: `Tick` ends those reads as failed,
     # since a reader that went away never will (its reads are one-sided: P's transport sees
     # nothing). A live reader heartbeats far more often, and fails its own read at its read bound
-    # long before. 0: reads in flight never end without their reader (logs written before the
-    # rule replay as they ran).
+    # long before. 0: reads in flight never end without their reader (the settings set a
+    # silence; 0 is for tests of the other rules).
     reader_silence_ns: int = 0
     gpu_history_bytes: int = 256 << 20
     cpu_history_bytes: int = 0

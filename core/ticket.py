@@ -315,8 +315,7 @@ class TicketBook(Book):
         t = self.tickets.get(e.ticket)
         if t is None or e.read not in t.reads:
             return [reject(self.counters, "rf", e.ticket, Reason.UNKNOWN_READ)]
-        legacy = e.claimer == "" and e.epoch == -1  # a record from before reads named their owner
-        if not legacy and (e.claimer != t.claimer or e.epoch != t.epoch):
+        if e.claimer != t.claimer or e.epoch != t.epoch:
             return [reject(self.counters, "rf", e.ticket, Reason.NOT_CLAIMER)]
         t.reads.remove(e.read)
         t.done_reads.append(e.read)

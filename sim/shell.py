@@ -201,8 +201,8 @@ class Handoff:
 class DecodeRequest:
     handoff: Handoff
     blocks: tuple[int, ...] = ()
-    parked: bool = False  # blocks allocated for the load: vLLM waits for one finished_recving
-    received: int = 0
+    parked: bool = False  # blocks allocated for the load: vLLM waits for one finished_recving per rank
+    received: Counter = field(default_factory=Counter)  # rank -> finished_recving reports
     aborted: bool = False
 
 
@@ -268,6 +268,18 @@ class Engine:
         for r in range(self.ranks) if rank is None else (rank,):
             world.later(world.rng.uniform(*delay), self.send, reply(r), r)
 
+    def received(self, request: str, rank: int) -> None:
+        """A worker rank tells vLLM that `request`'s blocks arrived: vLLM must have parked it, and
+        hears it exactly once from each rank."""
+
+        r = self.requests.get(request)
+        if r is None or not r.parked:
+            self.world.violation(self, f"request {request}: finished_recving for a request vLLM did not park")
+            return
+        r.received[rank] += 1
+        if r.received[rank] > 1:
+            self.world.violation(self, f"request {request}: finished_recving twice from rank {rank}")
+
     def blocks(self, count: int) -> tuple[int, ...]:
         self.next_block += count
         return tuple(range(self.next_block - count, self.next_block))
@@ -328,8 +340,13 @@ class Engine:
             if blk is None or blk.state not in ("GPU", "CPU") or blk.pins <= 0:
                 world.violation(self, f"restore {msg.lease} copies {key} from a slot that is "
                                       f"{blk.state + ' unpinned' if blk else 'gone'}")
-        self.each_rank((0.0005, 0.01), lambda rank: m.RestoreDone(msg.lease, not world.fault("copy_failure"),
-                                                                   4096 * len(msg.copies)))
+        def done(rank: int) -> m.RestoreDone:
+            ok = not world.fault("copy_failure")
+            if ok and msg.request:  # the worker tells vLLM itself, in the step the copy ends
+                self.received(msg.request, rank)
+            return m.RestoreDone(msg.lease, ok, 4096 * len(msg.copies))
+
+        self.each_rank((0.0005, 0.01), done)
 
     def copy(self, msg: m.Msg) -> None:
         """P's history copier: stages and demotions end a little later, some of them failed."""
@@ -390,8 +407,10 @@ class Engine:
                                       f"{msg.src_blocks} for the ticket ({ticket.state if ticket else 'none'})")
         nbytes = len(msg.dst_blocks) * 4096
 
-        def done(_rank: int) -> m.ReadDone:
+        def done(rank: int) -> m.ReadDone:
             ok = alive and not world.fault("transport_error")
+            if ok and msg.last:  # the worker tells vLLM itself, in the step its last read ends
+                self.received(msg.request, rank)
             return m.ReadDone(msg.request, msg.read, ok, "" if ok else "simulated transport error", nbytes, 0.001)
 
         self.each_rank((0.0005, 0.02), done, rank)
@@ -422,13 +441,8 @@ class Engine:
         elif kind is m.RestoreCopies:
             self.restore(msg)
         elif kind is m.FinishedRecving:
-            r = self.requests.get(msg.request)
-            if r is None or not r.parked:
-                world.violation(self, f"request {msg.request}: finished_recving for a request vLLM did not park")
-            else:
-                r.received += 1
-                if r.received > 1:
-                    world.violation(self, f"request {msg.request}: finished_recving twice")
+            for r in range(self.ranks) if rank is None else (rank,):
+                self.received(msg.request, r)
 
 
 @dataclass
@@ -557,8 +571,9 @@ class World:
             # vLLM waits for exactly one finished_recving for each request it parked (a load on
             # D, a restore on P), aborted or not.
             for rid, r in engine.requests.items():
-                if r.parked and r.received != 1:
-                    self.violation(engine, f"request {rid}: parked, told received {r.received} times")
+                told = [r.received[rank] for rank in range(engine.ranks)]
+                if r.parked and told != [1] * engine.ranks:
+                    self.violation(engine, f"request {rid}: parked, told received {told} times by its ranks")
             lingering = [task for task in a.tasks
                          if task.get_coro().__name__ not in ("_timer_loop", "_heartbeat_loop")]
             if lingering:

@@ -213,7 +213,8 @@ class Swarm:
             else:
                 ticket, _ = self.read_ticket.get((to, fields["read"]), ("", ""))
                 epoch = self.read_epoch.get((to, fields["read"]), 0)
-                self.send(P_NAME, ev.ReadFinished, ticket=ticket, read=fields["read"], ok=False)
+                self.send(P_NAME, ev.ReadFinished, ticket=ticket, read=fields["read"], ok=False, claimer=to,
+                          epoch=epoch)
                 self.send(P_NAME, ev.ReleaseRequested, ticket=ticket, claimer=to, epoch=epoch)
 
     def apply(self, node: Node, event: ev.Event) -> None:
@@ -269,10 +270,6 @@ class Swarm:
             request = self.reads.get((effect.claimer, effect.read))
             if request is None:
                 return
-            if effect.granted and not self.nodes[effect.claimer].alive:
-                # P's transport sees the reader is gone: the read it pinned for ends, failed.
-                self.at(self.delay(1, 20), self.send_later, P_NAME, ev.ReadFinished,
-                        {"ticket": effect.ticket, "read": effect.read, "ok": False})
             if effect.granted:
                 self.send(effect.claimer, ev.ReadGranted, request=request, read=effect.read)
             else:
@@ -302,13 +299,17 @@ class Swarm:
             elif self.fault("lease_expiry"):  # the copy starts only after the lease ran out
                 start += self.config.history_lease_ns + MS
                 self.at(start - self.delay(0.05, 0.5), self.local, node, ev.Tick, {})
-            self.at(start, self.local, node, ev.LeaseReadStarted, {"lease": effect.lease})
             ok = not self.fault("copy_failure")
-            self.at(start + self.delay(2, 20), self.local, node, ev.LeaseReadFinished, {"lease": effect.lease, "ok": ok})
+            # The copy ends after it started, whatever order a stepped run picks actions in.
+            self.at(start, self.copy_restore, node, effect.lease, ok, self.delay(2, 20))
         elif kind is fx.LeaseDone:
             for block in self.restore_blocks.pop(effect.lease, ()):
                 node.owner.pop(block, None)
                 node.free.add(block)
+
+    def copy_restore(self, node: Node, lease: str, ok: bool, duration_ns: int) -> None:
+        self.local(node, ev.LeaseReadStarted, {"lease": lease})
+        self.at(duration_ns, self.local, node, ev.LeaseReadFinished, {"lease": lease, "ok": ok})
 
     def allocate_restore(self, node: Node, lease: str, request: str, count: int) -> None:
         count = self.rng.randint(1, count)
@@ -376,7 +377,8 @@ class Swarm:
             # A lost read end is never retried: P's silent-reader rule must end that read (D has
             # nothing more to say on the ticket once it released it).
             if not self.fault("lost_read_end"):
-                self.send(P_NAME, ev.ReadFinished, ticket=effect.ticket, read=effect.read, ok=effect.ok)
+                self.send(P_NAME, ev.ReadFinished, ticket=effect.ticket, read=effect.read, ok=effect.ok,
+                          claimer=node.name, epoch=effect.epoch)
             if effect.release:
                 self.send(P_NAME, ev.ReleaseRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
         elif kind is fx.SendRelease:

@@ -10,7 +10,6 @@ import hashlib
 import hmac
 import ipaddress
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -20,42 +19,6 @@ from .identity import KvIdentity
 
 
 PARAMS_VERSION = 1
-
-
-@dataclass
-class Handoff:
-    ticket: str
-    control: str
-    num_tokens: int  # what this request asks for; P's grant must name the same
-    epoch: int
-    hit: bool | None = None  # None until P answers the claim
-    local_computed: int = 0
-    consumed: bool = False
-    reason: str = ""
-    # A sibling (see SchedulerSide._handoff): the request that reads the shared ticket, and when
-    # this one started waiting for it. None for a request that reads its own handoff.
-    reader: Any = None
-    waiting_since: float = 0.0
-    # What the request's report of its prompt says (prompt_report): tokens asked of P past the
-    # local prefix-cache hit, and how the load ended ("" while it runs).
-    external: int = 0
-    ended: str = ""
-    loaded: bool = False
-
-
-def prompt_report(h: Handoff, prompt_tokens: int) -> dict:
-    """Where a decode request's prompt tokens came from: D's own prefix cache, P's handoff, or
-    recomputed, and why recomputed (the refusal, miss or failure, as it was counted)."""
-
-    cached = min(h.local_computed, prompt_tokens)
-    handed = h.external if h.loaded else 0
-    report = {"prompt_tokens": prompt_tokens, "engine_cache": cached, "handoff": handed,
-              "recomputed": max(0, prompt_tokens - cached - handed)}
-    if report["recomputed"]:
-        # Past a delivered handoff the engine computes the rest itself (the prompt's last token,
-        # and what P did not hold); otherwise the refusal, miss or failure, as it was counted.
-        report["recomputed_because"] = "tail" if h.loaded else (h.ended or h.reason or "miss")
-    return report
 
 
 class HandoffError(ValueError):

@@ -12,7 +12,6 @@ import math
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...control import messages as m
@@ -22,21 +21,16 @@ from ...control.config import SidecarConfig
 from ...control.guard import RateLimitedLog, capability_digest, install_frame_key, mint_capability, resolve_secret
 from ...core import events as ev
 from ...core.reasons import LoadOutcome
-from .handoff import (PARAMS_VERSION, Handoff, HandoffError, handoff_key, parse_handoff, prompt_digest, prompt_report,
-                      sign_handoff)
+from .handoff import PARAMS_VERSION, HandoffError, handoff_key, parse_handoff, prompt_digest, sign_handoff
 from .settings import EVENT_LOG_HASH_EVERY, parse_peer_networks
+from .slots import LEASED, SHARES_A_HANDOFF, WAITING, Slot, SlotState
 
 if TYPE_CHECKING:
     from .connector import KvbatonConnector
 
-# A sibling of an n > 1 request: it reads no handoff of its own (see _handoff).
-SHARES_A_HANDOFF = "shares a handoff"
-
 logger = logging.getLogger("vllm.kvbaton.connector")
 
 
-# Restore states on P's scheduler side (one record per request that asked history).
-ASKED, RESERVED, ALLOCATED, DONE = "asked", "reserved", "allocated", "done"
 # How long P's first handoff waits for its sidecar to say where it listens (once, at start).
 SIDECAR_READY_WAIT_S = 5.0
 # P gives up waiting for its own sidecar's answer to a restore after this long (then recomputes).
@@ -45,33 +39,6 @@ RESTORE_REPLY_WAIT_S = 5.0
 # what D's prefix cache lacks: the reader's load is bounded by the claim wait and the read bound
 # already, so this only matters if the scheduler never moves the reader on.
 SIBLING_WAIT_S = 120.0
-
-
-@dataclass
-class Restore:
-    lease: str
-    epoch: int
-    first: int  # prompt block index of the first key asked for (the local prefix-cache hit)
-    asked_at: float
-    state: str = ASKED
-    blocks: int = 0  # restorable blocks, once answered
-    cpu_blocks: int = 0  # of them, in the CPU tier
-    ended: str = ""  # how the lease ended, when it did not restore ("" otherwise)
-    restored: bool = False  # the copy into the request's blocks succeeded
-
-    def report(self, prompt_tokens: int, block_size: int) -> dict:
-        """Where P's prompt tokens came from: its own prefix cache, the history tiers, or
-        recomputed (and why, when history was asked and did not restore)."""
-
-        cached = min(self.first * block_size, prompt_tokens)
-        restored = min(self.blocks * block_size, prompt_tokens - cached) if self.restored else 0
-        cpu = min(self.cpu_blocks * block_size, restored)
-        report = {"prompt_tokens": prompt_tokens, "engine_cache": cached, "history_gpu": restored - cpu,
-                  "history_cpu": cpu, "recomputed": prompt_tokens - cached - restored}
-        if report["recomputed"]:
-            report["recomputed_because"] = ("tail" if self.restored else
-                                            self.ended or ("miss" if not self.blocks else "not restored"))
-        return report
 
 
 class SchedulerSide:
@@ -132,20 +99,18 @@ class SchedulerSide:
                         "plain requests too" if s.history_scope == "all" else "handed-off requests only")
         elif conn.is_producer:
             logger.info("kvbaton: history off (%s)", plan.reason)
-        self.handoffs: dict[str, Handoff] = {}
-        # D: the request reading each ticket on this engine, while it lives (see _handoff).
+        # One slot per request the connector was asked about, until request_finished (slots.py).
+        self.slots: dict[str, Slot] = {}
+        # D: an index of the slots: the request reading each ticket, while it lives (see _slot).
         self.readers: dict[str, Any] = {}
         self.epochs = itertools.count(1)
         self.errors = 0
-        # History (P): restore records, prompt keys per request, and the keys this engine has
-        # offered to history (a prompt whose first uncached key was never offered cannot be
-        # restored, so it is answered at once without asking the sidecar).
+        # History (P): the keys this engine has offered to history (a prompt whose first uncached
+        # key was never offered cannot be restored, so it is answered at once without asking).
         self.history_on = plan.enabled
         self.kv_cache_config = kv_cache_config
         # History keys name the layout and the weights: KV is restored only into what computed it.
         self.key_prefix = f"{conn.layout}{conn.identity.weights}:"
-        self.restores: dict[str, Restore] = {}
-        self.keys_by_request: dict[str, list[str]] = {}
         self.offered: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.offered_max = max(4096, 4 * (plan.gpu_slots + plan.cpu_slots))
 
@@ -176,44 +141,57 @@ class SchedulerSide:
             logger.debug("kvbaton scheduler: %s", msg)
             kind = type(msg)
             if kind is m.Resolved:
-                h = self.handoffs.get(msg.request)
-                if h is not None and h.hit is None:
-                    h.hit, h.reason = msg.hit, msg.reason
-                    if msg.hit:  # P's grant decides how much is read (the sidecar checked it)
-                        h.num_tokens = min(h.num_tokens, msg.num_tokens)
-                    else:
-                        logger.info("kvbaton: request %s recomputes locally: %s", msg.request, msg.reason)
+                slot = self.slots.get(msg.request)
+                if slot is None or slot.state not in (SlotState.CLAIMING, SlotState.LOADING):
+                    continue
+                if msg.hit:
+                    if slot.state == SlotState.CLAIMING:
+                        slot.state = SlotState.GRANTED
+                        # P's grant decides how much is read (the sidecar's core checked it).
+                        slot.num_tokens = min(slot.num_tokens, msg.num_tokens)
+                else:
+                    if slot.state == SlotState.CLAIMING:
+                        slot.state = SlotState.LOCAL
+                    slot.reason = slot.reason or msg.reason  # allocated already: its load ends too
+                    logger.info("kvbaton: request %s recomputes locally: %s", msg.request, msg.reason)
             elif kind is m.LoadEnded:
-                h = self.handoffs.get(msg.request)
-                if h is not None:
-                    h.ended, h.loaded = msg.reason, msg.ok and msg.reason == LoadOutcome.LOADED
+                slot = self.slots.get(msg.request)
+                if slot is not None and slot.ticket:
+                    slot.state, slot.reason = SlotState.DONE, msg.reason
+                    slot.loaded = msg.ok and msg.reason == LoadOutcome.LOADED
             elif kind is m.RestoreReply:
-                r = self.restores.get(msg.request)
-                if r is not None and r.lease == msg.lease and r.state == ASKED:
-                    r.blocks, r.cpu_blocks = msg.blocks, msg.cpu_blocks
-                    r.state = RESERVED if msg.blocks > 0 else DONE
+                slot = self.slots.get(msg.request)
+                if slot is not None and slot.lease == msg.lease and slot.state == SlotState.ASKED:
+                    slot.blocks, slot.cpu_blocks = msg.blocks, msg.cpu_blocks
+                    slot.state = SlotState.RESERVED if msg.blocks > 0 else SlotState.DONE
             elif kind is m.LeaseEnded:
-                r = self.restores.get(msg.request)
-                if r is not None and r.lease == msg.lease and r.state != DONE:
-                    if r.state != ALLOCATED and not msg.ok:
+                slot = self.slots.get(msg.request)
+                if slot is not None and slot.lease == msg.lease and slot.state != SlotState.DONE:
+                    if slot.state != SlotState.RESTORING and not msg.ok:
                         logger.info("kvbaton: history lease of request %s ended before use: %s",
                                     msg.request, msg.reason)
-                    r.restored = r.state == ALLOCATED and msg.ok
-                    r.ended = "" if r.restored else msg.reason
-                    r.state = DONE
+                    slot.loaded = slot.state == SlotState.RESTORING and msg.ok
+                    slot.reason = "" if slot.loaded else msg.reason
+                    slot.state = SlotState.DONE
 
-    def _handoff(self, request) -> Handoff | None:
+    def _slot(self, request) -> Slot:
+        """The request's slot, made at the first callback for it: on D, a request that carries a
+        handoff section claims its ticket at once (or computes locally when the section is
+        refused, or waits as a sibling when another request reads the ticket)."""
+
         rid = request.request_id
-        h = self.handoffs.get(rid)
-        if h is not None or not self.conn.is_consumer:
-            return h
+        slot = self.slots.get(rid)
+        if slot is not None:
+            return slot
+        slot = self.slots[rid] = Slot()
         params = request.kv_transfer_params
-        if not isinstance(params, dict) or not params.get("do_remote_prefill") or "kvbaton" not in params:
-            return None
+        if (not self.conn.is_consumer or not isinstance(params, dict) or not params.get("do_remote_prefill")
+                or "kvbaton" not in params):
+            return slot
+        slot.handoff = True
         if not self.usable():
-            h = Handoff("", "", 0, 0, hit=False, consumed=True, reason="sidecar down")
-            self.handoffs[rid] = h
-            return h
+            slot.reason = "sidecar down"
+            return slot
         try:
             section = parse_handoff(params, self.conn.identity, self.trusted, self.handoff_key)
             num_tokens = min(section["num_tokens"], len(request.prompt_token_ids or ()))
@@ -222,9 +200,8 @@ class SchedulerSide:
             reason = getattr(exc, "reason", "invalid")
             self.refusal_log.warning(reason, "kvbaton: request %s: %s; recomputing locally", rid, exc)
             self.sidecar.send(m.HandoffRefused(reason))  # counted: kvbaton_handoffs_refused{reason}
-            h = Handoff("", "", 0, 0, hit=False, consumed=True, reason=f"refused: {reason}")
-            self.handoffs[rid] = h
-            return h
+            slot.reason = f"refused: {reason}"
+            return slot
         reader = self.readers.get(section["ticket"])
         if reader is not None:
             # A sibling: vLLM fans an n > 1 request out into n child requests that carry the same
@@ -233,85 +210,81 @@ class SchedulerSide:
             # caches a finished load's blocks before it schedules waiting requests), then take
             # them from there and compute only the tail (the last partial block). A sibling never
             # claims, so P sees one claim and one read per handoff whatever n is.
-            h = Handoff("", "", 0, 0, hit=False, consumed=True, reason=SHARES_A_HANDOFF, reader=reader,
-                        waiting_since=time.monotonic())
-            self.handoffs[rid] = h
-            return h
-        h = Handoff(section["ticket"], section["control"], num_tokens, next(self.epochs))
-        self.handoffs[rid] = h
-        logger.debug("kvbaton: request %s claims ticket %s from %s", rid, pc.short(h.ticket), h.control)
+            slot.state, slot.reason = SlotState.SIBLING, SHARES_A_HANDOFF
+            slot.reader, slot.waiting_since = reader, time.monotonic()
+            return slot
+        slot.ticket, slot.control, slot.num_tokens = section["ticket"], section["control"], num_tokens
+        slot.epoch = next(self.epochs)
+        logger.debug("kvbaton: request %s claims ticket %s from %s", rid, pc.short(slot.ticket), slot.control)
         num_blocks = -(-num_tokens // self.conn.block_size)
-        if not self.send(ev.LoadRequested(0, rid, h.ticket, h.control, h.epoch, num_blocks, num_tokens, digest,
-                                          section.get("instance", "")), keepalive=section.get("keepalive", "")):
-            h.ticket, h.hit, h.consumed, h.reason = "", False, True, "sidecar unreachable"
+        if not self.send(ev.LoadRequested(0, rid, slot.ticket, slot.control, slot.epoch, num_blocks, num_tokens,
+                                          digest, section.get("instance", "")), keepalive=section.get("keepalive", "")):
+            slot.ticket, slot.reason = "", "sidecar unreachable"
         else:
-            self.readers[h.ticket] = request
-        return h
+            slot.state = SlotState.CLAIMING
+            self.readers[slot.ticket] = request
+        return slot
 
-    def _reader_pending(self, rid: str, h: Handoff) -> bool:
+    def _reader_pending(self, rid: str, slot: Slot) -> bool:
         """A sibling's reader has not left the waiting queue yet (its load is not over, or its
         blocks are not cached yet). Once it runs, is preempted or finished, the sibling goes on."""
 
         from vllm.v1.request import RequestStatus
 
-        if h.reader.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS):
+        if slot.reader.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS):
             return False
-        if time.monotonic() - h.waiting_since > SIBLING_WAIT_S:
+        if time.monotonic() - slot.waiting_since > SIBLING_WAIT_S:
             logger.warning("kvbaton: request %s waited %.0f s for the load of request %s, which shares "
-                           "its handoff; computing it locally", rid, SIBLING_WAIT_S, h.reader.request_id)
+                           "its handoff; computing it locally", rid, SIBLING_WAIT_S, slot.reader.request_id)
             return False
         return True
 
     def on_new_request(self, request) -> None:
-        self._handoff(request)
+        self._slot(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        h = self._handoff(request)
-        if h is not None and h.reader is not None:
-            if self._reader_pending(request.request_id, h):
+        slot = self._slot(request)
+        if slot.state == SlotState.SIBLING:
+            if self._reader_pending(request.request_id, slot):
                 return None, False  # not known yet: asked again next step, with a fresh cache lookup
-            h.reader = None  # D's prefix cache holds what the reader loaded; the rest is computed
+            slot.state, slot.reader = SlotState.LOCAL, None  # D's prefix cache holds what the reader loaded
             return 0, False
-        if h is None and self.history_on:
-            return self._restore_match(request, num_computed_tokens)
-        if h is None or h.consumed:
-            return 0, False  # no handoff, or already used: a preempted request recomputes
-        if h.hit is None:
+        if not slot.handoff and self.history_on:
+            return self._restore_match(request, slot, num_computed_tokens)
+        if slot.state == SlotState.CLAIMING:
             self.drain()
-            if h.hit is None and not self.usable():
-                h.hit, h.reason = False, "sidecar down"
-        if h.hit is False:
-            h.consumed = True
-            return 0, False
-        if h.hit is None and not self.allocate_early:
+            if slot.state == SlotState.CLAIMING and not self.usable():
+                slot.state, slot.reason = SlotState.LOCAL, "sidecar down"
+        if slot.state not in WAITING:
+            return 0, False  # no handoff, refused, missed, or already used: a preempted request recomputes
+        if slot.state == SlotState.CLAIMING and not self.allocate_early:
             return None, False  # P has not answered yet: ask again next step
         # Granted, or not answered yet (D allocates before the claim is answered): waiting for
         # P's answer would cost the request a whole engine step. The sidecar holds the allocation
         # until P answers; a refused claim then reports the blocks invalid and vLLM recomputes them.
-        count = h.num_tokens - num_computed_tokens
+        count = slot.num_tokens - num_computed_tokens
         if count <= 0:  # the local prefix cache already has it all: give the ticket back
-            h.consumed = True
+            slot.state, slot.local_computed = SlotState.LOADING, num_computed_tokens
             self.send(ev.LoadAllocated(0, request.request_id, ()))
             return 0, False
-        h.local_computed = num_computed_tokens
-        h.external = count
+        slot.local_computed = num_computed_tokens
+        slot.external = count
         return count, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        r = self.restores.get(request.request_id)
-        if r is not None and r.state == RESERVED:
-            self._restore_allocated(request, r, blocks, num_external_tokens)
+        slot = self.slots.get(request.request_id)
+        if slot is None:
             return
-        if num_external_tokens <= 0:
+        if slot.state == SlotState.RESERVED:
+            self._restore_allocated(request, slot, blocks, num_external_tokens)
             return
-        h = self.handoffs.get(request.request_id)
-        if h is None or h.consumed or h.hit is False:
+        if num_external_tokens <= 0 or slot.state not in WAITING:
             return
-        h.consumed = True  # allocation consumes the handoff: never read it twice
+        slot.state = SlotState.LOADING  # allocation consumes the handoff: never read it twice
         block_ids = list(blocks.get_block_ids()[0])
         bs = self.conn.block_size
-        first = h.local_computed // bs  # never overwrite a local prefix-cache hit
-        last = min(math.ceil(h.num_tokens / bs), len(block_ids))
+        first = slot.local_computed // bs  # never overwrite a local prefix-cache hit
+        last = min(math.ceil(slot.num_tokens / bs), len(block_ids))
         dst = tuple(block_ids[first:last])
         # The sidecar reads P's granted blocks from index `first` on into `dst`.
         self.send(ev.LoadAllocated(0, request.request_id, dst, first=first))
@@ -319,43 +292,40 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output) -> None:
         self.drain()
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            h = self.handoffs.get(rid)
-            if h is not None and h.ticket:
+            slot = self.slots.get(rid)
+            if slot is not None and slot.ticket:
                 self.send(ev.RequestPreempted(0, rid))
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
-        if self.conn.is_consumer and rid in self.handoffs:
-            self.drain()  # the end of its load may have been reported in this step
-        h = self.handoffs.pop(rid, None)
-        if h is not None and h.ticket and self.readers.get(h.ticket) is request:
-            del self.readers[h.ticket]
+        slot = self.slots.get(rid)
+        if slot is not None and (slot.ticket or slot.lease):
+            self.drain()  # the end of its load or lease may have been reported in this step
+        slot = self.slots.pop(rid, None) or Slot()
+        if slot.ticket and self.readers.get(slot.ticket) is request:
+            del self.readers[slot.ticket]
         from vllm.v1.request import RequestStatus
 
         aborted = request.status == RequestStatus.FINISHED_ABORTED
-        if h is not None and h.ticket and (aborted or not h.consumed):
+        if slot.ticket and (aborted or slot.state in WAITING):
             # D: a load not over yet is given up; the sidecar drains reads in flight first.
             self.send(ev.RequestAborted(0, rid))
-        keys = self.keys_by_request.pop(rid, None)
-        if self.history_on and rid in self.restores:
-            self.drain()  # the end of its lease may have been reported in this step
-        r = self.restores.pop(rid, None)
-        if r is not None and r.state in (ASKED, RESERVED):
-            self._release(rid, r)  # an abort before allocation gives the lease back
+        if slot.state in LEASED:
+            self._release(rid, slot)  # an abort before allocation gives the lease back
         params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         remote_decode = self.conn.is_producer and bool(params.get("do_remote_decode"))
         # P: a request that asked history says where its prompt came from (its own cache, history's
         # tiers, recomputed and why).
-        report = (None if r is None or aborted else
-                  {"kvbaton_prompt": r.report(len(request.prompt_token_ids or ()), self.conn.block_size)})
+        report = (None if not slot.lease or aborted else
+                  {"kvbaton_prompt": slot.restore_report(len(request.prompt_token_ids or ()), self.conn.block_size)})
         if not remote_decode:
             if self.history_on and not aborted and block_ids and self.usable():
-                delay, _ = self._retain_plain(request, block_ids, keys)
+                delay, _ = self._retain_plain(request, block_ids, slot.keys)
                 return delay, report
-            if h is not None and h.reader is None and not aborted and h.reason != SHARES_A_HANDOFF:
+            if slot.handoff and not aborted and slot.reason != SHARES_A_HANDOFF:
                 # D: the request's response says where its prompt came from (its own cache, P's
                 # handoff, recomputed and why).
-                return False, {"kvbaton_prompt": prompt_report(h, len(request.prompt_token_ids or ()))}
+                return False, {"kvbaton_prompt": slot.handoff_report(len(request.prompt_token_ids or ()))}
             return False, None
         if aborted or not block_ids or not self.usable():
             return False, report
@@ -379,7 +349,7 @@ class SchedulerSide:
                                self.conn.engine_id, SIDECAR_READY_WAIT_S, self.sidecar.log_file)
             return False, None
         ticket = uuid.uuid4().hex
-        ticket_keys = self._ticket_keys(request, keys, len(blocks), num_tokens)
+        ticket_keys = self._ticket_keys(request, slot.keys, len(blocks), num_tokens)
         # Two capabilities: the router's (abandon; it strips it before forwarding to D) and D's
         # keepalive (heartbeats while unclaimed). P keeps only their digests.
         abandon, keepalive = mint_capability(), mint_capability()
@@ -411,13 +381,12 @@ class SchedulerSide:
 
     # -- history (P) -------------------------------------------------------------------------------
 
-    def _keys(self, request) -> list[str]:
-        """The namespaced keys of the prompt's full blocks (vLLM's chained block hashes)."""
+    def _keys(self, request, slot: Slot | None = None) -> list[str]:
+        """The namespaced keys of the prompt's full blocks (vLLM's chained block hashes), kept in
+        the request's slot once complete (a prompt's hashes never change)."""
 
-        rid = request.request_id
-        keys = self.keys_by_request.get(rid)
-        if keys is not None:
-            return keys
+        if slot is not None and slot.keys is not None:
+            return slot.keys
         bs = self.conn.block_size
         n_full = len(request.prompt_token_ids or ()) // bs
         hashes = list(getattr(request, "block_hashes", None) or ())
@@ -431,8 +400,8 @@ class SchedulerSide:
         keys = [prefix + (h.hex() if isinstance(h, (bytes, bytearray)) else
                           hashlib.blake2b(repr(h).encode(), digest_size=16).hexdigest())
                 for h in hashes[:n_full]]
-        if len(keys) == n_full:  # complete: cache it (a prompt's hashes never change)
-            self.keys_by_request[rid] = keys
+        if slot is not None and len(keys) == n_full:
+            slot.keys = keys
         return keys
 
     def _ticket_keys(self, request, keys, num_blocks: int, num_tokens: int) -> tuple[str, ...]:
@@ -472,54 +441,53 @@ class SchedulerSide:
             return False, None  # not queued: vLLM frees the blocks now, nothing is retained
         return True, None  # the blocks are returned (finished_sending) once history copied them
 
-    def _restore_match(self, request, num_computed_tokens: int):
+    def _restore_match(self, request, slot: Slot, num_computed_tokens: int):
         """P: how many tokens past the local prefix-cache hit history can restore (async)."""
 
         rid = request.request_id
         bs = self.conn.block_size
         first = num_computed_tokens // bs
-        r = self.restores.get(rid)
-        if r is not None and r.state in (ASKED, RESERVED) and r.first != first:
+        if slot.state in LEASED and slot.first != first:
             # A scheduling retry with another local hit: that answer no longer fits; ask again.
-            self._release(rid, r)
-            r = None
-        if r is not None and r.state in (ASKED, RESERVED):
+            self._release(rid, slot)
+            slot.state, slot.lease = SlotState.LOCAL, ""
+        if slot.state in LEASED:
             self.drain()  # the answer, or the end of a reserved lease (expired) may be waiting
-        if r is None:
-            keys = self._keys(request)
+        if slot.state == SlotState.LOCAL and not slot.lease:
+            keys = self._keys(request, slot)
             if first >= len(keys) or keys[first] not in self.offered or not self.usable():
                 return 0, False
-            r = Restore(uuid.uuid4().hex, next(self.epochs), first, time.monotonic())
-            self.restores[rid] = r
-            self.send(ev.RestoreRequested(0, r.lease, rid, r.epoch, tuple(keys[first:])))
+            slot.state, slot.lease, slot.epoch = SlotState.ASKED, uuid.uuid4().hex, next(self.epochs)
+            slot.first, slot.asked_at = first, time.monotonic()
+            self.send(ev.RestoreRequested(0, slot.lease, rid, slot.epoch, tuple(keys[first:])))
             return None, False  # not known yet: vLLM asks again next step
-        if r.state == ASKED:
-            if time.monotonic() - r.asked_at > RESTORE_REPLY_WAIT_S or not self.usable():
+        if slot.state == SlotState.ASKED:
+            if time.monotonic() - slot.asked_at > RESTORE_REPLY_WAIT_S or not self.usable():
                 logger.warning("kvbaton: no answer to the history restore of %s: recomputing", rid)
-                self._release(rid, r)
+                self._release(rid, slot)
                 return 0, False
             return None, False
-        if r.state == RESERVED:
-            return r.blocks * bs, True
-        return 0, False  # allocated or done: one restore per request
+        if slot.state == SlotState.RESERVED:
+            return slot.blocks * bs, True
+        return 0, False  # restoring or done: one restore per request
 
-    def _restore_allocated(self, request, r: Restore, blocks, num_external_tokens: int) -> None:
+    def _restore_allocated(self, request, slot: Slot, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
         if num_external_tokens <= 0:  # vLLM did not take the hit (e.g. prompt logprobs)
-            self._release(rid, r)
+            self._release(rid, slot)
             return
         bs = self.conn.block_size
         block_ids = list(blocks.get_block_ids()[0])
         # By absolute prompt position, from the first block the local cache lacks: never
         # overwrite a local hit.
-        dst = tuple(block_ids[r.first: r.first + math.ceil(num_external_tokens / bs)])
-        r.state = ALLOCATED
-        self.send(ev.LeaseAllocated(0, r.lease, dst, rid))
+        dst = tuple(block_ids[slot.first: slot.first + math.ceil(num_external_tokens / bs)])
+        slot.state = SlotState.RESTORING
+        self.send(ev.LeaseAllocated(0, slot.lease, dst, rid))
 
-    def _release(self, rid: str, r: Restore) -> None:
-        if r.state in (ASKED, RESERVED):
-            self.send(ev.LeaseReleased(0, r.lease, rid, r.epoch))
-        r.state = DONE
+    def _release(self, rid: str, slot: Slot) -> None:
+        if slot.state in LEASED:
+            self.send(ev.LeaseReleased(0, slot.lease, rid, slot.epoch))
+        slot.state = SlotState.DONE
 
     def send(self, *events: ev.Event, keepalive: str = "") -> bool:
         """Tell the sidecar what the scheduler observed, as core events it stamps and applies
@@ -534,10 +502,9 @@ class SchedulerSide:
 
         state = call_authority_sync(self.sidecar.address or self.sidecar.bound_address(30.0), "debug_state")
         state["connector_errors"] = self.errors
-        state["handoffs"] = len(self.handoffs)
+        state["slots"] = {state: n for state in SlotState
+                          if (n := sum(1 for slot in self.slots.values() if slot.state == state))}
         state["readers"] = len(self.readers)
-        state["restores"] = {s: sum(1 for r in self.restores.values() if r.state == s)
-                             for s in (ASKED, RESERVED, ALLOCATED, DONE)}
         state["sidecar_alive"] = self.sidecar.alive()
         return state
 

@@ -4,7 +4,6 @@ restores, and reports finished sends, receives and load errors back to vLLM."""
 
 from __future__ import annotations
 
-import collections
 import faulthandler
 import signal
 import itertools
@@ -76,10 +75,6 @@ class WorkerSide:
         self.bad_peers: dict[str, str] = {}
         self.errors = 0
         self.io: WorkerIo | None = None  # the control-plane thread (posts reads), once registered
-        # Reported to vLLM when their last read or restore ended; the sidecar's FinishedRecving
-        # for them is dropped. Oldest first and bounded: if the sidecar never sends one (a
-        # rejected end), the entry must not stay for the engine's lifetime.
-        self.reported_received: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.history = None  # P's history copier (a thread), when history is on
         self.thread_cpus: frozenset[int] | None = None  # where our threads run (register_kv_caches)
         self.restorer = None  # P's history restores (on this thread, from pump)
@@ -187,11 +182,8 @@ class WorkerSide:
             logger.debug("kvbaton worker: %s", msg)
             if kind is m.FinishedSending:
                 self.sending.add(msg.request)
-            elif kind is m.FinishedRecving:
-                if msg.request in self.reported_received:
-                    del self.reported_received[msg.request]  # reported when its read ended
-                else:
-                    self.recving.add(msg.request)
+            elif kind is m.FinishedRecving:  # a load or restore that did not end here with its bytes in place
+                self.recving.add(msg.request)
             elif kind is m.InvalidBlocks:
                 self.load_errors.update(msg.blocks)
             elif kind is m.RestoreCopies:
@@ -204,9 +196,8 @@ class WorkerSide:
                 if done.ok and request:
                     # As for a load's last read: the bytes are in place, so vLLM may schedule
                     # the request next step instead of after the sidecar's round trip (an
-                    # engine step later). The sidecar's FinishedRecving for it is dropped.
+                    # engine step later). The sidecar, told by `done`, sends this rank nothing.
                     self.recving.add(request)
-                    self._mark_reported(request)
         if self.io.reads:
             for result in self.transport.poll():
                 request, last, read = self.io.reads.pop(result.read_id, ("", False, ""))
@@ -220,14 +211,8 @@ class WorkerSide:
                 self.link.send(done)
                 if done.ok and last:
                     # The bytes are in place: vLLM may schedule the request next step. The
-                    # sidecar's FinishedRecving for it (after it books the read) is dropped.
+                    # sidecar, told by `done`, sends this rank no FinishedRecving for it.
                     self.recving.add(request)
-                    self._mark_reported(request)
-
-    REPORTED_MAX = 4096  # far more loads and restores than can be in flight at once
-
-    def _mark_reported(self, request: str) -> None:
-        _remember(self.reported_received, request, self.REPORTED_MAX)
 
     def _restore(self, msg: m.RestoreCopies) -> None:
         if self.restorer is None:  # history is off here: the sidecar should not have asked
@@ -284,9 +269,3 @@ class WorkerSide:
         if self.link is not None:
             self.link.close()
 
-
-def _remember(book: collections.OrderedDict, key: str, limit: int) -> None:
-    """Add `key` to a bounded record, dropping the oldest entries past `limit`."""
-    book[key] = None
-    while len(book) > limit:
-        book.popitem(last=False)

@@ -52,10 +52,11 @@ def submit_then_stall(ctx, request_id, prompt, max_tokens, kv_transfer_params, s
     scheduler_side = ctx.scheduler.connector._scheduler
     for _ in range(20):
         child.do_step()
-        if internal in scheduler_side.restores:
+        slot = scheduler_side.slots.get(internal)
+        if slot is not None and slot.lease:
             break
-    record = scheduler_side.restores.get(internal)
-    asked = record.state if record is not None else None
+    slot = scheduler_side.slots.get(internal)
+    asked = str(slot.state) if slot is not None and slot.lease else None
     if abort_after_s is not None:
         time.sleep(abort_after_s)
         child.op_abort([request_id])

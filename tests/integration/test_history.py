@@ -221,7 +221,7 @@ def test_abort_while_restoring_frees_blocks_after_the_copy(hist):
         request = f"abort-restoring-{uuid.uuid4().hex[:6]}"
         p.submit(request, doc, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         time.sleep(0.4)
-        assert state(p)["restores"]["allocated"] == 1  # parked in WAITING_FOR_REMOTE_KVS, copying
+        assert state(p)["slots"].get("restoring") == 1  # parked in WAITING_FOR_REMOTE_KVS, copying
         p.abort(request)
         time.sleep(1.2)
     finally:

@@ -71,6 +71,17 @@ class Books:
     def moved(self, after: dict, where: str, name: str, **labels) -> float:
         return total(after[where], name, **labels) - total(self.before[where], name, **labels)
 
+    def diagnose(self, after: dict, seen: dict) -> str:
+        """What moved, how P's tickets closed and D's loads ended, and the sidecars' last lines."""
+
+        lines = [f"moved: {seen}"]
+        for where, prefixes in (("p", ("kvbaton_tickets_closed_total", "kvbaton_peer_refused_total")),
+                                ("d", ("kvbaton_loads_ended_total", "kvbaton_handoffs_refused"))):
+            lines += [f"{where}: {line}" for line in after[where].splitlines() if line.startswith(prefixes)]
+        for log in sorted(Path(self.deployment.log_dir).rglob("sidecar-*.log")):
+            lines += [f"--- {log.name}", *log.read_text(errors="replace").splitlines()[-15:]]
+        return "\n".join(lines)
+
     def settled(self) -> dict[str, str]:
         """The books once P's ticket is closed and nothing is open on either side."""
 
@@ -85,14 +96,19 @@ class Books:
 def assert_one_handoff(books: Books, after: dict) -> None:
     """One ticket, one claim, one read, one load: the ticket was read once, whatever n was."""
 
-    assert books.moved(after, "p", "kvbaton_tickets_issued_total") == 1
-    assert books.moved(after, "p", "kvbaton_tickets_claimed_total") == 1
-    assert books.moved(after, "p", "kvbaton_ticket_reads_total", result="ok") == 1
-    assert books.moved(after, "p", "kvbaton_ticket_reads_total", result="failed") == 0
-    assert books.moved(after, "p", "kvbaton_claims_refused_total") == 0
-    assert books.moved(after, "p", "kvbaton_peer_refused_total") == 0
-    assert books.moved(after, "d", "kvbaton_loads_requested_total") == 1
-    assert books.moved(after, "d", "kvbaton_handoff_reads_total", result="ok") == 1
+    seen = {
+        "p issued": books.moved(after, "p", "kvbaton_tickets_issued_total"),
+        "p claimed": books.moved(after, "p", "kvbaton_tickets_claimed_total"),
+        "p reads ok": books.moved(after, "p", "kvbaton_ticket_reads_total", result="ok"),
+        "p reads failed": books.moved(after, "p", "kvbaton_ticket_reads_total", result="failed"),
+        "p claims refused": books.moved(after, "p", "kvbaton_claims_refused_total"),
+        "p peer calls refused": books.moved(after, "p", "kvbaton_peer_refused_total"),
+        "d loads": books.moved(after, "d", "kvbaton_loads_requested_total"),
+        "d reads ok": books.moved(after, "d", "kvbaton_handoff_reads_total", result="ok"),
+    }
+    expected = {"p issued": 1, "p claimed": 1, "p reads ok": 1, "p reads failed": 0, "p claims refused": 0,
+                "p peer calls refused": 0, "d loads": 1, "d reads ok": 1}
+    assert seen == expected, books.diagnose(after, seen)
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -58,7 +58,7 @@ def scheduler_side() -> c.SchedulerSide:
     side.sidecar = Sidecar()
     side.allocate_early = True
     side.history_on = False
-    side.handoffs, side.readers, side.restores, side.keys_by_request = {}, {}, {}, {}
+    side.slots, side.readers = {}, {}
     side.epochs = itertools.count(1)
     side.errors = 0
     return side
@@ -106,7 +106,7 @@ def test_the_ticket_is_claimed_once_and_siblings_wait_for_its_load():
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         side.request_finished(request, [[7, 8, 9]])
     assert side.sidecar.of(ev.RequestAborted) == side.sidecar.of(ev.RequestPreempted) == []  # the reader's load was consumed; siblings never claimed
-    assert side.handoffs == {} and side.readers == {}
+    assert side.slots == {} and side.readers == {}
 
 
 def test_siblings_go_on_when_the_reader_is_aborted_and_nothing_stays_behind():
@@ -124,7 +124,7 @@ def test_siblings_go_on_when_the_reader_is_aborted_and_nothing_stays_behind():
         side.request_finished(request, [[1, 2, 3]])
     assert [x.request for x in side.sidecar.of(ev.RequestAborted)] == [reader.request_id]
     assert side.sidecar.of(ev.RequestPreempted) == []
-    assert side.handoffs == {} and side.readers == {}
+    assert side.slots == {} and side.readers == {}
 
 
 def test_a_preempted_reader_lets_siblings_compute():

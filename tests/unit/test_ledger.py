@@ -63,7 +63,8 @@ def test_reading_ticket_never_expires_and_release_drains():
     assert p.apply(ev.ReadStarted(2, "t1", "D", 1, "x"))[0].granted
     assert p.apply(ev.Tick(10**15)) == []
     assert p.apply(ev.ReleaseRequested(10**15, "t1", "D", 1)) == []  # DRAINING
-    out = p.apply(ev.ReadFinished(10**15 + 1, "t1", "x", True))
+    assert kinds(p.apply(ev.ReadFinished(10**15 + 1, "t1", "x", True, "E", 1))) == ["Rejected"]  # not the claimer
+    out = p.apply(ev.ReadFinished(10**15 + 1, "t1", "x", True, "D", 1))
     assert kinds(out) == ["FreeEngineBlocks"]
 
 

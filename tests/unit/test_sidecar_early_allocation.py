@@ -128,3 +128,37 @@ def test_a_grant_for_a_pruned_load_is_undone_at_p(tmp_path):
     calls.clear()
     asyncio.run(run(a._claim(fx.SendClaim("r1", "t1", "127.0.0.1:2", 1))))
     assert pc.Release("t1", "D", 1) in calls
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_parked_load_is_reported_received_by_one_path(authority, ok):
+    """A worker whose last read succeeded tells vLLM itself in that step; the sidecar then sends
+    it nothing. Otherwise (a failed read) the sidecar tells it, after the invalid blocks."""
+
+    a = authority
+    requested(a)
+    allocated(a, (10, 11))
+    granted(a)
+    a._apply(ev.ReadGranted(a._now(), "r1", "r1/0"))  # the read is posted (its last)
+    assert a.last_reads == {"r1": "r1/0"}
+    a._on_message(m.ReadDone("r1", "r1/0", ok, "" if ok else "transport error", 4096, 0.001), 0)
+    assert a.ledger.loads.loads["r1"].state == ("DONE" if ok else "FAILED")
+    assert to_worker(a) == ([] if ok else [("InvalidBlocks", (10, 11)), ("FinishedRecving", ())])
+    assert a.reported == {} and a.last_reads == {}
+
+
+def test_with_two_ranks_only_the_rank_that_did_not_report_is_told(tmp_path):
+    """Rank 0's part of the last read succeeded (it told vLLM itself), rank 1's failed: the load
+    fails as a whole, every rank hears the blocks are invalid, and only rank 1 is told the request
+    was received, so vLLM hears it exactly once from each rank."""
+
+    a = listed_authority(tmp_path, "D", "consumer", ranks=2)
+    requested(a)
+    allocated(a, (10, 11))
+    granted(a)
+    a._apply(ev.ReadGranted(a._now(), "r1", "r1/0"))
+    a._on_message(m.ReadDone("r1", "r1/0", True, "", 4096, 0.001), 0)
+    a._on_message(m.ReadDone("r1", "r1/0", False, "transport error", 0, 0.0), 1)
+    assert a.ledger.loads.loads["r1"].state == "FAILED"
+    told = [(sock, type(msg).__name__) for sock, msg in a.sent if sock.startswith("worker")]
+    assert told == [("worker", "InvalidBlocks"), ("worker.1", "FinishedRecving")]

@@ -21,7 +21,7 @@ def prefill_events():
         ev.TicketIssued(0 * MS, "t1", "r1", (0, 1), keys),
         ev.ClaimRequested(3 * MS, "t1", "d", 1),
         ev.ReadStarted(4 * MS, "t1", "d", 1, "x"),
-        ev.ReadFinished(6 * MS, "t1", "x", True),
+        ev.ReadFinished(6 * MS, "t1", "x", True, "d", 1),
         ev.ReleaseRequested(7 * MS, "t1", "d", 1),
         ev.HistoryPublished(9 * MS, "t1", True),
         # A revisit of the same prompt: restore asked 20, allocated 21, copies 22..25, ticket 40.

@@ -370,7 +370,7 @@ class HistoryStore(Book):
         for key in keys:
             blk = self.blocks.get(key)
             if blk is None or blk.pins <= 0:
-                self.internal_errors.append(f"history {key}: unpinned more than pinned")
+                self._internal_error(f"history {key}: unpinned more than pinned")
                 continue
             blk.pins -= 1
 

@@ -90,6 +90,11 @@ class MachineSpec:
         return str(model.get_graph().draw(None))
 
 
+class InternalError(RuntimeError):
+    """A bug in a machine (an undeclared move, a count gone negative), raised at once in strict
+    mode (`Ledger(strict=True)`: tests and simulators); an engine records it instead."""
+
+
 class Book:
     """What every machine's book shares: its records by id, declared moves, deadlines, the hook
     that tells the ledger a record ended, internal errors, and the invariants every machine keeps.
@@ -102,6 +107,9 @@ class Book:
     """
 
     spec: MachineSpec
+    # Tests and simulators: an internal error raises `InternalError` where it happens, instead of
+    # being recorded for the next invariant check (an engine must never raise for one).
+    strict = False
     noun = "record"
     key = "id"
     kind = -1  # no deadlines
@@ -136,12 +144,16 @@ class Book:
         source = record.state
         dests = self.spec.table.get((source, trigger))
         if dests is None or dest not in dests:
-            self.internal_errors.append(
-                f"{self.noun} {getattr(record, self.key)}: undeclared move {source} -{trigger}-> {dest}")
+            self._internal_error(f"{self.noun} {getattr(record, self.key)}: undeclared move {source} -{trigger}-> {dest}")
             return
         if self.moves is not None:
             self.moves[(source, trigger, dest)] += 1
         record.state = dest
+
+    def _internal_error(self, text: str) -> None:
+        if self.strict:
+            raise InternalError(text)
+        self.internal_errors.append(text)
 
     def _terminate(self, record, trigger: str, dest: str) -> None:
         """Move into a terminal state: no deadline from now on, and the ledger hears of it."""

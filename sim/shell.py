@@ -45,6 +45,7 @@ from ..core import effects as fx
 from ..core import events as ev
 from ..core.audit import Auditor
 from ..core.ledger import SECOND_NS, LedgerConfig
+from ..core.machine import InternalError
 
 MS = SECOND_NS // 1000
 BLOCK_SIZE = 16
@@ -124,8 +125,15 @@ class SimAuthority(Authority):
         auditor = engine.auditor
         ledger_apply = self.ledger.apply
 
+        for book in self.ledger.books():  # a machine's bug fails the run where it happens
+            book.strict = True
+
         def observed_apply(event: ev.Event) -> list[fx.Effect]:
-            effects = ledger_apply(event)
+            try:
+                effects = ledger_apply(event)
+            except InternalError as exc:
+                world.violation(engine, str(exc))
+                return []
             world.events += 1
             seq = world.events
             for text in auditor.observe(seq, event, effects):

@@ -25,6 +25,7 @@ from ..core import events as ev
 from ..core import load as loads
 from ..core.audit import Auditor
 from ..core.common import NEVER
+from ..core.machine import InternalError
 from ..core.ledger import SECOND_NS, Ledger, LedgerConfig
 
 FAULTS = (
@@ -105,6 +106,8 @@ class Node:
     def __init__(self, name: str, ledger: Ledger, pool_blocks: int) -> None:
         self.name = name
         self.ledger = ledger
+        for book in ledger.books():  # a machine's bug fails the sequence at the event that caused it
+            book.strict = True
         self.auditor = Auditor(ledger.config.reader_silence_ns)
         self.log: list[ev.Event] = []
         self.alive = True
@@ -221,7 +224,11 @@ class Swarm:
         if not node.alive:
             return
         node.log.append(event)
-        effects = node.ledger.apply(event)
+        try:
+            effects = node.ledger.apply(event)
+        except InternalError as exc:
+            self.fail(node, [f"{node.name} event {len(node.log)}: {exc}"])
+            return
         self.result.events += 1
         seq = len(node.log)
         found = node.ledger.check_invariants() + node.auditor.observe(seq, event, effects)
@@ -319,9 +326,10 @@ class Swarm:
             return
         self.local(node, ev.LeaseAllocated, {"lease": lease, "blocks": blocks, "request": request})
         record = node.ledger.leases.leases.get(lease)
-        if record is None or record.blocks != blocks:
+        if record is None or record.state != "ALLOCATED" or record.blocks != blocks:
             # Refused (expired meanwhile, or a duplicate of an allocation the lease already
-            # holds): these blocks are free at once; the lease keeps whatever it already had.
+            # holds, or of one it held before it ended and gave the same blocks back): these
+            # blocks are free at once; the lease keeps whatever it already had.
             for block in blocks:
                 node.owner.pop(block, None)
                 node.free.add(block)

@@ -1,5 +1,7 @@
 """Targeted ledger scenarios: the failure table's rows, terminal absorption, history policy."""
 
+import pytest
+
 from kvbaton.core import effects as fx
 from kvbaton.core import events as ev
 from kvbaton.core.ledger import SECOND_NS, Ledger, LedgerConfig
@@ -512,3 +514,22 @@ def test_a_queued_retention_past_its_deadline_returns_its_blocks():
     assert sorted(e.ticket for e in out if isinstance(e, fx.FreeEngineBlocks)) == ["a", "b"]
     assert p.history.writers == [] and p.counters["history.dropped.deadline"] == 2
     assert p.check_invariants() == []
+
+
+def test_strict_mode_raises_an_internal_error_where_it_happens():
+    """An engine records a machine's bug for the invariant check (it must never raise into vLLM);
+    tests and simulators ask for strict mode and get the exception at the event that caused it."""
+
+    from kvbaton.core.machine import InternalError
+
+    for strict in (False, True):
+        d = Ledger(strict=strict)
+        d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2))
+        load = d.loads.loads["r"]
+        if strict:
+            with pytest.raises(InternalError, match="undeclared move AWAITING_CLAIM -read_done-> DONE"):
+                d.loads._move(load, "read_done", "DONE")
+        else:
+            d.loads._move(load, "read_done", "DONE")
+            assert load.state == "AWAITING_CLAIM"
+            assert any("undeclared move" in v for v in d.check_invariants())

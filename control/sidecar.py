@@ -452,7 +452,10 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                 except Exception:
                     logger.exception("history: applying the demotion of %s failed", key)
         elif kind is m.RestoreDone:
-            if msg.ok:  # this rank told vLLM the request was received (worker_side.pump)
+            lease = self.ledger.leases.leases.get(msg.lease)
+            if msg.ok and lease is not None and lease.request:
+                # This rank told vLLM the request was received (worker_side.pump: a copy that
+                # succeeded for a named request).
                 self.reported.setdefault(("lease", msg.lease), set()).add(rank)
             ok = self.fan_in.note(("restore", msg.lease), rank, msg.ok)
             if ok is not None:

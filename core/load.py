@@ -244,6 +244,8 @@ class LoadBook(Book):
             self._end(ld, "refused", MISSED, LoadOutcome.GRANT_REFUSED.detail(problem), out)
             return out
         ld.engine, ld.granted = e.engine, tuple(e.blocks)
+        if not ld.source_instance:  # the handoff named none: calls go to the instance that granted
+            ld.source_instance = e.instance
         if ld.state == ALLOCATED_EARLY:
             out = [LoadResolved(e.request, True, num_tokens=ld.num_tokens)]
             out += self._start_reads(ld, "granted", ld.reads_left, now)

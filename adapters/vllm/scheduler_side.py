@@ -447,13 +447,16 @@ class SchedulerSide:
         rid = request.request_id
         bs = self.conn.block_size
         first = num_computed_tokens // bs
-        if slot.state in LEASED and slot.first != first:
-            # A scheduling retry with another local hit: that answer no longer fits; ask again.
+        retry = slot.state in LEASED and slot.first != first
+        if retry:
+            # A scheduling retry with another local hit: that answer no longer fits; ask again
+            # (when history cannot be asked now, the request ends its restore as a miss).
             self._release(rid, slot)
-            slot.state, slot.lease = SlotState.LOCAL, ""
+            slot.blocks = slot.cpu_blocks = 0
+            slot.reason = ""
         if slot.state in LEASED:
             self.drain()  # the answer, or the end of a reserved lease (expired) may be waiting
-        if slot.state == SlotState.LOCAL and not slot.lease:
+        if retry or (slot.state == SlotState.LOCAL and not slot.lease):
             keys = self._keys(request, slot)
             if first >= len(keys) or keys[first] not in self.offered or not self.usable():
                 return 0, False

@@ -193,10 +193,9 @@ class Link:
     def drain(self) -> list[m.Msg]:
         # The scheduler drains once per engine step, and most steps find nothing. pyzmq lets go
         # of the GIL around every recv, even a non-blocking one that finds nothing, and taking it
-        # back waits for whichever thread holds it (vLLM's output thread, our io threads): beside
-        # one busy Python thread an empty recv cost 34-81 us against 7-9 us for asking the socket
-        # first (bench/control_drain.py, three runs). On an H200, kvbaton's build_connector_meta took
-        # 60 us a step against native's 6 us.
+        # back waits for whichever thread holds it (vLLM's output thread, our io threads), so the
+        # socket is asked first whether anything waits, which keeps the GIL (bench/control_drain.py
+        # times both).
         out = []
         while True:
             try:

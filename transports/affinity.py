@@ -5,9 +5,8 @@ starts later inherits that pin: kvbaton's io and helper threads, the history cop
 progress thread and UCX's async thread. When two engines share a core (three engines on two cores)
 both workers spin on `sched_yield` between steps for a second after each one, and a pinned thread
 of either that wakes up can wait seconds for that core: a Python thread also needs its GIL back
-from the spinner. A read then sits in NIXL untouched until its bound. Measured on a 2-core VM,
-two spinning processes on one core with a thread each that sleeps 20 ms: the worst oversleep was
-7.5 s pinned with them and 20 ms free to run on either core (one spinner: 1.3 ms).
+from the spinner. A read then sits in NIXL untouched until its bound: a pinned thread beside two
+spinners oversleeps by seconds, where one free to run on either core oversleeps by milliseconds.
 
 So these threads run on the CPUs the engine process was given (its parent's affinity, which the
 operator's taskset or cpuset decides), not on the worker's pinned cores. They are light: they

@@ -1,14 +1,13 @@
 """D's landing area: a read's blocks arrive packed, then the device puts them in place.
 
-Why: NIXL costs a fixed 6-10 us per descriptor on an H200 (docs/reference/TRANSPORT.md), and a read needs
-one descriptor per layer and per run of blocks that are adjacent on *both* sides. A busy decode
+Why: NIXL costs a fixed time per descriptor (docs/reference/TRANSPORT.md), and a read needs one
+descriptor per layer and per run of blocks that are adjacent on *both* sides. A busy decode
 engine's free blocks are scattered (requests that finished at different times gave theirs back
-interleaved): in the 0.5B benchmark every cold 4000-token prompt landed in 250 separate D blocks,
-6,000 descriptors, 66 ms per read, against ~1 ms for the same bytes in one run. With a landing
-area the destination is always one run, so a read needs one descriptor per layer and *source*
-run; the device then scatters the blocks into the engine's cache with one `index_copy_` per layer
-and span. Measured on one H200 (bench/nixl_gpu_read.py, 277 blocks, 54.5 MB): 2.33 ms landed
-against 74.7 ms straight into scattered blocks, and 1.39 ms for a read contiguous on both sides.
+interleaved), so a cold prompt can land in hundreds of separate blocks: thousands of
+descriptors, and a read many times slower than the same bytes in one run. With a landing area the
+destination is always one run, so a read needs one descriptor per layer and *source* run; the
+device then scatters the blocks into the engine's cache with one `index_copy_` per layer and
+span, which costs far less than the descriptors it saves (bench/nixl_gpu_read.py measures both).
 
 Layout of a reservation of `n` blocks at block offset `s`: for each layer (in the KV layout's
 order) a segment of `n * layer.block_nbytes` bytes, starting at `s * block_nbytes + n * (bytes of

@@ -163,23 +163,20 @@ class NixlTransport:
             descriptor_mode: "auto", "prepped" or "per_read" (see the module docstring).
             dram_hugepages: before registering a CPU KV cache, ask the kernel to back it with
                 2 MiB pages (MADV_COLLAPSE). UCX moves DRAM between processes with CMA
-                (process_vm_readv), which walks page tables: torch's 4 KiB-page tensors read at
-                ~2 GB/s here against ~5.5 GB/s for the same tensors collapsed (numpy arrays get
-                huge pages by themselves). It costs ~0.3-0.7 ms per MiB once, at register time,
-                keeps the contents, and is skipped silently where the kernel refuses.
+                (process_vm_readv), which walks page tables, so torch's 4 KiB-page tensors read
+                several times slower than the same tensors collapsed (numpy arrays get huge
+                pages by themselves). The collapse costs once, at register time, keeps the
+                contents, and is skipped silently where the kernel refuses.
             post_in_thread: post READs from a helper thread (default). UCX copies the bytes
                 *inside* `transfer()` for DRAM (CMA) and, as measured, for one-GPU VRAM
                 (cuda_ipc), so posting on the caller's thread makes start_read block for the
                 whole copy. False posts inline, for callers that want exactly that.
             progress_interval_s: while idle, the helper thread progresses the agent this often
-                (settling reads, buffering notifications for take_notifications). A backstop:
-                on the 2-core VM a reader's first small READ (8-16 KiB, right after connecting)
-                stayed in "PROC" for good in every run of one setup for a while, whenever the
-                target made no NIXL call of its own; a get_new_notifs on the target released it
-                at once. It stopped reproducing later (cause not pinned down; the progress
-                thread's pause was being changed at the time). An idle vLLM engine makes no NIXL
-                calls, so the transport makes them. Cost when idle: +0.3% of a core at 20 ms,
-                +0.8% at 5 ms. None turns it off.
+                (settling reads, buffering notifications for take_notifications). A backstop: a
+                reader's first READ after connecting can stay in progress until the target's
+                agent is progressed too (UCX completes a connection only as both sides make
+                progress), and an idle vLLM engine makes no NIXL calls, so the transport makes
+                them. It costs well under a percent of a core while idle. None turns it off.
             landing_bytes: size of a landing area on the cache's device (transports/landing.py);
                 0 (the default) reads straight into the destination blocks. With one, a read
                 whose destination blocks are scattered lands packed and is scattered by the

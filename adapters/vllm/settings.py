@@ -42,9 +42,9 @@ GRACE_MIN_S = 10.0
 # engine gets its blocks back on time, and what is not copied by then is dropped and counted.
 RETENTION_DEADLINE_S = 0.05
 # Retentions P's history copier may have queued at once: under load, releases arrive while a copy
-# runs, and with one at a time most were dropped as busy (about half of the blocks under 7B C16
-# load on one H200). Each queued one holds its ticket's engine blocks until its copy ends or the
-# retention deadline passes, so a few fit within the deadline at the copier's speed.
+# runs, and one at a time would drop most of them as busy. Each queued one holds its ticket's
+# engine blocks until its copy ends or the retention deadline passes, so a few fit within the
+# deadline at the copier's speed.
 RETENTION_WRITERS = 4
 # An engine step (from start_load_kv to get_finished) still running after this long writes every
 # thread's Python stack to the engine's log, and again each time as long again passes: vLLM ends an

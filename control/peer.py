@@ -30,15 +30,14 @@ from typing import Annotated, Union
 
 import msgspec
 
+from ..core.common import MAX_ID
+
 # Ids are what kvbaton and vLLM mint (uuid hex, engine ids, "<request>/<n>" read names): short,
 # printable, no spaces. 128 characters leaves room for operators' engine ids.
-MAX_ID = 128
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID, pattern=r"^[A-Za-z0-9._:/@+=-]+$")]
 # Capabilities are 32 hex characters (128 random bits).
 Capability = Annotated[str, msgspec.Meta(min_length=32, max_length=64, pattern=r"^[0-9a-f]+$")]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
-# Engine block ids a grant may name (vLLM's block pools are far smaller).
-MAX_BLOCK_ID = (1 << 31) - 1
 # An engine instance's epoch (128 random bits, hex) and its control address; "" when unknown.
 Instance = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*$")]
 Address = Annotated[str, msgspec.Meta(max_length=260, pattern=r"^[A-Za-z0-9._:\[\]-]*$")]

@@ -184,9 +184,9 @@ class PeerCalls:
                 self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
                                                                  effect.epoch), self._issuer(effect.ticket, effect.request)))
             for refusal in (e for e in effects if type(e) is fx.LoadResolved and not e.hit):
-                head = Reason.head(refusal.reason)
-                self.refused["stale_instance" if head == Reason.SOURCE_RESTARTED else "grant_mismatch"] += 1
-                self.refusal_log.warning("grant_mismatch", "request %s: %s (P at %s); recomputing",
+                key = "stale_instance" if Reason.head(refusal.reason) == Reason.SOURCE_RESTARTED else "grant_mismatch"
+                self.refused[key] += 1
+                self.refusal_log.warning(key, "request %s: %s (P at %s); recomputing",
                                          effect.request, refusal.reason, effect.source)
         else:
             reason = reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE

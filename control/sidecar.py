@@ -104,10 +104,8 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         # the keepalive its heartbeats present to P, by request, until the load finishes.
         self.keepalives: dict[str, str] = {}
         # Parked requests a worker rank already reported received itself (its last read, or its
-        # restore copy, succeeded), by ("load", request) or ("lease", lease); and each load's last
-        # read, which is the one whose success the worker reports.
+        # restore copy, succeeded), by ("load", request) or ("lease", lease).
         self.reported: dict[tuple[str, str], set[int]] = {}
-        self.last_reads: dict[str, str] = {}
         # D: refs to the peers it calls, least recently called first (peer_calls._ref).
         self.peer_refs: collections.OrderedDict[str, object] = collections.OrderedDict()
         # Where decisions go (`_send`): the scheduler, every worker rank, every rank's history copier.
@@ -343,8 +341,6 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         elif kind is fx.SendReadStart:
             self._spawn(self._read_start(effect))
         elif kind is fx.PostRead:
-            if effect.last:
-                self.last_reads[effect.request] = effect.read
             self._spawn(self._post_read(effect))
         elif kind is fx.SendReadEnd:
             self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id, effect.epoch,
@@ -358,7 +354,6 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         elif kind is fx.LoadFinished:
             self._send(self.to_scheduler, m.LoadEnded(effect.request, effect.ok, effect.reason))
             reported = self.reported.pop(("load", effect.request), ())
-            self.last_reads.pop(effect.request, None)
             if effect.parked:
                 # Only an allocated (async) load is parked in WAITING_FOR_REMOTE_KVS: vLLM waits
                 # for exactly one finished_recving for it from every rank, and asserts on any other.
@@ -466,7 +461,8 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
         elif kind is m.WorkerReady:
             self._worker_ready(msg, rank)
         elif kind is m.ReadDone:
-            if msg.ok and self.last_reads.get(msg.request) == msg.read:
+            load = self.ledger.loads.loads.get(msg.request)
+            if msg.ok and load is not None and load.is_last_read(msg.read):
                 # This rank told vLLM the request was received (worker_side.pump).
                 self.reported.setdefault(("load", msg.request), set()).add(rank)
             # The transfer counters count the transport's reads: one per rank of a read.
@@ -485,7 +481,6 @@ class Authority(PeerAnswers, PeerCalls, xo.Actor):
                 stats["failed"] += 1
                 if msg.error.startswith("read timed out"):
                     stats["timed_out"] = stats.get("timed_out", 0) + 1
-                    load = self.ledger.loads.loads.get(msg.request)
                     self.refusal_log.warning("read_timed_out", "read %s of request %s from P at %s "
                                              "(engine %s, rank %d): %s; the request recomputes", msg.read,
                                              msg.request, load.source if load else "?", load.engine if load else "?",

@@ -6,6 +6,10 @@ import heapq
 
 from .effects import Rejected
 
+# The largest engine block id and the longest id (engine, ticket, request) anything accepts: the
+# peer protocol decodes with them (control/peer.py) and the load machine checks grants by them.
+MAX_BLOCK_ID = (1 << 31) - 1
+MAX_ID = 128
 NEVER = 2**63 - 1  # a deadline that never fires (reads in flight cannot expire)
 
 

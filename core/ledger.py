@@ -98,9 +98,8 @@ class Ledger:
         self.tickets = TicketBook(self.config, self.deadlines, self.counters, self.history)
         self.loads = LoadBook(self.config, self.deadlines, self.counters)
         self.leases = LeaseBook(self.config, self.deadlines, self.counters, self.history)
-        if strict:  # tests and simulators: a machine's bug raises where it happens (InternalError)
-            for book in self.books():
-                book.strict = True
+        if strict:
+            self.make_strict()
         t, ld, ls = self.tickets, self.loads, self.leases
         self._handlers = {
             ev.TicketIssued: t.issued,
@@ -225,6 +224,12 @@ class Ledger:
             found.append(f"history: writers {self.history.writers} are not the retaining tickets "
                          f"{sorted(retaining)}")
         return found
+
+    def make_strict(self) -> None:
+        """Tests and simulators: a machine's bug raises `InternalError` where it happens."""
+
+        for book in self.books():
+            book.strict = True
 
     def books(self) -> tuple:
         """The four machines' books (ticket, load, lease, history block)."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .common import NEVER, Counters, Deadlines, reject
+from .common import MAX_BLOCK_ID, MAX_ID, NEVER, Counters, Deadlines, reject
 from .effects import (
     Effect,
     LoadFinished,
@@ -133,11 +133,13 @@ class Load(msgspec.Struct):
     first: int = 0
     reads: int = 0  # how many reads the allocation asked for (the blocks split evenly)
 
+    def is_last_read(self, read: str) -> bool:
+        """`read` is the read in flight and the last this load makes."""
+
+        return self.read == read and self.reads_done + 1 >= self.reads
+
 
 KIND_LOAD = 1
-# The largest engine block id and engine name a grant may carry (what P's answers are decoded with).
-MAX_BLOCK_ID = (1 << 31) - 1
-MAX_ENGINE_ID = 128
 
 
 def grant_problem(ld: Load, grant: ClaimGranted) -> str:
@@ -155,7 +157,7 @@ def grant_problem(ld: Load, grant: ClaimGranted) -> str:
         return Reason.GRANT_MISMATCH.detail(f"{len(grant.blocks)} blocks for a prompt of {ld.num_blocks}")
     if any(not 0 <= b <= MAX_BLOCK_ID for b in grant.blocks) or len(set(grant.blocks)) != len(grant.blocks):
         return Reason.GRANT_MISMATCH.detail("block ids out of range or repeated")
-    if not grant.engine or len(grant.engine) > MAX_ENGINE_ID:
+    if not grant.engine or len(grant.engine) > MAX_ID:
         return Reason.GRANT_MISMATCH.detail("no engine named")
     return ""
 

@@ -125,8 +125,7 @@ class SimAuthority(Authority):
         auditor = engine.auditor
         ledger_apply = self.ledger.apply
 
-        for book in self.ledger.books():  # a machine's bug fails the run where it happens
-            book.strict = True
+        self.ledger.make_strict()  # a machine's bug fails the run where it happens
 
         def observed_apply(event: ev.Event) -> list[fx.Effect]:
             try:

@@ -106,8 +106,7 @@ class Node:
     def __init__(self, name: str, ledger: Ledger, pool_blocks: int) -> None:
         self.name = name
         self.ledger = ledger
-        for book in ledger.books():  # a machine's bug fails the sequence at the event that caused it
-            book.strict = True
+        ledger.make_strict()  # a machine's bug fails the sequence at the event that caused it
         self.auditor = Auditor(ledger.config.reader_silence_ns)
         self.log: list[ev.Event] = []
         self.alive = True

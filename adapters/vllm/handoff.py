@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from ...control import peer as pc
+from ...core.common import MAX_BLOCK_ID
 from .identity import KvIdentity
 
 
@@ -111,7 +112,7 @@ def parse_handoff(params: dict, identity: KvIdentity, trusted, key: bytes | None
         if isinstance(blocks, list) and len(blocks) == 1 and isinstance(blocks[0], list):
             blocks = blocks[0]  # per-group form
         if (not isinstance(blocks, list) or len(blocks) > MAX_HINT_BLOCKS
-                or not all(type(b) is int and 0 <= b <= pc.MAX_BLOCK_ID for b in blocks)):
+                or not all(type(b) is int and 0 <= b <= MAX_BLOCK_ID for b in blocks)):
             raise HandoffError("kvbaton handoff 'remote_block_ids' is not a list of block ids")
     unmapped = identity.reads_from(section["tp"])
     if unmapped:

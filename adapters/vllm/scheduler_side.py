@@ -505,8 +505,7 @@ class SchedulerSide:
 
         state = call_authority_sync(self.sidecar.address or self.sidecar.bound_address(30.0), "debug_state")
         state["connector_errors"] = self.errors
-        state["slots"] = {state: n for state in SlotState
-                          if (n := sum(1 for slot in self.slots.values() if slot.state == state))}
+        state["slots"] = dict(collections.Counter(str(slot.state) for slot in self.slots.values()))
         state["readers"] = len(self.readers)
         state["sidecar_alive"] = self.sidecar.alive()
         return state

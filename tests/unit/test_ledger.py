@@ -412,6 +412,11 @@ def test_a_grant_is_read_only_when_it_names_what_the_request_holds():
         assert not out[0].hit and out[0].reason.startswith(want), (name, out[0].reason)
         assert d.loads.loads["r"].state == "MISSED" and out[-1].reason.startswith("grant refused"), name
         assert d.check_invariants() == [], name
+    # A handoff that named no P instance: later calls go to the instance that granted.
+    d = Ledger()
+    d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2, 40, "d" * 32, "", "layout-a"))
+    assert d.apply(ev.ClaimGranted(1, "r", "t", 1, **good))[0].hit
+    assert d.loads.loads["r"].source_instance == "inst-1"
     # Allocated before P answered: the parked blocks hold nothing and are reported invalid.
     d = load()
     d.apply(ev.LoadAllocated(1, "r", (7, 8)))

@@ -140,11 +140,11 @@ def test_a_parked_load_is_reported_received_by_one_path(authority, ok):
     allocated(a, (10, 11))
     granted(a)
     a._apply(ev.ReadGranted(a._now(), "r1", "r1/0"))  # the read is posted (its last)
-    assert a.last_reads == {"r1": "r1/0"}
+    assert a.ledger.loads.loads["r1"].is_last_read("r1/0")
     a._on_message(m.ReadDone("r1", "r1/0", ok, "" if ok else "transport error", 4096, 0.001), 0)
     assert a.ledger.loads.loads["r1"].state == ("DONE" if ok else "FAILED")
     assert to_worker(a) == ([] if ok else [("InvalidBlocks", (10, 11)), ("FinishedRecving", ())])
-    assert a.reported == {} and a.last_reads == {}
+    assert a.reported == {}
 
 
 def test_with_two_ranks_only_the_rank_that_did_not_report_is_told(tmp_path):

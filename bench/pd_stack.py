@@ -91,13 +91,9 @@ class System:
     connector: str  # kvbaton, native (a vLLM connector on P and D) or single (one engine, no connector)
     history: bool = True
     num_blocks: int | None = None  # num_gpu_blocks_override on P and D
-    p_extra_blocks: int = 0  # native "plus": P gets this many blocks more
     settings: dict = field(default_factory=dict)  # kvbaton connector settings on top of the defaults
     timed: bool = False  # connector hooks timed (bench/hook_timing.py)
-    # native: the vLLM connector class (NixlConnector, NixlPushConnector, or a class of
-    # bench/native_variants.py by module path) and its kv_connector_extra_config.
-    native_connector: str = "NixlConnector"
-    native_module: str = ""
+    # native: NixlConnector's kv_connector_extra_config.
     native_extra: dict = field(default_factory=dict)
     # native: P also runs vLLM's OffloadingConnector (MultiConnector) with this many CPU bytes.
     p_offload_bytes: int = 0
@@ -146,7 +142,7 @@ class Stack:
             env["CUDA_VISIBLE_DEVICES"] = {"1gpu": "0", "2gpu": "0,1" if role == "prefill" else "1,0"}[s.device]
         if system.timed:
             env["KVB_HOOK_TIMING_DIR"] = str(s.log_dir / system.name / system.hook_dir)
-        if "test_hooks" in system.settings:  # an A/B of a connector choice (see System)
+        if "test_hooks" in system.settings:  # the connector refuses test hooks otherwise
             env["KVBATON_TEST_HOOKS"] = "1"
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         if system.connector == "kvbaton":
@@ -228,8 +224,8 @@ class Stack:
         self.router_url = f"http://127.0.0.1:{port}"
         if self.s.router_process:
             # Its own process (`kvbaton serve` attached to the engines): in a thread of this
-            # process it shared one GIL with the load generator, and the two carried ~4,600 tok/s
-            # at C32 on this machine's CPU with engines that cost nothing (bench/harness_ceiling.py).
+            # process it would share one GIL with the load generator, and the harness, not the
+            # connectors, would set the ceiling of a high-concurrency run.
             log = self.s.log_dir / self.system.name / "router.log"
             cmd = router_command(self.urls["prefill"], self.urls["decode"], port, log.parent,
                                  self.system.router_first_token)
@@ -285,7 +281,7 @@ class Stack:
 
 def engine_args_for(s: Settings, system: System, role: str) -> list[str]:
     """The engine arguments (key=value) of one engine: the same for every system but for the
-    block caps a system asks for (native-plus gives P more)."""
+    block cap a system asks for."""
 
     args = [f"block_size={s.block_size}", f"max_model_len={s.max_model_len}",
             f"kv_cache_memory_bytes={s.kv_cache_bytes}", f"max_num_seqs={s.max_num_seqs}",
@@ -294,7 +290,7 @@ def engine_args_for(s: Settings, system: System, role: str) -> list[str]:
         # One engine holds what P and D hold together.
         args[2] = f"kv_cache_memory_bytes={2 * s.kv_cache_bytes}"
     if system.num_blocks:
-        blocks = system.num_blocks + (system.p_extra_blocks if role == "prefill" else 0)
+        blocks = system.num_blocks
         if system.connector == "single":
             blocks *= 2
         args.append(f"num_gpu_blocks_override={blocks}")
@@ -309,15 +305,10 @@ def engine_args_for(s: Settings, system: System, role: str) -> list[str]:
 
 
 def native_kv_config(system: System, kv_role: str, device: str) -> dict:
-    """The kv_transfer_config of a native system's engine: its vLLM connector (timed when asked
-    and timing covers it), its extra config, and on P vLLM's CPU offload beside it when asked."""
+    """The kv_transfer_config of a native system's engine: NixlConnector (timed when asked), its
+    extra config, and on P vLLM's CPU offload beside it when asked."""
 
-    if system.timed and system.native_connector == "NixlConnector" and not system.native_module:
-        kv = {**TIMED["native"], "kv_role": kv_role}
-    else:
-        kv = {"kv_connector": system.native_connector, "kv_role": kv_role}
-        if system.native_module:
-            kv["kv_connector_module_path"] = system.native_module
+    kv = {**(TIMED["native"] if system.timed else NATIVE), "kv_role": kv_role}
     if system.native_extra:
         kv["kv_connector_extra_config"] = dict(system.native_extra)
     if device == "cpu":

@@ -194,8 +194,7 @@ class Link:
         # The scheduler drains once per engine step, and most steps find nothing. pyzmq lets go
         # of the GIL around every recv, even a non-blocking one that finds nothing, and taking it
         # back waits for whichever thread holds it (vLLM's output thread, our io threads), so the
-        # socket is asked first whether anything waits, which keeps the GIL (bench/control_drain.py
-        # times both).
+        # socket is asked first whether anything waits, which keeps the GIL.
         out = []
         while True:
             try:

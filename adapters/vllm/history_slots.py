@@ -62,8 +62,8 @@ class SlotStore:
         # K/V-first cache `[2, blocks, ...]` (CUDA's layout) is two pieces, K and V. A run of
         # consecutive blocks is then one plain copy per piece (a DMA on CUDA), with no gather
         # kernel: beside another process's work on the same GPU each kernel waits for a time
-        # slice, and a chain of kernel -> copy -> kernel per layer made a 229 MB demotion take
-        # 38 ms instead of 5 (bench/history_copy_probe.py --busy).
+        # slice, so a chain of kernel -> copy -> kernel per layer costs several times what the
+        # plain copies of the same bytes cost.
         self.views: list = []
         self.view_layer: list[int] = []  # the layer cache each piece is part of (read_slot)
         seen = set()
@@ -311,11 +311,10 @@ class SlotStore:
     # more scattered one goes through host memory.
     MAX_RUN_COPIES = 16
     # Plain copies (runs x pieces) one stage or GPU-tier restore may issue instead of gathers.
-    # Within the GPU each cost 16-20 us (250 7B blocks, block-first, in 9 runs: 252 copies,
-    # 4.3-5.0 ms); the gathers took 1.3-2.3 ms idle and 3.9-5.2 ms beside a busy process, for
-    # any number of runs (history_copy_probe). 96 (3 runs of a block-first 28-layer model) keeps
-    # run-by-run copies below the idle gathers; it also governs CPU engines, where both are
-    # memcpys.
+    # Within the GPU a plain copy costs 16-20 us to issue, while a gather costs about the same
+    # whatever the number of runs (more beside a busy process); 96 (3 runs of a block-first
+    # 28-layer model) keeps run-by-run copies below an idle gather. It also governs CPU
+    # engines, where both are memcpys.
     MAX_DIRECT_COPIES = 96
     # The same for copies between the GPU and the pinned CPU tier (demotions, CPU-tier restores),
     # each a DMA. 250 7B blocks in 40 runs (1,120 copies) took 10.1 ms idle and 17.8 ms busy run

@@ -23,11 +23,13 @@ def test_rounds_rotate_so_each_system_runs_once_in_every_place():
 
 
 def test_every_system_has_an_aa_duplicate_and_the_baseline_is_cross_layer():
-    systems = pd_compare.build_systems(False, 10, 1 << 20, 72, 16384)
+    systems = pd_compare.build_systems(False, 1 << 20, 72, 16384)
     assert systems["native-xlayer"].native_extra == {"enable_cross_layers_blocks": "true"}
     assert systems["native"].native_extra == {}
     assert systems["native-offload"].p_offload_bytes == (1 << 20) + 72 * 16384
     assert systems["single"].connector == "single"
+    assert systems["kvbaton-decode"].router_first_token == "decode"
+    assert systems["kvbaton"].router_first_token == "prefill"
     for name in ("native-xlayer", "kvbaton", "single"):
         twin = systems[name + "-b"]
         assert twin.name == name + "-b" and twin.connector == systems[name].connector

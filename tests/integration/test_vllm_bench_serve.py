@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvbaton.bench import vllm_bench_serve as vbs
-from kvbaton.bench.harness_ceiling import stop
+from kvbaton.bench.fake_engine import stop
 from kvbaton.bench.pd_stack import wait_healthy
 
 

@@ -1,6 +1,6 @@
 """The benchmark tools themselves: the router as its own process (`kvbaton serve` attached to fake
 engines), and pd_compare's load generator spread over processes, counting every
-streamed token of every request once; the history copy probe."""
+streamed token of every request once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from kvbaton.bench.harness_ceiling import spawn, stop  # noqa: E402
+from kvbaton.bench.fake_engine import spawn_fake_engine, stop  # noqa: E402
 from kvbaton.bench.pd_clients import throughput_in_processes  # noqa: E402
 from kvbaton.bench.pd_compare import client_processes_for  # noqa: E402
 from kvbaton.bench.pd_stack import free_port, router_command, wait_healthy  # noqa: E402
@@ -29,7 +29,7 @@ def test_client_processes_follow_concurrency_unless_asked():
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory):
     engine_port, router_port = free_port(), free_port()
-    engine = spawn("serve_fake_engine", engine_port, 0.001)
+    engine = spawn_fake_engine(engine_port, 0.001)
     engine_url = f"http://127.0.0.1:{engine_port}"
     router = subprocess.Popen(router_command(engine_url, engine_url, router_port, tmp_path_factory.mktemp("router")))
     try:
@@ -67,51 +67,6 @@ def test_one_process_is_the_plain_closed_loop(routed):
     assert round(result["output_tok_s"] * result["wall_s"]) == 12
 
 
-def test_history_copy_probe_measures_beside_a_forward_of_its_own_process(tmp_path, capsys):
-    import json
-
-    from kvbaton.bench.history_copy_probe import main
-
-    out = tmp_path / "probe.json"
-    assert main(["--shape", "0.5b", "--blocks", "8", "--repeats", "2", "--device", "cpu",
-                 "--layout", "cross-layer", "--busy-here", "--out", str(out)]) == 0
-    results = json.loads(out.read_text())
-    assert [r["load"] for r in results] == ["idle", "here"]
-    for result in results:  # demotions say how long they issued before their fence
-        assert 0 < result["demote"]["issue_ms"] <= result["demote"]["median_ms"] + 1e-6
-    forwards = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prefill-like forwards")]
-    assert forwards and int(forwards[0].split(": ")[1].split()[0]) > 0  # the load ran beside the copies
-
-
-def test_history_copy_probe_times_every_copy_of_the_same_bytes():
-    from kvbaton.bench.history_copy_probe import probe
-
-    result = probe("0.5b", blocks=8, repeats=2, device="cpu")
-    assert result["bytes"] == 8 * result["slot_bytes"] == 8 * 16 * 24 * 2 * 2 * 64 * 2
-    for name in ("stage", "demote", "restore_gpu", "restore_cpu", "ceiling_d2d", "ceiling_d2h", "ceiling_h2d"):
-        assert result[name]["median_ms"] > 0 and result[name]["GBps"] > 0
-    assert result["pieces"] == 24 and set(result["paths"].values()) == {"run by run"}
-    # Fragmented: 8 runs x 48 K/V pieces is over the store's plain-copy budget, so it gathers.
-    scattered = probe("0.5b", blocks=8, repeats=2, device="cpu", layout="kv-first", runs=8)
-    assert scattered["pieces"] == 48 and "run by run" not in scattered["paths"].values()
-    assert scattered["paths"]["demote"] == "gather+runs"  # 8 runs of CPU slots: one DMA per run
-    assert scattered["bytes"] == result["bytes"]
-    # vLLM's cross-layer layout: one piece, so even 8 runs are 8 plain copies.
-    cross = probe("0.5b", blocks=8, repeats=2, device="cpu", layout="cross-layer", runs=8)
-    assert cross["pieces"] == 1 and set(cross["paths"].values()) == {"run by run"}
-    assert cross["bytes"] == result["bytes"]
-
-
-def test_in_runs_gives_the_asked_number_of_runs():
-    from kvbaton.adapters.vllm.history_slots import cpu_slot_runs
-    from kvbaton.bench.history_copy_probe import in_runs
-
-    for total, runs in ((250, 1), (250, 9), (250, 40), (7, 7)):
-        ids = in_runs(total, runs, 100)
-        assert len(ids) == len(set(ids)) == total and ids == sorted(ids) and ids[0] == 100
-        assert len(cpu_slot_runs(ids)) == runs
-
-
 def test_both_connectors_get_the_same_engine_arguments():
     import json
     from pathlib import Path
@@ -133,9 +88,9 @@ def test_both_connectors_get_the_same_engine_arguments():
     assert "enforce_eager" not in eager and "compilation_config" not in eager  # lite_server's default: eager
     cpu = parse_engine_args(engine_args_for(Settings(**{**gpu.__dict__, "device": "cpu"}), kvbaton, "decode"))
     assert "compilation_config" not in cpu and "gpu_memory_utilization" not in cpu
-    plus = System("native-plus", "native", num_blocks=1024, p_extra_blocks=300)
-    assert parse_engine_args(engine_args_for(gpu, plus, "prefill"))["num_gpu_blocks_override"] == 1324
-    assert parse_engine_args(engine_args_for(gpu, plus, "decode"))["num_gpu_blocks_override"] == 1024
+    capped = System("native", "native", num_blocks=1024)
+    for role in ("prefill", "decode"):
+        assert parse_engine_args(engine_args_for(gpu, capped, role))["num_gpu_blocks_override"] == 1024
 
 
 def test_history_io_line_reports_per_operation_times_and_how_demotions_copied():

@@ -4,9 +4,9 @@ P and D each hold a Qwen2.5-0.5B-shaped KV cache (24 layers of (blocks, 2, 16, 2
 allocation per layer, as vLLM 0.24 lays it out on GPU), or with `--shape 7b` a 7B-shaped one (28
 layers of (blocks, 2, 16, 4, 128)). D reads a 277-block prompt (54.5 MB; 7B: 245 blocks, 224.8
 MB, the benchmarks' 7B prompt) from P, the way the connector does, under several conditions,
-and splits each read's time into posting (`start_read` with inline posting: descriptors,
-initialize_xfer, transfer) and waiting for completion. Baselines in the same process: a torch
-copy of the same bytes between the same devices, and a per-layer gather of the same blocks.
+and times each read from `start_read` (which only enqueues it: the transport's helper thread
+posts it) to its end. Baselines in the same process: a torch copy of the same bytes between the
+same devices, and a per-layer gather of the same blocks.
 
     python -m kvbaton.bench.nixl_gpu_read [--topology 1gpu|2gpu] [--layout per-layer|cross-layer]
         [--shape 0.5b|7b] [--repeats 10] [--out FILE]
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     scattered_src = sorted(rng.sample(range(1, num_blocks), PROMPT_BLOCKS))
     scattered_dst = rng.sample(range(1, num_blocks), PROMPT_BLOCKS)
     try:
-        per_read = NixlTransport("D-per-read", descriptor_mode="per_read", post_in_thread=False)
+        per_read = NixlTransport("D-per-read", descriptor_mode="per_read")
         per_read.register(layout, caches)
         per_read.add_peer("P", metadata)
         default_interval = sys.getswitchinterval()
@@ -197,23 +197,12 @@ def main(argv: list[str] | None = None) -> int:
             results["per_read_contiguous_gil_busy_0.5ms"] = timed_reads(per_read, "P", contiguous, contiguous,
                                                                         args.repeats, "d")
             sys.setswitchinterval(default_interval)
-        # In-thread posting (the transport's own helper), GIL busy: the connector's old path.
-        threaded = NixlTransport("D-threaded", descriptor_mode="per_read", post_in_thread=True)
-        caches2 = make_caches(torch, device, num_blocks, args.layout)
-        threaded.register(describe(caches2, num_blocks, args.layout), caches2)
-        threaded.add_peer("P", metadata)
-        results["threaded_contiguous"] = timed_reads(threaded, "P", contiguous, contiguous, args.repeats, "e")
-        with GilHog():
-            results["threaded_contiguous_gil_busy_5ms"] = timed_reads(threaded, "P", contiguous, contiguous,
-                                                                      args.repeats, "f")
-        threaded.close()
-        del caches2
         # D's landing area: scattered destination blocks read packed, then scattered by the
         # device. Against the same reads straight into the scattered blocks.
         scattered_dst_only = rng.sample(range(1, num_blocks), PROMPT_BLOCKS)
         results["per_read_contiguous_src_scattered_dst"] = timed_reads(
             per_read, "P", contiguous, scattered_dst_only, args.repeats, "i")
-        landing = NixlTransport("D-landing", descriptor_mode="per_read", post_in_thread=False,
+        landing = NixlTransport("D-landing", descriptor_mode="per_read",
                                 landing_bytes=2 * PROMPT_BLOCKS * layout.block_nbytes)
         caches4 = make_caches(torch, device, num_blocks, args.layout)
         landing.register(describe(caches4, num_blocks, args.layout), caches4)
@@ -229,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         results["landing_check"] = {"layers_wrong": wrong, "stats": dict(landing.stats)}
         landing.close()
         del caches4
-        prepped = NixlTransport("D-prepped", descriptor_mode="prepped", post_in_thread=False)
+        prepped = NixlTransport("D-prepped", descriptor_mode="prepped")
         caches3 = make_caches(torch, device, num_blocks, args.layout)
         prepped.register(describe(caches3, num_blocks, args.layout), caches3)
         prepped.add_peer("P", metadata)

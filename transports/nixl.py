@@ -151,7 +151,7 @@ class NixlTransport:
 
     def __init__(self, engine_id: str, *, backends: Sequence[str] = ("UCX",),
                  descriptor_mode: str = "auto", dram_hugepages: bool = True,
-                 post_in_thread: bool = True, progress_interval_s: float | None = 0.02,
+                 progress_interval_s: float | None = 0.02,
                  landing_bytes: int = 0, landing_min_runs_saved: int = 2,
                  read_timeout_s: float | None = None,
                  read_floor_bytes_per_s: float = READ_FLOOR_BYTES_PER_S,
@@ -167,10 +167,6 @@ class NixlTransport:
                 several times slower than the same tensors collapsed (numpy arrays get huge
                 pages by themselves). The collapse costs once, at register time, keeps the
                 contents, and is skipped silently where the kernel refuses.
-            post_in_thread: post READs from a helper thread (default). UCX copies the bytes
-                *inside* `transfer()` for DRAM (CMA) and, as measured, for one-GPU VRAM
-                (cuda_ipc), so posting on the caller's thread makes start_read block for the
-                whole copy. False posts inline, for callers that want exactly that.
             progress_interval_s: while idle, the helper thread progresses the agent this often
                 (settling reads, buffering notifications for take_notifications). A backstop: a
                 reader's first READ after connecting can stay in progress until the target's
@@ -211,7 +207,6 @@ class NixlTransport:
         self._progress_delay_us: int | None = None  # None: 200 us for DRAM, 0 for VRAM
         self._descriptor_mode = descriptor_mode
         self._dram_hugepages = dram_hugepages
-        self._post_in_thread = post_in_thread
         self._progress_interval_s = progress_interval_s
         if landing_bytes < 0 or landing_min_runs_saved < 0:
             raise ValueError(f"landing_bytes and landing_min_runs_saved must be >= 0, not "
@@ -251,8 +246,9 @@ class NixlTransport:
         self._finished: dict[str, tuple[ReadResult, float]] = {}  # read id -> (result, when it ended)
         self._read_ids = PendingReadIds()
         self._notification_buffer: list[tuple[str, bytes]] = []  # collected by the helper
-        # The helper thread: posts READs (post_in_thread), connects peers added in the
-        # background, and progresses the agent when idle.
+        # The helper thread: posts READs (UCX copies the bytes inside `transfer()` for DRAM and
+        # one-GPU VRAM, so start_read never posts on the caller's thread), connects peers added
+        # in the background, and progresses the agent when idle.
         self._jobs: queue.SimpleQueue[_ReadJob | _AddPeerJob | None] = queue.SimpleQueue()
         self._helper: threading.Thread | None = None
         self._closed = False
@@ -291,10 +287,9 @@ class NixlTransport:
             if self._use_prepped(layout):
                 self._local_dlist, self._local_group_offsets = self._prep_block_dlist(
                     "NIXL_INIT_AGENT", layout, self._mem_type)
-            if self._post_in_thread or self._progress_interval_s is not None:
-                self._helper = threading.Thread(target=self._helper_main, daemon=True,
-                                                name=f"kvbaton-nixl-{self.engine_id}")
-                self._helper.start()
+            self._helper = threading.Thread(target=self._helper_main, daemon=True,
+                                            name=f"kvbaton-nixl-{self.engine_id}")
+            self._helper.start()
 
     def local_metadata(self) -> bytes:
         with self._agent_lock:
@@ -420,11 +415,7 @@ class NixlTransport:
             job.deadline = job.started + job.bound_s
         with self._state_lock:
             self._reads[read_id] = job
-        if self._post_in_thread or connecting is not None:
-            self._jobs.put(job)
-        else:
-            with self._agent_lock:
-                self._post_job(job)
+        self._jobs.put(job)
 
     def poll(self) -> list[ReadResult]:
         # Non-blocking: if the helper thread is inside a copy, report what is already known.

@@ -2,8 +2,8 @@
 
 A user sets a handful of keys (`Settings`); everything else is derived from them (`DERIVED`), a
 named constant with its reason (`CONSTANTS`), or chosen by the connector from the engine it runs
-in (`AUTOMATIC`). An unknown key, a removed key or a bad value stops the engine at start with a
-message that names the key: a typo must not silently fall back to a default.
+in (`AUTOMATIC`). An unknown key or a bad value stops the engine at start with a message that
+names the key: a typo must not silently fall back to a default.
 
 Tests and benchmarks reach further through one key, `test_hooks`, which is refused unless the
 engine's environment has `KVBATON_TEST_HOOKS=1`: a production engine never runs with a hook on.
@@ -75,11 +75,11 @@ LANDING_BYTES_CPU_MAX = 1 << 30
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-def automatic_landing(layout, max_model_len: int, min_runs_saved: int) -> tuple[int, int]:
+def automatic_landing(layout, max_model_len: int) -> tuple[int, int]:
     """The landing area (bytes) and landing threshold (runs saved) a reading engine gets when
     the test hooks leave them to the connector."""
     if layout.device_type == "cuda":
-        return LANDING_BYTES_CUDA, min_runs_saved
+        return LANDING_BYTES_CUDA, LANDING_MIN_RUNS_SAVED
     blocks = -(-max(max_model_len, 1) // max(layout.block_size, 1))
     wanted = 2 * blocks * layout.block_nbytes
     return min(max(wanted, LANDING_BYTES_CPU_MIN), LANDING_BYTES_CPU_MAX), 0
@@ -109,19 +109,14 @@ class TestHooks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "Hold each read this long after P granted it, before posting it (P sees a read in flight).",
         ge=0)] = 0.0
     fail_every_nth_read: Annotated[int, _doc("The transport fails every Nth read (0: none).", ge=0)] = 0
-    post_reads_inline: Annotated[bool, _doc(
-        "Post reads on the worker io thread instead of the transport's helper thread (the A/B for "
-        "the thread handoff; a NIXL post that hangs then holds up every later grant).")] = False
     cross_layer_blocks: Annotated[bool, _doc(
         "false: ask vLLM for per-layer KV caches instead of one cross-layer tensor (both sides must "
-        "agree).")] = True
+        "agree). GPU tests use it to cover per-layer caches (the layout of CPU engines and of vLLM "
+        "versions without the cross-layer option) and engines of different tensor parallel "
+        "sizes.")] = True
     landing_bytes: Annotated[int, _doc(
-        "Size of D's landing area; -1 chooses automatically, 0 turns it off.", ge=-1)] = -1
-    landing_min_runs_saved: Annotated[int, _doc(
-        "Land a read when that saves at least this many runs (0: every read that fits).",
-        ge=0)] = LANDING_MIN_RUNS_SAVED
-    gil_switch_interval_s: Annotated[float, _doc(
-        "The GIL switch interval of a reading engine and of a prefill engine with history; 0 leaves Python's own.", ge=0)] = GIL_SWITCH_INTERVAL_S
+        "Size of D's landing area; every read that fits lands in it, so tests prove that path. -1 "
+        "chooses the size and when to land automatically, 0 turns it off.", ge=-1)] = -1
     # None: the derived value (see DERIVED).
     heartbeat_interval_s: Annotated[float, _doc("Overrides the derived heartbeat interval.", gt=0)] | None = None
     claim_wait_s: Annotated[float, _doc("Overrides the derived claim wait.", gt=0)] | None = None
@@ -296,36 +291,6 @@ AUTOMATIC = (
      "blocks while its claim is still on the way to P (a refused claim marks them invalid)."),
 )
 
-# Keys that were settings once, and what took their place: an old config fails with directions.
-_HOOK = "use test_hooks.{} (tests and benchmarks only)"
-REPLACED = {
-    "xavier_gpu_cache_bytes": "use gpu_history_bytes",
-    "history_plain_requests": 'use history_scope ("all" keeps plain requests too)',
-    "peer_call_timeout_s": "use peer_timeout_s",
-    "claim_wait_s": f"derived now: {PEER_WAITS_PER_TIMEOUT} × peer_timeout_s",
-    "read_grant_wait_s": f"derived now: {PEER_WAITS_PER_TIMEOUT} × peer_timeout_s",
-    "heartbeat_interval_s": f"derived now: min(unclaimed_ttl_s, claim_lease_s) / {HEARTBEATS_PER_LIFETIME}",
-    "history_lease_s": "derived now: unclaimed_ttl_s",
-    "history_retention_deadline_s": f"a constant now: RETENTION_DEADLINE_S ({RETENTION_DEADLINE_S} s)",
-    "history_retention_max_bytes": "derived now: a retention may copy up to gpu_history_bytes",
-    "event_log_hash_every": f"a constant now: EVENT_LOG_HASH_EVERY ({EVENT_LOG_HASH_EVERY})",
-    "allocate_before_claim": "always on where vLLM recomputes failed loads",
-    "set_recompute_policy": 'always on: loading engines use kv_load_failure_policy "recompute"',
-    "history_restore_sync": "restores are always asynchronous (no gain in a GPU A/B, docs/RESULTS.md)",
-    "history_restore_wait_s": "restores are reported when polled (no gain in a GPU A/B, docs/RESULTS.md)",
-    "handoff_read_wait_s": "reads are reported when polled (no gain on a GPU, docs/RESULTS.md)",
-    "nixl_descriptor_mode": "chosen automatically (per read on GPU caches, prepared lists on CPU caches)",
-    "transport": _HOOK.format("transport"),
-    "landing_bytes": "chosen automatically; " + _HOOK.format("landing_bytes"),
-    "landing_min_runs_saved": "a constant now: LANDING_MIN_RUNS_SAVED; " + _HOOK.format("landing_min_runs_saved"),
-    "cross_layer_blocks": "always asked for; " + _HOOK.format("cross_layer_blocks"),
-    "gil_switch_interval_s": "a constant now: GIL_SWITCH_INTERVAL_S; " + _HOOK.format("gil_switch_interval_s"),
-    "debug_reads_per_load": _HOOK.format("reads_per_load"),
-    "debug_pause_between_reads_s": _HOOK.format("pause_between_reads_s"),
-    "debug_hold_first_read_s": _HOOK.format("hold_first_read_s"),
-    "debug_fail_every_nth_read": _HOOK.format("fail_every_nth_read"),
-}
-
 
 def hooks_allowed() -> bool:
     return os.environ.get(TEST_HOOKS_ENV) == "1"
@@ -337,9 +302,6 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
     raw = dict(extra or {})
     known = set(Settings.__struct_fields__)
     for key in raw:
-        if key in REPLACED:
-            raise SettingsError(f"kvbaton: kv_connector_extra_config key {key!r} was removed: "
-                                f"{REPLACED[key]}")
         if key not in known:
             close = [k for k in known if k.split("_")[0] == str(key).split("_")[0]]
             hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
@@ -471,8 +433,8 @@ def settings_reference() -> str:
         "<!-- Generated by `python -m kvbaton.adapters.vllm.settings` from adapters/vllm/settings.py;"
         " do not edit. -->",
         "",
-        "kvbaton reads its settings from vLLM's `kv_connector_extra_config`. An unknown key, a removed"
-        " key or a bad value stops the engine at start with a message that names the key.",
+        "kvbaton reads its settings from vLLM's `kv_connector_extra_config`. An unknown key or a bad"
+        " value stops the engine at start with a message that names the key.",
         "",
         "## What a user sets",
         "",
@@ -498,12 +460,6 @@ def settings_reference() -> str:
         f" environment has `{TEST_HOOKS_ENV}=1`; unknown keys inside it are refused too.",
         "",
         *_table(hooks, ("key", "type", "default", "what it does")),
-        "",
-        "## Removed keys",
-        "",
-        "A config that still names one of these fails at start and says what replaced it.",
-        "",
-        *_table([(f"`{k}`", v) for k, v in REPLACED.items()], ("key", "what replaced it")),
         "",
     ]
     return "\n".join(out)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ...control import messages as m
 from ...control.client import Link
 from ...transports.affinity import engine_cpus
-from .settings import STEP_STALL_DUMP_S, automatic_landing
+from .settings import GIL_SWITCH_INTERVAL_S, STEP_STALL_DUMP_S, automatic_landing
 from .worker_io import WorkerIo
 
 if TYPE_CHECKING:
@@ -113,14 +113,14 @@ class WorkerSide:
             # the worker io thread: a NIXL call that does not return then holds up only the
             # reads behind it, which poll still ends at their bound; inline on the io thread it
             # would hold up every later grant where no bound can see it. The cost is one thread
-            # handoff per read.
-            landing, min_runs_saved = hooks.landing_bytes, hooks.landing_min_runs_saved
+            # handoff per read. A landing area a test hook sizes takes every read that fits, so
+            # the tests prove that path.
+            landing, min_runs_saved = hooks.landing_bytes, 0
             if landing < 0 and self.conn.is_consumer:
-                landing, min_runs_saved = automatic_landing(layout, self.conn.max_model_len, min_runs_saved)
+                landing, min_runs_saved = automatic_landing(layout, self.conn.max_model_len)
             elif landing < 0:
                 landing = 0  # P never reads
-            self.transport = NixlTransport(self.conn.engine_id, post_in_thread=not hooks.post_reads_inline,
-                                           descriptor_mode="auto",
+            self.transport = NixlTransport(self.conn.engine_id, descriptor_mode="auto",
                                            landing_bytes=landing,
                                            landing_min_runs_saved=min_runs_saved,
                                            # No read outlives the peer timeout (plus its size at
@@ -137,13 +137,12 @@ class WorkerSide:
             self.transport.fault_hook = lambda read_id: next(counter) % nth == 0
         # Decisions for the worker arrive on the io thread (reads start at once); the engine
         # thread only sends, on its own socket.
-        interval = hooks.gil_switch_interval_s
-        if (self.conn.is_consumer or self.conn.history.enabled) and 0 < interval < sys.getswitchinterval():
+        if (self.conn.is_consumer or self.conn.history.enabled) and GIL_SWITCH_INTERVAL_S < sys.getswitchinterval():
             # A reader's io thread must get the GIL within a fraction of an engine step when a
             # read is granted or ends; a prefill engine's history copier needs it between the
             # copies of a batch (every torch copy call gives it up and must take it back from
             # the busy engine thread). See GIL_SWITCH_INTERVAL_S.
-            sys.setswitchinterval(interval)
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers, self.thread_cpus, self.rank)
         self.link = Link(self.conn.ipc_dir, None, self.rank)
         self.link.send(m.WorkerReady(self.transport.local_metadata(), layout.fingerprint()))

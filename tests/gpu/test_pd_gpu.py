@@ -157,10 +157,11 @@ def _topology_params():
 
 
 # D's landing area (transports/landing.py), as test hooks. "all" (default here): every read that
-# fits lands packed and is scattered by D's GPU, so the bit-exact tests prove that path; "auto":
-# the connector's own choice (land only when it saves descriptors); "off": straight reads only.
+# fits lands packed and is scattered by D's GPU (a landing area sized by the hook takes every read
+# that fits), so the bit-exact tests prove that path; "auto": the connector's own choice (land only
+# when it saves descriptors); "off": straight reads only.
 LANDING = os.environ.get("KVBATON_GPU_LANDING", "all")
-LANDING_SETTINGS = {"all": {"landing_bytes": 256 << 20, "landing_min_runs_saved": 0},
+LANDING_SETTINGS = {"all": {"landing_bytes": 256 << 20},
                     "auto": {}, "off": {"landing_bytes": 0}}[LANDING]
 # KVBATON_GPU_CROSS_LAYER=0/1: P and D ask vLLM for per-layer or cross-layer KV caches
 # (`test_hooks.cross_layer_blocks`); unset, the connector's own choice (cross-layer).

@@ -48,8 +48,7 @@ def pd(tmp_path_factory):
                           "event_log_dir": str(events),
                           # Every read that fits goes through D's landing area (packed, then
                           # scattered), so these tests prove that path on real engines too.
-                          "test_hooks": {"heartbeat_interval_s": 1.0, "landing_bytes": 32 << 20,
-                                         "landing_min_runs_saved": 0}}})
+                          "test_hooks": {"heartbeat_interval_s": 1.0, "landing_bytes": 32 << 20}}})
     s = EngineProcess("S", model, cpu_core=0, log_dir=root)
     engines = [p, d, s]
     for engine in engines:

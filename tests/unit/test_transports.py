@@ -522,7 +522,7 @@ def test_nixl_read_past_its_bound(prefill_process, landed):
     _, conn, metadata, expected = prefill_process
     caches = nixl_caches(NIXL_NUM_BLOCKS)
     layout = KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE)
-    decode = T.NixlTransport(f"D-bounded-{landed}", descriptor_mode="per_read", post_in_thread=False,
+    decode = T.NixlTransport(f"D-bounded-{landed}", descriptor_mode="per_read",
                              read_timeout_s=0.3, read_floor_bytes_per_s=1e12,
                              landing_bytes=(4 << 20) if landed else 0, landing_min_runs_saved=0)
     try:
@@ -568,7 +568,7 @@ def test_nixl_reads_behind_a_call_that_does_not_return(prefill_process, stuck):
     _, conn, metadata, expected = prefill_process
     caches = nixl_caches(NIXL_NUM_BLOCKS)
     layout = KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE)
-    decode = T.NixlTransport(f"D-stuck-{stuck}", descriptor_mode="per_read", post_in_thread=True,
+    decode = T.NixlTransport(f"D-stuck-{stuck}", descriptor_mode="per_read",
                              read_timeout_s=0.3, read_floor_bytes_per_s=1e12,
                              landing_bytes=(4 << 20), landing_min_runs_saved=0)
     release = threading.Event()
@@ -617,7 +617,7 @@ def test_nixl_reads_behind_a_call_that_does_not_return(prefill_process, stuck):
 def test_nixl_background_connection_that_fails_fails_its_reads(prefill_process):
     _, _conn, metadata, _ = prefill_process
     caches = nixl_caches(NIXL_NUM_BLOCKS)
-    decode = T.NixlTransport("D-refused", descriptor_mode="per_read", post_in_thread=True)
+    decode = T.NixlTransport("D-refused", descriptor_mode="per_read")
     try:
         decode.register(KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE), caches)
 
@@ -636,15 +636,12 @@ def test_nixl_background_connection_that_fails_fails_its_reads(prefill_process):
         decode.close()
 
 
-# Both descriptor modes, and both ways of posting (helper thread, the DRAM default; and inline).
-@pytest.mark.parametrize("descriptor_mode,post_in_thread",
-                         [("prepped", True), ("per_read", False)])
-def test_nixl_reads_between_two_processes(prefill_process, descriptor_mode, post_in_thread):
+@pytest.mark.parametrize("descriptor_mode", ["prepped", "per_read"])
+def test_nixl_reads_between_two_processes(prefill_process, descriptor_mode):
     _, conn, metadata, expected = prefill_process
     caches = nixl_caches(NIXL_NUM_BLOCKS)
     layout = KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE)
-    decode = T.NixlTransport(f"D-{descriptor_mode}", descriptor_mode=descriptor_mode,
-                             post_in_thread=post_in_thread)
+    decode = T.NixlTransport(f"D-{descriptor_mode}", descriptor_mode=descriptor_mode)
     try:
         assert isinstance(decode, T.Transport)
         decode.register(layout, caches)
@@ -703,8 +700,7 @@ def test_nixl_landing_area_packs_scattered_destinations(prefill_process):
     _, _conn, metadata, expected = prefill_process
     caches = nixl_caches(NIXL_NUM_BLOCKS)
     layout = KvLayout.from_kv_caches(caches, NIXL_NUM_BLOCKS, BLOCK_SIZE)
-    decode = T.NixlTransport("D-landing", post_in_thread=False,
-                             landing_bytes=64 * layout.block_nbytes)
+    decode = T.NixlTransport("D-landing", landing_bytes=64 * layout.block_nbytes)
     try:
         decode.register(layout, caches)
         decode.add_peer("P", metadata)

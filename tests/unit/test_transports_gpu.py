@@ -84,11 +84,9 @@ def _prefill_main(conn, layout_name: str, seed: int) -> None:
     transport.close()
 
 
-@pytest.mark.parametrize("layout_name,descriptor_mode,post_in_thread", [
-    ("kv_first", "prepped", True), ("kv_first", "per_read", True),
-    ("blocks_first", "prepped", True), ("blocks_first", "per_read", False)])
-def test_nixl_vram_reads_between_two_processes_on_one_gpu(layout_name, descriptor_mode,
-                                                         post_in_thread):
+@pytest.mark.parametrize("layout_name,descriptor_mode", [
+    ("kv_first", "prepped"), ("kv_first", "per_read"), ("blocks_first", "prepped"), ("blocks_first", "per_read")])
+def test_nixl_vram_reads_between_two_processes_on_one_gpu(layout_name, descriptor_mode):
     context = multiprocessing.get_context("spawn")
     parent_end, child_end = context.Pipe()
     process = context.Process(target=_prefill_main, args=(child_end, layout_name, 99), daemon=True)
@@ -104,10 +102,9 @@ def test_nixl_vram_reads_between_two_processes_on_one_gpu(layout_name, descripto
         layout = KvLayout.from_kv_caches(caches, NUM_BLOCKS, BLOCK_SIZE)
         spans = len(layout.layers[0].spans)
         assert spans == (2 if layout_name == "kv_first" else 1)
-        decode = T.NixlTransport("D", descriptor_mode=descriptor_mode,
-                                 post_in_thread=post_in_thread)
+        decode = T.NixlTransport("D", descriptor_mode=descriptor_mode)
         decode.register(layout, caches)
-        print(f"\n{layout_name}/{descriptor_mode}/thread={post_in_thread}: "
+        print(f"\n{layout_name}/{descriptor_mode}: "
               f"{len(layout.regions)} registered regions")
         decode.add_peer("P", metadata)
         rng = random.Random(layout_name)

@@ -9,7 +9,7 @@ in and out (the P/D protocol), `/health` and `/v1/models`.
 
 Text prompts too, when the engine has a tokenizer: `--tokenizer DIR`, or found beside the model
 (a `tokenizer.json` or `tokenizer_config.json` in the model folder or in its `tokenizer/`
-subfolder, where `kvbaton.adapters.vllm.tiny_model.build_tiny_model` writes one). Without one the
+subfolder, where `kvbaton.testing.tiny_model.build_tiny_model` writes one). Without one the
 engine starts with `skip_tokenizer_init=True` as before and takes token ids only. A token-id
 prompt is never detokenized (`text` stays ""); a text prompt's output is (`text` filled), as
 `vllm bench serve` and other OpenAI clients expect. Streams honour

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbaton.testing.ports import free_port
+
 
 HERE = Path(__file__).resolve().parent
 KVBATON = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
@@ -24,13 +26,6 @@ CROSS_LAYER = {"enable_cross_layers_blocks": "true"}
 # The same connectors with their hooks timed (bench/hook_timing.py), used when --hook-timing is on.
 TIMED = {"kvbaton": {"kv_connector": "TimedKvbatonConnector", "kv_connector_module_path": "kvbaton.bench.hook_timing"},
          "native": {"kv_connector": "TimedNixlConnector", "kv_connector_module_path": "kvbaton.bench.hook_timing"}}
-
-
-def free_port() -> int:
-    """A free local port below the ephemeral range (see control.client.free_port)."""
-    from kvbaton.control.client import free_port as pick
-
-    return pick("127.0.0.1")
 
 
 # ------------------------------------------------------------------------------- model shapes
@@ -53,7 +48,7 @@ def model_config(shape: str, vocab: int) -> dict:
 
 def write_model(root: Path, shape: str, device: str) -> tuple[Path, int]:
     if device == "cpu":
-        from kvbaton.adapters.vllm.tiny_model import build_tiny_model
+        from kvbaton.testing.tiny_model import build_tiny_model
 
         path = build_tiny_model(root / "tiny", max_pos=8192)
         return path, json.loads((path / "config.json").read_text())["vocab_size"]

@@ -26,12 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests.integration.engine_harness lives in the checkout
+from kvbaton.control.messages import READ_PHASES
+from kvbaton.testing.engines import EngineProcess
+from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, write_tiny_weights
 
-from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, write_tiny_weights  # noqa: E402
-from kvbaton.control.messages import READ_PHASES  # noqa: E402
-from tests.integration.engine_harness import EngineProcess  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 IDLE_AFTER_STEP_S = 1.5
 LABELS = {1: "TP=1", 2: "TP=2", "2to1": "P TP=2 to D TP=1", "1to2": "P TP=1 to D TP=2"}

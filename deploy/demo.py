@@ -19,8 +19,9 @@ import time
 import traceback
 from pathlib import Path
 
-from ..adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for
-from .serve import Deployment, EngineSpec, free_port, run_router
+from ..testing.ports import free_port
+from ..testing.tiny_model import build_tiny_model, tiny_prompt, words_for
+from .serve import Deployment, EngineSpec, run_router
 
 
 def _percentile(values: list[float], q: float) -> float:

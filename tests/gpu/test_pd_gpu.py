@@ -1,6 +1,6 @@
 """Real P/D handoffs between vLLM GPU engines (vLLM 0.24.0, H200) over NIXL VRAM reads.
 
-Three single-process engines per topology (`tests/integration/engine_harness.py`): P (producer),
+Three single-process engines per topology (`testing/engines.py`): P (producer),
 D (consumer) and S (a plain engine giving the reference greedy outputs), all with a
 Qwen2.5-0.5B-shaped local config and seeded dummy weights (24 layers, hidden 896, 14 heads,
 2 KV heads, head_dim 64, vocab 151936, bf16), block size 16, 2 GiB of KV cache each.
@@ -59,8 +59,8 @@ import numpy as np  # noqa: E402
 
 from kvbaton.control.messages import READ_PHASES  # noqa: E402
 from kvbaton.adapters.vllm.settings import TestHooks  # noqa: E402
+from kvbaton.testing.engines import EngineProcess, RemoteError  # noqa: E402
 
-from ..integration.engine_harness import EngineProcess, RemoteError  # noqa: E402
 from ..integration.log_checks import replay_engine_logs  # noqa: E402
 from . import gpu_hooks  # noqa: E402
 
@@ -127,7 +127,7 @@ def qwen25_05b_config(max_pos: int = 32768) -> dict:
 def write_model(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     if ON_CPU:
-        from kvbaton.adapters.vllm.tiny_model import build_tiny_model
+        from kvbaton.testing.tiny_model import build_tiny_model
 
         return build_tiny_model(dest, max_pos=8192)
     (dest / "config.json").write_text(json.dumps(qwen25_05b_config(), indent=2) + "\n")

@@ -25,11 +25,11 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, write_tiny_weights  # noqa: E402
+from kvbaton.testing.engines import EngineProcess  # noqa: E402
+from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, write_tiny_weights  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from ..integration.engine_harness import EngineProcess  # noqa: E402
 from . import gpu_hooks  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]

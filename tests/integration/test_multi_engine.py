@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl._api")
 
-from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt  # noqa: E402
+from kvbaton.testing.engines import EngineProcess  # noqa: E402
+from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt  # noqa: E402
 
-from .engine_harness import EngineProcess  # noqa: E402
 from .log_checks import replay_engine_logs  # noqa: E402
 
 pytestmark = pytest.mark.integration

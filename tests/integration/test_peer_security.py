@@ -402,7 +402,7 @@ def test_a_restarted_p_refuses_its_old_tickets_at_once_and_serves_new_ones(peers
     """P restarts at the same address: a handoff of the old instance is a miss at once (not the
     unknown-ticket retries), and a ticket of the new instance is a hit."""
 
-    from kvbaton.control.client import free_port
+    from kvbaton.testing.ports import free_port
 
     port = free_port("127.0.0.1")
     old = start_sidecar(peers.root, "Prestart", "producer", port=port)

@@ -20,9 +20,10 @@ pytest.importorskip("nixl._api")
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 
-from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
-from kvbaton.control.client import call_authority_sync, free_port  # noqa: E402
+from kvbaton.control.client import call_authority_sync  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
+from kvbaton.testing.ports import free_port  # noqa: E402
+from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
 from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
 
 pytestmark = pytest.mark.integration

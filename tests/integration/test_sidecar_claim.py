@@ -21,12 +21,13 @@ import pytest
 pytest.importorskip("xoscar")
 
 from kvbaton.control import messages as m  # noqa: E402
-from kvbaton.control.client import SidecarHandle, call_authority_sync, free_port, ipc_dir_for  # noqa: E402
+from kvbaton.control.client import SidecarHandle, call_authority_sync, ipc_dir_for  # noqa: E402
 from kvbaton.control.config import SidecarConfig  # noqa: E402
 from kvbaton.control.guard import resolve_secret  # noqa: E402
 from kvbaton.core import events as ev  # noqa: E402
 from kvbaton.core.ledger import SECOND_NS, LedgerConfig  # noqa: E402
 from kvbaton.core.log import read_log  # noqa: E402
+from kvbaton.testing.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -364,16 +365,6 @@ def test_sidecars_started_together_bind_their_own_ports_and_say_where(sidecars):
     finally:
         for handle in handles:
             handle.stop()
-
-
-def test_free_port_ignores_the_seeded_global_random():
-    import random
-
-    random.seed(0)
-    first = free_port("127.0.0.1")
-    random.seed(0)
-    picks = {free_port("127.0.0.1") for _ in range(5)} | {first}
-    assert len(picks) > 1
 
 
 def test_sidecar_on_an_operator_port_that_is_taken_fails_clearly(sidecars):

@@ -23,10 +23,10 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl._api")
 
-from kvbaton.adapters.vllm.tiny_model import build_tiny_model, tiny_prompt, write_tiny_weights  # noqa: E402
+from kvbaton.testing.engines import EngineProcess  # noqa: E402
+from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, write_tiny_weights  # noqa: E402
 
 from . import engine_hooks  # noqa: E402
-from .engine_harness import EngineProcess  # noqa: E402
 from .history_checks import delta, state  # noqa: E402
 from .log_checks import replay_engine_logs  # noqa: E402
 

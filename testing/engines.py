@@ -3,8 +3,8 @@
 Each :class:`EngineProcess` is one ``multiprocessing`` *spawn* child holding one in-process
 vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` + ``distributed_executor_backend="uni"``: the
 scheduler, the model runner and the KV connector's scheduler and worker halves all live in that
-one process). Tests can therefore run a prefill and a decode engine side by side, look inside
-each engine's scheduler, and SIGKILL one of them.
+one process). Tests and benches can therefore run a prefill and a decode engine side by side, look
+inside each engine's scheduler, and SIGKILL one of them.
 
 Parent-side API (all calls are synchronous RPCs except ``submit``/``abort``, whose replies only
 acknowledge that the child queued the request)::

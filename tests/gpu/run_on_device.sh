@@ -1,41 +1,30 @@
 #!/usr/bin/env bash
-# Run the GPU tests on a CUDA host with vLLM and NIXL installed, from the repo root. Everything
-# lands in $OUT
-# (pytest logs, the JSON report, a tarball of engine/sidecar logs and event logs).
+# The GPU tests, on a CUDA host with vLLM and NIXL installed, run from the repository root:
+#   tests/gpu/test_pd_gpu.py             handoffs between GPU engines, bit-exact, and their timings
+#   tests/gpu/test_history_gpu.py        history on P: both tiers, bit-exact restores, concurrency
+#   tests/gpu/test_tensor_parallel_gpu.py  tensor parallel P and D, where two GPUs are visible
+#   tests/unit/test_transports_gpu.py    NIXL VRAM reads between two processes (with EXTRA=1)
+# Pytest logs, the JSON reports and a tarball of the engines' logs and event logs go to $OUT
+# (default /tmp/kvb-out). The exit code is the first failing run's.
 #
-# Env: BUDGET_S (default 540: seconds this script may take in all), KVBATON_GPU_TOPOLOGIES,
-#      SITE (default /tmp/site: where the kit installed vLLM), EXTRA=1 (also run
-#      tests/unit/test_transports_gpu.py when time is left), DIAG=1 (first watch one engine's
-#      sidecar with tests/gpu/diag_sidecar.py), HANDOFF=0 / HISTORY=0 (skip tests/gpu/test_pd_gpu.py
-#      / tests/gpu/test_history_gpu.py; both run by default, each with its own engines and log),
-#      TP=0 (skip tests/gpu/test_tensor_parallel_gpu.py, which runs only where two GPUs are visible),
-#      KVBATON_TREE_TAR (below), and the tests' own KVBATON_GPU_* switches.
+# Env: HANDOFF=0 / HISTORY=0 / TP=0 skip one of the first three; SITE (default /tmp/site): a
+#      folder of installed packages (vLLM, NIXL) put first on PYTHONPATH; the tests' own
+#      KVBATON_GPU_* switches (see each test module).
 set -uo pipefail
-START=$SECONDS
-BUDGET_S=${BUDGET_S:-540}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/kvb-out}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" /tmp/kvb
-# KVBATON_TREE_TAR=<git archive of a commit>: test that commit's package (plus these tests/gpu
-# files) instead of the working tree that travelled (which may hold someone's work in progress).
-if [ -n "${KVBATON_TREE_TAR:-}" ] && [ -z "${KVBATON_IN_SNAPSHOT:-}" ]; then
-  SNAP=/tmp/kvbsnap
-  rm -rf "$SNAP" && mkdir -p "$SNAP/tests/gpu" && tar xf "$KVBATON_TREE_TAR" -C "$SNAP" || exit 1
-  cp "$REPO"/tests/gpu/*.py "$REPO"/tests/gpu/*.sh "$SNAP/tests/gpu/"
-  echo "testing the tree of $(basename "$KVBATON_TREE_TAR") with these tests/gpu files" | tee "$OUT/tree.txt"
-  KVBATON_IN_SNAPSHOT=1 exec bash "$SNAP/tests/gpu/run_on_device.sh"
-fi
 cd "$REPO"
-# The repo root is the package `kvbaton`: make it importable under that name (engines and their
-# sidecar processes import kvbaton.adapters.vllm / kvbaton.control.sidecar_main).
+# The repository root is the package `kvbaton`: make it importable under that name (engines and
+# their sidecar processes import kvbaton.adapters.vllm and kvbaton.control.sidecar_main).
 ln -sfn "$REPO" /tmp/kvb/kvbaton
 export PYTHONPATH=/tmp/kvb:$SITE${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y PYTHONUNBUFFERED=1
 export KVBATON_GPU_LOG_DIR=${KVBATON_GPU_LOG_DIR:-/tmp/kvb-gpu}
 export KVBATON_GPU_REPORT=${KVBATON_GPU_REPORT:-$OUT/gpu_report.json}
-left() { echo $((BUDGET_S - (SECONDS - START))); }
-# pytest-timeout is in the GPU image; without it, `timeout` alone bounds each run.
+export KVBATON_GPU_HISTORY_REPORT=${KVBATON_GPU_HISTORY_REPORT:-$OUT/gpu_history_report.json}
+# With pytest-timeout installed, each test is bounded (a stuck handoff fails instead of hanging).
 tmo() { python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=$1"; }
 
 {
@@ -53,57 +42,24 @@ print("kvbaton from", kvbaton.__file__)
 PY
 } 2>&1 | tee "$OUT/env.txt"
 
-if [ "${DIAG:-0}" = 1 ]; then
-  # The engine's sidecar, watched with no defence on (see tests/gpu/kvb_gpu_connector.py).
-  KVBATON_GPU_GUARD_STOP=0 KVBATON_GPU_SIDECAR_NEW_SESSION=0 timeout 150 python3 tests/gpu/diag_sidecar.py 10 \
-    2>&1 | tee "$OUT/diag.log" | tail -n 80
-  echo "diag: rc=${PIPESTATUS[0]} after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"
-fi
-
-export KVBATON_GPU_CONNECTOR=${KVBATON_GPU_CONNECTOR:-plain}
-export KVBATON_GPU_HISTORY_REPORT=${KVBATON_GPU_HISTORY_REPORT:-$OUT/gpu_history_report.json}
 rc=0
-if [ "${HANDOFF:-1}" = 1 ]; then
-  timeout $(( $(left) - 30 )) python3 -m pytest tests/gpu/test_pd_gpu.py -v -s -rA -p no:cacheprovider \
-    --maxfail=2 $(tmo 200) 2>&1 | tee "$OUT/pytest.log" | grep -v "^E  " | tail -n 60
-  rc=${PIPESTATUS[0]}
-  echo "main run ($KVBATON_GPU_CONNECTOR connector): rc=$rc after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"
-fi
+run() {  # run NAME PER_TEST_TIMEOUT_S PYTEST_ARGS...: one pytest run, its log in $OUT/NAME.log
+  local name=$1 timeout_s=$2
+  shift 2
+  python3 -m pytest "$@" -v -s -rA -p no:cacheprovider $(tmo "$timeout_s") 2>&1 \
+    | tee "$OUT/$name.log" | grep -v "^E  " | tail -n 60
+  local code=${PIPESTATUS[0]}
+  echo "$name: rc=$code" | tee -a "$OUT/env.txt"
+  [ "$rc" = 0 ] && rc=$code
+}
 
-# History on P (both tiers, bit-exact restores, concurrency): its own three engines, one GPU.
-if [ "${HISTORY:-1}" = 1 ] && [ "$(left)" -gt 120 ]; then
-  timeout $(( $(left) - 30 )) python3 -m pytest tests/gpu/test_history_gpu.py -v -s -rA -p no:cacheprovider \
-    --maxfail=3 $(tmo 240) 2>&1 | tee "$OUT/pytest_history.log" | grep -v "^E  " | tail -n 60
-  hrc=${PIPESTATUS[0]}
-  echo "history run: rc=$hrc after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"
-  [ "$rc" = 0 ] && rc=$hrc
-elif [ "${HISTORY:-1}" = 1 ]; then
-  echo "history run: skipped, $(left) s left" | tee -a "$OUT/env.txt"
-  [ "$rc" = 0 ] && rc=1
+[ "${HANDOFF:-1}" = 1 ] && run pytest 200 tests/gpu/test_pd_gpu.py --maxfail=2
+[ "${HISTORY:-1}" = 1 ] && run pytest_history 240 tests/gpu/test_history_gpu.py --maxfail=3
+if [ "${TP:-1}" = 1 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  run pytest_tp 240 tests/gpu/test_tensor_parallel_gpu.py --maxfail=2
 fi
+[ "${EXTRA:-0}" = 1 ] && run pytest_transports 120 tests/unit/test_transports_gpu.py
 
-# Tensor parallelism (P and D over two GPUs, and TP=2 to TP=1): only where two GPUs are visible.
-if [ "${TP:-1}" = 1 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && [ "$(left)" -gt 120 ]; then
-  timeout $(( $(left) - 30 )) python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -v -s -rA -p no:cacheprovider \
-    --maxfail=2 $(tmo 240) 2>&1 | tee "$OUT/pytest_tp.log" | grep -v "^E  " | tail -n 40
-  trc=${PIPESTATUS[0]}
-  echo "tensor parallel run: rc=$trc after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"
-  [ "$rc" = 0 ] && rc=$trc
-fi
-
-if [ "$rc" != 0 ] && [ "${DIAG:-0}" = 1 ] && [ "$(left)" -gt 120 ]; then
-  # The same watch with both defences on, for comparison.
-  rm -rf /tmp/kvb-diag
-  KVBATON_GPU_GUARD_STOP=1 KVBATON_GPU_SIDECAR_NEW_SESSION=1 timeout 110 python3 tests/gpu/diag_sidecar.py 8 \
-    2>&1 | tee "$OUT/diag_defended.log" | tail -n 40
-fi
-
-if [ "${EXTRA:-0}" = 1 ] && [ "$(left)" -gt 100 ]; then
-  timeout $(( $(left) - 30 )) python3 -m pytest tests/unit/test_transports_gpu.py -v -s -rA -p no:cacheprovider \
-    $(tmo 120) 2>&1 | tee "$OUT/pytest_transports.log"
-  echo "transport tests: rc=${PIPESTATUS[0]} after $((SECONDS - START)) s" | tee -a "$OUT/env.txt"
-fi
-
-tar czf "$OUT/logs.tgz" -C /tmp $(cd /tmp && ls -d kvb-gpu* kvb-diag 2>/dev/null) 2>/dev/null
+tar czf "$OUT/logs.tgz" -C /tmp $(cd /tmp && ls -d kvb-gpu* 2>/dev/null) 2>/dev/null
 ls -la "$OUT"
 exit "$rc"

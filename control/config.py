@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from ..core.ledger import LedgerConfig
+from .hooks import SidecarHooks
 
 
 class SidecarConfig(msgspec.Struct, kw_only=True):
@@ -23,14 +24,9 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     parent_pid: int = 0
     # Port of the Prometheus endpoint on the control address's host (GET /metrics); 0: none.
     metrics_port: int = 0
-    debug_reads_per_load: int = 1
-    debug_pause_between_reads_s: float = 0.0
-    debug_hold_first_read_s: float = 0.0
-    debug_delay_claim_s: float = 0.0
-    debug_hold_post_s: float = 0.0
-    # The instance epoch to speak as (tests that address a sidecar before it starts); "" (always,
-    # outside tests): 128 random bits, new at every start.
-    debug_instance: str = ""
+    # Fault and delay hooks (tests and benchmarks): used only where the sidecar's environment
+    # turns test hooks on (hooks.py); None everywhere else.
+    hooks: SidecarHooks | None = None
     # What a claim grant must name to be read here (D), and what P's grants name: the engine's
     # layout fingerprint and block size.
     layout: str = ""

@@ -9,10 +9,10 @@
   another, is dropped with its connection. `install_frame_key` derives that key from the secret
   (so the secret itself never sits in a process environment), `watch_refused_frames` counts the
   drops (xoscar reports them only to its debug log).
-* **The pool's gate.** Even an authenticated peer may only look the authority up and call it:
+* **The pool's gate.** Even an authenticated peer may only look the sidecar up and call it:
   `guard_pool` refuses every other pool message (create or destroy actors, stop the pool, ...)
   from anything but the sidecar's own process, and records the peer's address for the refusal
-  log of the authority's `call`.
+  log of the sidecar's `call`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ MIN_SECRET_CHARS = 32
 MIN_SECRET_DISTINCT = 10
 DEFAULT_SECRET_PATH = os.path.join("~", ".kvbaton", "secret")
 
-# The address of the peer whose call the authority is answering (set by guard_pool).
+# The address of the peer whose call the sidecar is answering (set by guard_pool).
 peer_address: contextvars.ContextVar[str] = contextvars.ContextVar("kvbaton_peer", default="?")
 
 
@@ -243,8 +243,8 @@ def _peer_of(channel) -> str:
     return str(peer or getattr(channel, "dest_address", None) or "?")
 
 
-def guard_pool(pool, authority_uid: str, on_refused) -> None:
-    """Let remote channels only look up and call the authority; everything else from them is
+def guard_pool(pool, sidecar_uid: str, on_refused) -> None:
+    """Let remote channels only look up and call the sidecar; everything else from them is
     refused with an error answer (`on_refused(reason, peer)`). In-process messages (the sidecar
     creating its own actor, stopping its own pool) pass."""
 
@@ -252,7 +252,7 @@ def guard_pool(pool, authority_uid: str, on_refused) -> None:
     from xoscar.backends.message import MessageType
 
     allowed = {MessageType.actor_ref, MessageType.has_actor, MessageType.send, MessageType.cancel}
-    uid = authority_uid.encode()
+    uid = sidecar_uid.encode()
     original = pool.process_message
 
     def _uid_of(message) -> bytes | None:

@@ -60,7 +60,7 @@ def _label(text: str) -> str:
 
 
 def families(snap: dict) -> list:
-    """Metric families for one sidecar snapshot (see `Authority.metrics_snapshot`)."""
+    """Metric families for one sidecar snapshot (see `Sidecar.metrics_snapshot`)."""
 
     engine = str(snap.get("engine", ""))
     counters: dict = snap.get("counters", {}) or {}

@@ -288,11 +288,12 @@ def decode_call(payload: object) -> Envelope:
         raise PeerRefusal("malformed", str(exc)[:200]) from None
 
 
-async def ask(ref, call: PeerCall, *, to: str, sender: str):
+async def ask(ref, call: PeerCall, *, to: str, sender: str, now_ns: int | None = None):
     """Send `call` through an xoscar actor ref to the sidecar of engine instance `to` (see
-    Envelope); its typed answer (TypeError when what came back is not an encoded answer)."""
+    Envelope), stamped `now_ns` (the wall clock when None); its typed answer (TypeError when what
+    came back is not an encoded answer)."""
 
-    raw = await ref.call(seal(call, to, sender))
+    raw = await ref.call(seal(call, to, sender, now_ns))
     if type(raw) is not bytes:
         raise TypeError(f"{call.__struct_config__.tag}: the answer is a {type(raw).__name__}, not bytes")
     return decode_answer(call, raw)

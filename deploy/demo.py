@@ -132,7 +132,7 @@ def await_chain(awaitable, limit: int = 40) -> list[str]:
 def run_demo(args) -> int:
     import openai
 
-    from ..control.client import call_authority_sync
+    from ..control.client import call_sidecar_sync
     from ..core.log import LogError, read_log
     from ..core.replay import replay
     from ..core.timings import engine_stream, timings
@@ -238,8 +238,8 @@ def run_demo(args) -> int:
         d_controls = deployment.controls("decode")
         deadline = time.monotonic() + 20
         while True:
-            p_states = {u: call_authority_sync(c, "debug_state") for u, c in p_controls.items()}
-            d_states = {u: call_authority_sync(c, "debug_state") for u, c in d_controls.items()}
+            p_states = {u: call_sidecar_sync(c, "debug_state") for u, c in p_controls.items()}
+            d_states = {u: call_sidecar_sync(c, "debug_state") for u, c in d_controls.items()}
             open_tickets = sum(s["open"]["tickets"] for s in p_states.values())
             open_loads = sum(s["open"]["loads"] for s in d_states.values())
             if (open_tickets == 0 and open_loads == 0) or time.monotonic() > deadline:

@@ -326,14 +326,14 @@ class Router:
         return dict(self._states)
 
     async def refresh_sidecar_states(self) -> None:
-        from ..control.client import call_authority
+        from ..control.client import call_sidecar
 
         if time.monotonic() - self._states_at < STATE_REFRESH_S and set(self.controls) <= set(self._states):
             return
         self._states_at = time.monotonic()
         for engine, address in list(self.controls.items()):
             try:
-                self._states[engine] = await call_authority(address, "debug_state", timeout_s=2.0)
+                self._states[engine] = await call_sidecar(address, "debug_state", timeout_s=2.0)
             except Exception as exc:
                 logger.warning("could not read the state of sidecar %s: %r", address, exc)
                 self._states[engine] = {"error": "unreachable"}
@@ -345,10 +345,10 @@ class Router:
         section = (params or {}).get("kvbaton")
         if not isinstance(section, dict) or not isinstance(section.get("abandon"), str):
             return
-        from ..control.client import call_authority
+        from ..control.client import call_sidecar
 
         try:
-            closed = await call_authority(section["control"], "abandon", section["ticket"], section["abandon"],
+            closed = await call_sidecar(section["control"], "abandon", section["ticket"], section["abandon"],
                                           timeout_s=5.0, to=str(section.get("instance") or ""))
             self.abandons.labels(cause if closed else cause + "_already_claimed").inc()
         except Exception as exc:

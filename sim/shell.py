@@ -1,7 +1,7 @@
 """`kvbaton fuzz --shell`: the simulator on the real shell.
 
 The core simulator (`swarm.py`) drives ledgers with a model of the shell. This one runs the shell
-itself: one prefill and two decode engines, each with the sidecar's own `Authority` (its event
+itself: one prefill and two decode engines, each with the production `Sidecar` (its event
 stamping, effect carrying, claim retries, read calls, heartbeats and timers), exchanging the real
 encoded peer calls and connector messages. Only the outside world is simulated: the network
 between sidecars (latency, lost calls and answers, a dead host refusing), each engine's scheduler
@@ -40,7 +40,7 @@ import msgspec
 from ..control import messages as m
 from ..control.config import SidecarConfig
 from ..control.guard import capability_digest
-from ..control.sidecar import Authority
+from ..control.sidecar import Sidecar
 from ..core import effects as fx
 from ..core import events as ev
 from ..core.audit import Auditor
@@ -94,7 +94,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
 
 class FakeRef:
-    """A peer's authority as the network shows it: latency both ways, calls and answers that get
+    """A peer's sidecar as the network shows it: latency both ways, calls and answers that get
     lost (the caller's bound ends them), and a dead or absent host that refuses at once."""
 
     def __init__(self, world: World, address: str) -> None:
@@ -108,90 +108,110 @@ class FakeRef:
             raise ConnectionRefusedError(f"nobody listens at {self.address}")
         if world.fault("lost_call"):
             await asyncio.sleep(3600)
-        answer = await target.authority.call(payload)
+        answer = target.sidecar.server.answer_frame(payload)
         await asyncio.sleep(world.latency())
         if world.fault("lost_answer"):
             await asyncio.sleep(3600)
         return answer
 
 
-class SimAuthority(Authority):
-    """The sidecar's authority with the world's clock, sockets and network in place of the OS's."""
+class SimIo:
+    """The sidecar's IO in the simulated world (control/io.py): the world's clock, its network
+    (FakeRef) and the engine's scheduler and worker in place of sockets."""
 
-    def __init__(self, engine: Engine, cfg: SidecarConfig) -> None:
-        super().__init__(msgspec.json.encode(cfg), cfg.address)
+    # The wall clock is the virtual one from a fixed epoch: frames are stamped and checked with it.
+    WALL_EPOCH_NS = 1_700_000_000 * SECOND_NS
+
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        world = engine.world
-        auditor = engine.auditor
-        ledger_apply = self.ledger.apply
+        self.tasks: set[asyncio.Task] = set()
 
-        self.ledger.make_strict()  # a machine's bug fails the run where it happens
-
-        def observed_apply(event: ev.Event) -> list[fx.Effect]:
-            try:
-                effects = ledger_apply(event)
-            except InternalError as exc:
-                world.violation(engine, str(exc))
-                return []
-            world.events += 1
-            seq = world.events
-            for text in auditor.observe(seq, event, effects):
-                world.violation(engine, text)
-            if seq % world.invariant_every == 0:
-                for text in self.ledger.check_invariants():
-                    world.violation(engine, text)
-            return effects
-
-        self.ledger.apply = observed_apply
-
-    def _now(self) -> int:
+    def now_ns(self) -> int:
         return self.engine.world.clock.now_ns
 
-    def _send(self, sock, msg: m.Msg) -> None:
+    def wall_ns(self) -> int:
+        return self.WALL_EPOCH_NS + self.engine.world.clock.now_ns
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def send(self, dest: str, msg: m.Msg, rank: int | None = None) -> None:
         # Through the wire format, delivered after the sending code returns (a socket's order).
         decoded = m.DECODER.decode(m.ENCODER.encode(msg))
-        asyncio.get_running_loop().call_soon(self.engine.receive, sock, decoded)
+        if self.engine.ranks == 1:
+            rank = None  # one rank: its message is every rank's
+        asyncio.get_running_loop().call_soon(self.engine.receive, dest, decoded, rank)
 
-    def _send_rank(self, sock, rank: int, msg: m.Msg) -> None:
-        decoded = m.DECODER.decode(m.ENCODER.encode(msg))
-        asyncio.get_running_loop().call_soon(self.engine.receive, sock, decoded, rank)
-
-    async def _ref(self, address: str):
+    async def connect(self, address: str) -> FakeRef:
         return FakeRef(self.engine.world, address)
 
+    async def disconnect(self, address: str) -> None:
+        pass
 
-class DroppedRelease(SimAuthority):
+    async def exit(self) -> None:
+        pass
+
+
+def observed_ledger(engine: Engine, sidecar: Sidecar) -> None:
+    """Every event the sidecar applies is audited; the invariants are checked every few events."""
+
+    world, auditor, ledger = engine.world, engine.auditor, sidecar.ledger
+    ledger_apply = ledger.apply
+
+    def observed_apply(event: ev.Event) -> list[fx.Effect]:
+        try:
+            effects = ledger_apply(event)
+        except InternalError as exc:
+            world.violation(engine, str(exc))
+            return []
+        world.events += 1
+        seq = world.events
+        for text in auditor.observe(seq, event, effects):
+            world.violation(engine, text)
+        if seq % world.invariant_every == 0:
+            for text in ledger.check_invariants():
+                world.violation(engine, text)
+        return effects
+
+    ledger.apply = observed_apply
+
+
+class DroppedRelease(Sidecar):
     """Broken on purpose: releases are never sent (a read's end no longer releases either)."""
 
-    def _carry(self, effect: fx.Effect) -> None:
+    def carry(self, effect: fx.Effect) -> None:
         if type(effect) is fx.SendRelease:
             return
         if type(effect) is fx.SendReadEnd and effect.release:
             effect = msgspec.structs.replace(effect, release=False)
-        super()._carry(effect)
+        super().carry(effect)
 
 
-class EndlessClaimRetry(SimAuthority):
+class EndlessClaimRetry(Sidecar):
     """Broken on purpose: a claim retries as long as it is refused, whether its load waits or not."""
 
-    def _claim_retry_deadline(self) -> float:
-        return math.inf
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.client.claim_retry_deadline = lambda: math.inf
+        self.client.awaiting_claim = lambda effect: True
 
-    def _awaiting_claim(self, effect: fx.SendClaim) -> bool:
-        return True
 
-
-class LostFinishedRecving(SimAuthority):
+class LostFinishedRecving(Sidecar):
     """Broken on purpose: an ended load or lease forgets that vLLM parked its request."""
 
-    def _carry(self, effect: fx.Effect) -> None:
+    def carry(self, effect: fx.Effect) -> None:
         if type(effect) in (fx.LoadFinished, fx.LeaseDone) and effect.parked:
             effect = msgspec.structs.replace(effect, parked=False)
-        super()._carry(effect)
+        super().carry(effect)
 
 
-AUTHORITY_CLASSES = {"": SimAuthority, "dropped_release": DroppedRelease, "endless_claim_retry": EndlessClaimRetry,
-                     "lost_finished_recving": LostFinishedRecving}
+SIDECAR_CLASSES = {"": Sidecar, "dropped_release": DroppedRelease, "endless_claim_retry": EndlessClaimRetry,
+                   "lost_finished_recving": LostFinishedRecving}
 
 
 @dataclass
@@ -214,9 +234,9 @@ class DecodeRequest:
 
 
 class Engine:
-    """One engine: its sidecar authority, plus the scheduler and worker the world simulates."""
+    """One engine: its sidecar, plus the scheduler and worker the world simulates."""
 
-    def __init__(self, world: World, name: str, role: str, address: str, authority_class, ranks: int = 1) -> None:
+    def __init__(self, world: World, name: str, role: str, address: str, sidecar_class, ranks: int = 1) -> None:
         self.world, self.name, self.role, self.address = world, name, role, address
         self.alive = True
         # Worker ranks (tensor parallelism): each answers every read, copy and restore itself,
@@ -225,14 +245,14 @@ class Engine:
         self.auditor = Auditor(world.config.reader_silence_ns)
         cfg = SidecarConfig(engine_id=name, role=role, ledger=world.config, address=address,
                             ipc_dir=f"/nonexistent/{name}", heartbeat_interval_s=0.5, call_timeout_s=1.0,
-                            tick_interval_s=0.05, layout=LAYOUT, block_size=BLOCK_SIZE, ranks=ranks,
-                            # Seeded, as everything else here: loads record the P instance a
-                            # ticket came from, so a random one would make runs differ.
-                            debug_instance=f"{world.instances + 1:032x}")
+                            tick_interval_s=0.05, layout=LAYOUT, block_size=BLOCK_SIZE, ranks=ranks)
         world.instances += 1
-        self.authority = authority_class(self, cfg)
-        self.authority.to_worker, self.authority.to_scheduler, self.authority.to_history = (
-            "worker", "scheduler", "history")
+        self.io = SimIo(self)
+        # Strict: a machine's bug fails the run where it happens. The instance is seeded, as
+        # everything else here: loads record the P instance a ticket came from.
+        self.sidecar = sidecar_class(cfg, self.io, address=address, strict=True,
+                                     instance=f"{world.instances:032x}")
+        observed_ledger(self, self.sidecar)
         self.next_block = 0
         self.inbox_at = 0.0
         self.tickets: dict[str, tuple[str, tuple[int, ...]]] = {}  # P: ticket -> (request, blocks)
@@ -241,10 +261,10 @@ class Engine:
         self.leases: dict[str, tuple[str, tuple[str, ...]]] = {}  # P: lease -> (request, keys asked)
 
     def start(self) -> None:
-        a = self.authority
-        a._spawn(a._timer_loop())
+        sidecar = self.sidecar
+        self.io.spawn(sidecar.timer_loop())
         if self.role == "consumer":
-            a._spawn(a._heartbeat_loop())
+            self.io.spawn(sidecar.client.heartbeat_loop())
         else:
             for rank in range(self.ranks):
                 self.send(m.WorkerReady(b"sim-metadata", LAYOUT), rank)
@@ -253,7 +273,7 @@ class Engine:
         """The host dies: its sidecar's tasks stop with it, nothing more is said."""
 
         self.alive = False
-        for task in list(self.authority.tasks):
+        for task in list(self.io.tasks):
             task.cancel()
 
     def send(self, msg: m.Msg, rank: int = 0) -> None:
@@ -266,7 +286,7 @@ class Engine:
 
     def deliver(self, msg: m.Msg, rank: int = 0) -> None:
         if self.alive:
-            self.authority._on_message(msg, rank)
+            self.sidecar.on_message(msg, rank)
 
     def each_rank(self, delay: tuple[float, float], reply, rank: int | None = None) -> None:
         """Every worker rank (or only `rank`) answers with `reply(rank)`, each after its own delay."""
@@ -341,7 +361,7 @@ class Engine:
         and pinned for the copy."""
 
         world = self.world
-        history = self.authority.ledger.history
+        history = self.sidecar.ledger.history
         for key, _tier, _block in msg.copies:
             blk = history.blocks.get(key)
             if blk is None or blk.state not in ("GPU", "CPU") or blk.pins <= 0:
@@ -373,7 +393,7 @@ class Engine:
         self.requests[rid] = DecodeRequest(handoff)
         p = handoff.source
         self.send(m.Apply((ev.LoadRequested(0, rid, handoff.ticket, p.address, 1, -(-handoff.num_tokens // BLOCK_SIZE),
-                                            handoff.num_tokens, handoff.digest, p.authority.instance),),
+                                            handoff.num_tokens, handoff.digest, p.sidecar.instance),),
                           handoff.keepalive))
         if world.rng.random() < 0.5:  # vLLM's scheduler allocates before P answered, as often as not
             world.later(world.rng.uniform(0, 0.01), self.allocate, rid)
@@ -406,7 +426,7 @@ class Engine:
         alive = r is not None and r.handoff.source.alive
         if r is not None and r.handoff.source.alive:
             p = r.handoff.source
-            ticket = p.authority.ledger.tickets.tickets.get(r.handoff.ticket)
+            ticket = p.sidecar.ledger.tickets.tickets.get(r.handoff.ticket)
             held = p.tickets.get(r.handoff.ticket, ("", ()))[1]
             if ticket is None or ticket.state != "READING" or p.freed[r.handoff.request] \
                     or not set(msg.src_blocks) <= set(held):
@@ -488,7 +508,7 @@ class World:
                                    cpu_history_bytes=block_bytes * self.rng.choice((0, 8, 24)),
                                    retention_writers_max=self.rng.choice((1, 2, 4)),
                                    closed_retention_ns=60 * SECOND_NS)
-        authority_class = AUTHORITY_CLASSES[broken]
+        sidecar_class = SIDECAR_CLASSES[broken]
         # Tensor parallel sizes: 1 or 2 ranks per engine, so P and a D may differ (each D rank
         # then reads its share from P's ranks). Drawn apart from `rng`, whose draws set the rest.
         sizes = random.Random(f"ranks/{seed}")
@@ -496,8 +516,8 @@ class World:
         self.instances = 0
         asyncio.set_event_loop(self.loop)
         try:
-            self.p = Engine(self, "P", "producer", "198.18.0.1:7000", authority_class, ranks["P"])
-            self.ds = [Engine(self, f"D{i}", "consumer", f"198.18.0.{i + 2}:7000", authority_class, ranks[f"D{i}"])
+            self.p = Engine(self, "P", "producer", "198.18.0.1:7000", sidecar_class, ranks["P"])
+            self.ds = [Engine(self, f"D{i}", "consumer", f"198.18.0.{i + 2}:7000", sidecar_class, ranks[f"D{i}"])
                        for i in range(2)]
         finally:
             asyncio.set_event_loop(None)
@@ -569,7 +589,7 @@ class World:
         for engine in self.engines:
             if not engine.alive:
                 continue
-            a = engine.authority
+            a = engine.sidecar
             ledger = a.ledger
             for text in ledger.check_invariants():
                 self.violation(engine, text)
@@ -581,8 +601,8 @@ class World:
                 told = [r.received[rank] for rank in range(engine.ranks)]
                 if r.parked and told != [1] * engine.ranks:
                     self.violation(engine, f"request {rid}: parked, told received {told} times by its ranks")
-            lingering = [task for task in a.tasks
-                         if task.get_coro().__name__ not in ("_timer_loop", "_heartbeat_loop")]
+            lingering = [task for task in engine.io.tasks
+                         if task.get_coro().__name__ not in ("timer_loop", "heartbeat_loop")]
             if lingering:
                 names = sorted(Counter(task.get_coro().__name__ for task in lingering).items())
                 self.violation(engine, f"after the drain: shell tasks still running {names}")

@@ -103,7 +103,7 @@ class KvbatonConnector(KVConnectorBase_V1):
         return self._scheduler.debug_state() if self._scheduler is not None else {}
 
     def debug_set(self, key: str, value: float) -> None:
-        """Test hook: change a `debug_*` knob of the sidecar, or `fail_next_reads` on the worker.
+        """Test hook: change one of the sidecar's hooks (`control/hooks.py`), or a worker's.
         Refused (logged, nothing sent) unless the engine runs with `KVBATON_TEST_HOOKS=1`, like
         every other test hook: a production engine never injects faults."""
 

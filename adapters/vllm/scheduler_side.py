@@ -18,6 +18,7 @@ from ...control import messages as m
 from ...control import peer as pc
 from ...control.client import SidecarHandle
 from ...control.config import SidecarConfig
+from ...control.hooks import SidecarHooks, hooks_enabled
 from ...control.guard import RateLimitedLog, capability_digest, install_frame_key, mint_capability, resolve_secret
 from ...core import events as ev
 from ...core.reasons import LoadOutcome
@@ -72,10 +73,11 @@ class SchedulerSide:
             parent_pid=os.getpid(), layout=conn.layout, block_size=conn.block_size,
             ranks=conn.identity.tensor_parallel,
             metrics_port=s.metrics_port,
-            debug_reads_per_load=s.test_hooks.reads_per_load,
-            debug_pause_between_reads_s=s.test_hooks.pause_between_reads_s,
-            debug_hold_first_read_s=s.test_hooks.hold_first_read_s,
-            debug_hold_post_s=s.test_hooks.hold_post_s,
+            hooks=SidecarHooks(
+                reads_per_load=s.test_hooks.reads_per_load,
+                pause_between_reads_s=s.test_hooks.pause_between_reads_s,
+                hold_first_read_s=s.test_hooks.hold_first_read_s,
+                hold_post_s=s.test_hooks.hold_post_s) if hooks_enabled() else None,
         )
         # No secret, no engine: a routable control address without one refuses to start here,
         # with a message naming the setting (SecretError).
@@ -501,9 +503,9 @@ class SchedulerSide:
     def debug_state(self) -> dict:
         """For tests and operators: the sidecar's view (a blocking call; never on the hot path)."""
 
-        from ...control.client import call_authority_sync
+        from ...control.client import call_sidecar_sync
 
-        state = call_authority_sync(self.sidecar.address or self.sidecar.bound_address(30.0), "debug_state")
+        state = call_sidecar_sync(self.sidecar.address or self.sidecar.bound_address(30.0), "debug_state")
         state["connector_errors"] = self.errors
         state["slots"] = dict(collections.Counter(str(slot.state) for slot in self.slots.values()))
         state["readers"] = len(self.readers)

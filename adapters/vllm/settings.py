@@ -23,9 +23,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ...control.hooks import TEST_HOOKS_ENV
 from ...core.ledger import SECOND_NS, LedgerConfig
-
-TEST_HOOKS_ENV = "KVBATON_TEST_HOOKS"
 
 # -- constants ----------------------------------------------------------------------------------
 

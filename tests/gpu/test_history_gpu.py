@@ -52,7 +52,7 @@ if not ON_CPU and not torch.cuda.is_available():
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from kvbaton.control.client import call_authority_sync  # noqa: E402
+from kvbaton.control.client import call_sidecar_sync  # noqa: E402
 from kvbaton.core import events as ev  # noqa: E402
 from kvbaton.core.log import LogError, iter_records, read_header  # noqa: E402
 from kvbaton.testing.engines import EngineProcess  # noqa: E402
@@ -443,7 +443,7 @@ def test_concurrent_handoffs_aborts_and_preemption_leak_nothing(h):
     abandon += [j for j in handoffs if j not in aborted_p][:ABANDON]
     for j in abandon:
         section = handoffs[j]["kvbaton"]
-        assert call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"],
+        assert call_sidecar_sync(section["control"], "abandon", section["ticket"], section["abandon"],
                                    to=section["instance"]) is True
     to_d = [j for j in handoffs if j not in abandon]
     d_ids = {j: f"d{j}-{uuid.uuid4().hex[:6]}" for j in to_d}

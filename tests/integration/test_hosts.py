@@ -21,7 +21,7 @@ pytest.importorskip("nixl._api")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from kvbaton.control.client import call_authority_sync  # noqa: E402
+from kvbaton.control.client import call_sidecar_sync  # noqa: E402
 from kvbaton.control.guard import resolve_secret  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
 from kvbaton.testing.hosts import Hosts, can_make_hosts  # noqa: E402
@@ -138,11 +138,11 @@ def logs_on_failure(request, net):
 
 
 def d_state(deployment) -> dict:
-    return call_authority_sync(deployment.controls("decode")[deployment.decode_urls[0]], "debug_state")
+    return call_sidecar_sync(deployment.controls("decode")[deployment.decode_urls[0]], "debug_state")
 
 
 def p_state(deployment, index: int = 0) -> dict:
-    return call_authority_sync(deployment.controls("prefill")[deployment.prefill_urls[index]], "debug_state")
+    return call_sidecar_sync(deployment.controls("prefill")[deployment.prefill_urls[index]], "debug_state")
 
 
 def reference(deployment, prompt: str, max_tokens: int) -> str:

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl._api")
 
-from kvbaton.control.client import call_authority_sync  # noqa: E402
+from kvbaton.control.client import call_sidecar_sync  # noqa: E402
 from kvbaton.testing.engines import EngineProcess  # noqa: E402
 from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, write_tiny_weights  # noqa: E402
 
@@ -99,7 +99,7 @@ def counters(engine) -> dict:
 
 def give_back(params) -> None:
     section = params["kvbaton"]
-    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
+    call_sidecar_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
 
 
 def assert_open_nothing(*engines) -> None:

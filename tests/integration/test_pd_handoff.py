@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl._api")
 
-from kvbaton.control.client import call_authority_sync  # noqa: E402
+from kvbaton.control.client import call_sidecar_sync  # noqa: E402
 from kvbaton.testing.engines import EngineProcess  # noqa: E402
 from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt  # noqa: E402
 
@@ -182,7 +182,7 @@ def test_router_abandons_after_p_answered(pd):
     prompt = tiny_prompt(150, seed=14)
     params = prefill(pd, prompt)
     section = params["kvbaton"]
-    assert call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"]) is True
+    assert call_sidecar_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"]) is True
     before = counters(pd.d)
     assert decode(pd, prompt, params) == reference(pd, prompt)
     assert delta(before, counters(pd.d), "loads.missed") == 1
@@ -222,14 +222,14 @@ def test_malformed_or_stale_params_recompute_locally(pd, damage):
     if refused_as is not None:
         assert delta(before, counters(pd.d), f"handoffs.refused.{refused_as}") == 1
     section = params["kvbaton"]
-    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])  # the real ticket
+    call_sidecar_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])  # the real ticket
     assert_nothing_held(pd)
 
 
 def test_ticket_expires_between_reads(pd):
     pd.d.call_connector("debug_set", "heartbeat_interval_s", 30)
-    pd.d.call_connector("debug_set", "debug_reads_per_load", 2)
-    pd.d.call_connector("debug_set", "debug_pause_between_reads_s", CLAIM_LEASE_S + 2)
+    pd.d.call_connector("debug_set", "reads_per_load", 2)
+    pd.d.call_connector("debug_set", "pause_between_reads_s", CLAIM_LEASE_S + 2)
     time.sleep(1.5)  # let the heartbeat loop pick up the long interval
     try:
         prompt = tiny_prompt(400, seed=16)
@@ -239,8 +239,8 @@ def test_ticket_expires_between_reads(pd):
         assert delta(before, after, "loads.failed") == 1
         assert counters(pd.p).get("tickets.closed.expired", 0) >= 1
     finally:
-        pd.d.call_connector("debug_set", "debug_reads_per_load", 1)
-        pd.d.call_connector("debug_set", "debug_pause_between_reads_s", 0)
+        pd.d.call_connector("debug_set", "reads_per_load", 1)
+        pd.d.call_connector("debug_set", "pause_between_reads_s", 0)
         pd.d.call_connector("debug_set", "heartbeat_interval_s", 1)
     assert_nothing_held(pd)
 
@@ -280,7 +280,7 @@ def test_each_decode_response_says_where_its_prompt_came_from(pd):
     refused = report(prompt, unsigned)
     assert refused["handoff"] == 0 and refused["recomputed_because"] == "refused: unsigned", refused
     section = params["kvbaton"]
-    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
+    call_sidecar_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
 
     pd.d.call_connector("debug_set", "fail_next_reads", 1)
     prompt = tiny_prompt(260, seed=42)
@@ -302,7 +302,7 @@ def test_each_decode_response_says_where_its_prompt_came_from(pd):
 
 
 def test_decode_aborted_before_allocation(pd):
-    pd.d.call_connector("debug_set", "debug_delay_claim_s", 1.5)
+    pd.d.call_connector("debug_set", "delay_claim_s", 1.5)
     try:
         prompt = tiny_prompt(180, seed=18)
         params = prefill(pd, prompt)
@@ -312,14 +312,14 @@ def test_decode_aborted_before_allocation(pd):
         pd.d.abort(request)
         time.sleep(2.5)  # the claim lands after the abort: D gives the ticket straight back
     finally:
-        pd.d.call_connector("debug_set", "debug_delay_claim_s", 0)
+        pd.d.call_connector("debug_set", "delay_claim_s", 0)
     p_counters = counters(pd.p)
     assert p_counters.get("tickets.closed.released", 0) + p_counters.get("tickets.closed.expired", 0) >= 1
     assert_nothing_held(pd)
 
 
 def test_decode_aborted_while_loading(pd):
-    pd.d.call_connector("debug_set", "debug_hold_post_s", 1.5)
+    pd.d.call_connector("debug_set", "hold_post_s", 1.5)
     try:
         prompt = tiny_prompt(250, seed=19)
         params = prefill(pd, prompt)
@@ -331,7 +331,7 @@ def test_decode_aborted_while_loading(pd):
         pd.d.abort(request)
         time.sleep(2.5)
     finally:
-        pd.d.call_connector("debug_set", "debug_hold_post_s", 0)
+        pd.d.call_connector("debug_set", "hold_post_s", 0)
     assert counters(pd.d).get("loads.cancelled", 0) >= 1
     assert_nothing_held(pd)
 
@@ -349,7 +349,7 @@ def test_idle_prefill_engine_does_not_delay_the_handoff(pd):
 
 
 def test_a_load_aborted_while_its_read_is_held(pd):
-    pd.d.call_connector("debug_set", "debug_hold_post_s", 1.0)
+    pd.d.call_connector("debug_set", "hold_post_s", 1.0)
     try:
         prompt = tiny_prompt(260, seed=47)
         params = prefill(pd, prompt)
@@ -362,7 +362,7 @@ def test_a_load_aborted_while_its_read_is_held(pd):
         pd.d.abort(request)
         time.sleep(1.5)
     finally:
-        pd.d.call_connector("debug_set", "debug_hold_post_s", 0)
+        pd.d.call_connector("debug_set", "hold_post_s", 0)
     assert_nothing_held(pd)
 
 
@@ -393,7 +393,7 @@ def test_forged_block_ids_are_only_a_hint(pd):
     assert decode(pd, own, params) == reference(pd, own)
     assert delta(before, counters(pd.d), "loads.done") == 1
     section = victim_params["kvbaton"]
-    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
+    call_sidecar_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
     assert_nothing_held(pd)
 
 
@@ -442,7 +442,7 @@ def test_a_control_address_answering_a_pickle_runs_nothing_and_the_request_compl
         listener.close()
     assert listener.served >= 1 and not marker.exists()
     section = params["kvbaton"]
-    call_authority_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
+    call_sidecar_sync(section["control"], "abandon", section["ticket"], section["abandon"], to=section["instance"])
     assert_nothing_held(pd)
 
 
@@ -454,7 +454,7 @@ def test_decode_killed_after_claiming_lets_p_reclaim(pd):
     """Last: it kills D. P's core finds the reader silent (reader_silence_ns), ends its read and the idle lease
     expires, so P gets its blocks back without D."""
 
-    pd.d.call_connector("debug_set", "debug_hold_post_s", 60)
+    pd.d.call_connector("debug_set", "hold_post_s", 60)
     prompt = tiny_prompt(220, seed=21)
     params = prefill(pd, prompt)
     pd.d.submit(f"doomed-{uuid.uuid4().hex[:6]}", prompt, max_tokens=8, kv_transfer_params=params)

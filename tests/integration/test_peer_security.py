@@ -29,7 +29,7 @@ pytest.importorskip("xoscar")
 
 from kvbaton.control import messages as m  # noqa: E402
 from kvbaton.control import peer as pc  # noqa: E402
-from kvbaton.control.client import AUTHORITY_UID, call_authority_sync, call_peer  # noqa: E402
+from kvbaton.control.client import SIDECAR_UID, call_sidecar_sync, call_peer  # noqa: E402
 from kvbaton.control.guard import capability_digest, ensure_frame_key, mint_capability  # noqa: E402
 from kvbaton.core.log import read_log  # noqa: E402
 from kvbaton.core.replay import replay  # noqa: E402
@@ -54,7 +54,7 @@ def peers(tmp_path_factory):
 
 
 def state(handle) -> dict:
-    return call_authority_sync(handle.address, "debug_state")
+    return call_sidecar_sync(handle.address, "debug_state")
 
 
 def refused(state_: dict) -> dict[str, int]:
@@ -78,7 +78,7 @@ async def raw_calls(address: str, payloads: list) -> list:
     import xoscar as xo
 
     ensure_frame_key()
-    ref = await xo.actor_ref(address, AUTHORITY_UID)
+    ref = await xo.actor_ref(address, SIDECAR_UID)
     answers = []
     for payload in payloads:
         answers.append(msgspec.msgpack.decode(await ref.call(payload), type=pc.Answer))
@@ -156,7 +156,7 @@ async def raw_answers(address: str, payloads: list[bytes]) -> list:
     import xoscar as xo
 
     ensure_frame_key()
-    ref = await xo.actor_ref(address, AUTHORITY_UID)
+    ref = await xo.actor_ref(address, SIDECAR_UID)
     return [msgspec.msgpack.decode(await ref.call(payload)) for payload in payloads]
 
 
@@ -191,7 +191,7 @@ def test_private_and_unknown_methods_are_refused(peers):
     before = state(peers.p)
 
     async def attempts():
-        ref = await xo.actor_ref(peers.p.address, AUTHORITY_UID)
+        ref = await xo.actor_ref(peers.p.address, SIDECAR_UID)
         outcomes = {}
         for name, args in (("_apply", (None,)), ("stop", ()), ("shutdown", ()), ("debug_state", ()),
                            ("claim", ("t", "D", 1)), ("_history_state", ()), ("__post_create__", ()),
@@ -220,7 +220,7 @@ def test_pool_messages_other_than_calls_are_refused(peers):
         pass
 
     async def attempts():
-        ref = await xo.actor_ref(peers.p.address, AUTHORITY_UID)
+        ref = await xo.actor_ref(peers.p.address, SIDECAR_UID)
         outcomes = []
         for attempt in (lambda: xo.destroy_actor(ref),
                         lambda: xo.create_actor(Planted, address=peers.p.address, uid="planted")):

@@ -20,7 +20,7 @@ pytest.importorskip("nixl._api")
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 
-from kvbaton.control.client import call_authority_sync  # noqa: E402
+from kvbaton.control.client import call_sidecar_sync  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
 from kvbaton.testing.ports import free_port  # noqa: E402
 from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
@@ -54,7 +54,7 @@ def pair(tmp_path_factory):
 
 def state(deployment, role: str) -> dict:
     url = deployment.prefill_urls[0] if role == "prefill" else deployment.decode_urls[0]
-    return call_authority_sync(deployment.controls(role)[url], "debug_state")
+    return call_sidecar_sync(deployment.controls(role)[url], "debug_state")
 
 
 def complete(url: str, prompt: str, **extra) -> httpx.Response:

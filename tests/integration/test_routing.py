@@ -23,7 +23,7 @@ pytest.importorskip("nixl._api")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from kvbaton.control.client import call_authority_sync  # noqa: E402
+from kvbaton.control.client import call_sidecar_sync  # noqa: E402
 from kvbaton.deploy.demo import RouterThread  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
 from kvbaton.testing.ports import free_port  # noqa: E402
@@ -118,13 +118,13 @@ def history_hits(deployment, names=("restores.hits.gpu", "restores.hits.cpu")) -
 
     hits = {}
     for url, control in deployment.controls("prefill").items():
-        counters = call_authority_sync(control, "debug_state")["counters"]
+        counters = call_sidecar_sync(control, "debug_state")["counters"]
         hits[url] = int(sum(counters.get(name, 0) for name in names))
     return hits
 
 
 def history_counters(deployment) -> dict:
-    return {url: {k: v for k, v in call_authority_sync(c, "debug_state")["counters"].items()
+    return {url: {k: v for k, v in call_sidecar_sync(c, "debug_state")["counters"].items()
                   if k.startswith(("history.", "restores.", "leases."))}
             for url, c in deployment.controls("prefill").items()}
 
@@ -198,13 +198,13 @@ def test_second_turn_goes_to_decode_alone(fleet):
         answer1 = routed.complete(turn1)
         assert answer1 == reference(fleet, turn1)
         routed.wait_index(d_url, 320 // BLOCK)
-        tickets = {u: call_authority_sync(c, "debug_state")["counters"].get("tickets.issued", 0)
+        tickets = {u: call_sidecar_sync(c, "debug_state")["counters"].get("tickets.issued", 0)
                    for u, c in fleet.controls("prefill").items()}
         before = routed.metric("kvbaton_router_routed_total", prefill="none", disaggregated="false")
         turn2 = turn1 + answer1 + " " + words_for(tiny_prompt(60, seed=83_001))
         assert routed.complete(turn2) == reference(fleet, turn2)
         assert routed.metric("kvbaton_router_routed_total", prefill="none", disaggregated="false") == before + 1
-        after = {u: call_authority_sync(c, "debug_state")["counters"].get("tickets.issued", 0)
+        after = {u: call_sidecar_sync(c, "debug_state")["counters"].get("tickets.issued", 0)
                  for u, c in fleet.controls("prefill").items()}
         assert after == tickets  # no P touched the second turn
         # A new conversation still goes P then D.
@@ -225,7 +225,7 @@ def test_every_handoff_was_loaded_and_no_read_reached_its_bound(fleet):
     """Runs last: every handoff of the tests above (two P, one of them on D's core) was read, none
     ended by the read bound."""
     (control,) = fleet.controls("decode").values()
-    state = call_authority_sync(control, "debug_state")
+    state = call_sidecar_sync(control, "debug_state")
     counters, transfer = state["counters"], state["transfer"]
     assert counters.get("loads.done", 0) > 0, counters
     assert counters.get("loads.failed", 0) == 0 and transfer.get("timed_out", 0) == 0, (counters, transfer)

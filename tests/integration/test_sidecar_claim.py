@@ -21,7 +21,8 @@ import pytest
 pytest.importorskip("xoscar")
 
 from kvbaton.control import messages as m  # noqa: E402
-from kvbaton.control.client import SidecarHandle, call_authority_sync, ipc_dir_for  # noqa: E402
+from kvbaton.control.client import SidecarHandle, call_sidecar_sync, ipc_dir_for  # noqa: E402
+from kvbaton.control.hooks import SidecarHooks  # noqa: E402
 from kvbaton.control.config import SidecarConfig  # noqa: E402
 from kvbaton.control.guard import resolve_secret  # noqa: E402
 from kvbaton.core import events as ev  # noqa: E402
@@ -53,7 +54,7 @@ def start_sidecar(root, name: str, role: str, claim_wait_s: float = 30.0, port: 
         ledger=LedgerConfig(claim_wait_ns=int(claim_wait_s * SECOND_NS)),
         log_path=str(root / "events" / f"{engine_id}.kvlog"), heartbeat_interval_s=1.0,
         parent_pid=os.getpid(), call_timeout_s=call_timeout_s,
-        layout=LAYOUT, block_size=BLOCK_SIZE, debug_instance=instance, **config)
+        layout=LAYOUT, block_size=BLOCK_SIZE, hooks=SidecarHooks(instance=instance), **config)
     return SidecarHandle.start(config, str(root / "logs"), secret or resolve_secret())
 
 
@@ -151,7 +152,7 @@ def wait_claims_seen(handle: SidecarHandle, ticket: str, at_least: int, timeout_
 
 
 def state(handle: SidecarHandle) -> dict:
-    return call_authority_sync(handle.address, "debug_state")
+    return call_sidecar_sync(handle.address, "debug_state")
 
 
 def wait_closed(*handles: SidecarHandle, timeout_s: float = 10.0) -> None:
@@ -304,7 +305,7 @@ def test_unknown_ticket_is_retried_for_a_short_window_only(sidecars):
     """P keeps answering "unknown ticket" (restarted, or the ticket was pruned): D stops asking
     after UNKNOWN_TICKET_RETRY_S, long before its 30 s claim wait, so a parked request recomputes."""
 
-    from kvbaton.control.peer_calls import UNKNOWN_TICKET_RETRY_S
+    from kvbaton.control.peer_client import UNKNOWN_TICKET_RETRY_S
 
     request = load(sidecars.d, sidecars.p.address, uuid.uuid4().hex, sidecars.p.instance)
     resolved, took = wait_resolved(sidecars.d, request, 30.0)
@@ -333,7 +334,7 @@ def test_claim_to_a_silent_peer_ends_with_the_call_timeout(sidecars):
     wait_closed(sidecars.d_impatient)
 
 
-def test_call_authority_returns_when_the_peer_never_answers():
+def test_call_sidecar_returns_when_the_peer_never_answers():
     """The router's and tools' calls to a sidecar end with CallTimeout against a silent peer."""
 
     from kvbaton.control.client import CallTimeout
@@ -342,7 +343,7 @@ def test_call_authority_returns_when_the_peer_never_answers():
     started = time.monotonic()
     try:
         with pytest.raises(CallTimeout, match="no answer within 1 s"):
-            call_authority_sync(server.address, "debug_state", timeout_s=1.0)
+            call_sidecar_sync(server.address, "debug_state", timeout_s=1.0)
     finally:
         server.close()
     assert time.monotonic() - started < 4.0

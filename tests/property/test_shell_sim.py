@@ -28,7 +28,7 @@ def test_a_sequence_replays_exactly_from_its_seed():
     def run(seed: int):
         world = World(seed)
         result = world.run()
-        return result, [engine.authority.ledger.state_hash() for engine in world.engines]
+        return result, [engine.sidecar.ledger.state_hash() for engine in world.engines]
 
     (first, first_hashes), (second, second_hashes) = run(1234), run(1234)
     assert first.events == second.events > 0 and first_hashes == second_hashes

@@ -60,11 +60,11 @@ def test_debug_set_is_refused_unless_test_hooks_are_on(monkeypatch):
     connector = bare_connector({})
     connector._scheduler = Scheduler()
     monkeypatch.setenv("KVBATON_TEST_HOOKS", "0")
-    connector.debug_set("debug_hold_post_s", 60)
+    connector.debug_set("hold_post_s", 60)
     assert sent == []  # a production engine never takes a fault injection
     monkeypatch.setenv("KVBATON_TEST_HOOKS", "1")
-    connector.debug_set("debug_hold_post_s", 60)
-    assert [(m.key, m.value) for m in sent] == [("debug_hold_post_s", 60.0)]
+    connector.debug_set("hold_post_s", 60)
+    assert [(m.key, m.value) for m in sent] == [("hold_post_s", 60.0)]
 
 
 STALL_SCRIPT = """

@@ -17,7 +17,8 @@ from kvbaton.core import events as ev  # noqa: E402
 from kvbaton.control import metrics  # noqa: E402
 from kvbaton.control import peer as pc  # noqa: E402
 
-from .authority_harness import listed_authority  # noqa: E402
+from kvbaton.control.io import ProcessIo  # noqa: E402
+from kvbaton.testing.fake_io import listed_sidecar  # noqa: E402
 
 
 def sample(text: str, name: str, **labels) -> float:
@@ -36,14 +37,14 @@ def sample(text: str, name: str, **labels) -> float:
 
 
 def test_a_producer_sidecar_renders_its_tickets_reads_and_refusals(tmp_path):
-    a = listed_authority(tmp_path, "P0", "producer")
-    a._on_message(m.Apply((ev.TicketIssued(0, "t1", "r1", (1, 2, 3)), ev.TicketIssued(0, "t2", "r2", (4, 5)))))
-    a._answer(pc.Claim("t1", "D0", 1))
-    a._answer(pc.ReadStart("t1", "D0", 1, "r/0"))
-    a._answer(pc.ReadEnd("t1", "D0", 1, "r/0", True, True))  # read, then released
-    a._answer(pc.Claim("t2", "D0", 1))
-    a._answer(pc.Claim("t2", "D9", 1))  # claimed by another: refused and counted
-    a._refuse("method", "not a protocol call")
+    a = listed_sidecar(tmp_path, "P0", "producer")
+    a.on_message(m.Apply((ev.TicketIssued(0, "t1", "r1", (1, 2, 3)), ev.TicketIssued(0, "t2", "r2", (4, 5)))))
+    a.server.answer(pc.Claim("t1", "D0", 1))
+    a.server.answer(pc.ReadStart("t1", "D0", 1, "r/0"))
+    a.server.answer(pc.ReadEnd("t1", "D0", 1, "r/0", True, True))  # read, then released
+    a.server.answer(pc.Claim("t2", "D0", 1))
+    a.server.answer(pc.Claim("t2", "D9", 1))  # claimed by another: refused and counted
+    a.server.refuse("method", "not a protocol call")
     text = metrics.render(a.metrics_snapshot()).decode()
 
     assert sample(text, "kvbaton_sidecar_info", engine="P0", role="producer") == 1
@@ -64,10 +65,10 @@ def test_a_producer_sidecar_renders_its_tickets_reads_and_refusals(tmp_path):
 
 
 def test_a_consumer_sidecar_renders_its_loads_and_handoff_bytes(tmp_path):
-    a = listed_authority(tmp_path, "D0", "consumer")
-    a._on_message(m.Apply((ev.LoadRequested(0, "r1", "t1", "127.0.0.1:9", 1, 4, 64, "d" * 32),)))
-    a._on_message(m.ReadDone("r1", "r1/0", True, "", 4096, 0.25))
-    a._on_message(m.ReadDone("r2", "r2/0", False, "boom"))
+    a = listed_sidecar(tmp_path, "D0", "consumer")
+    a.on_message(m.Apply((ev.LoadRequested(0, "r1", "t1", "127.0.0.1:9", 1, 4, 64, "d" * 32),)))
+    a.on_message(m.ReadDone("r1", "r1/0", True, "", 4096, 0.25))
+    a.on_message(m.ReadDone("r2", "r2/0", False, "boom"))
     text = metrics.render(a.metrics_snapshot()).decode()
 
     assert sample(text, "kvbaton_loads_requested_total", engine="D0") == 1
@@ -167,16 +168,16 @@ def test_a_port_in_use_leaves_the_sidecar_serving_handoffs(tmp_path, caplog):
     async def go():
         blocker = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
         port = blocker.sockets[0].getsockname()[1]
-        a = listed_authority(tmp_path, "P0", "producer")
-        a.cfg.metrics_port = port
+        sidecar = listed_sidecar(tmp_path, "P0", "producer", metrics_port=port)
+        io = ProcessIo(sidecar.cfg)
         try:
-            await a._serve_metrics()
+            await io._serve_metrics(sidecar.metrics_snapshot)
         finally:
             blocker.close()
-        return a
+        return io
 
-    a = asyncio.run(go())
-    assert a.metrics_server is None
+    io = asyncio.run(go())
+    assert io.metrics_server is None
     assert "metrics_port" in caplog.text
 
 

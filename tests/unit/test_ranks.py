@@ -10,7 +10,7 @@ from kvbaton.control import messages as m
 from kvbaton.control import peer as pc
 from kvbaton.control.ranks import RankFanIn, pack_metadata, read_plan, unpack_metadata
 
-from .authority_harness import listed_authority
+from kvbaton.testing.fake_io import ScriptedPeer, listed_sidecar
 
 
 def test_one_rank_is_the_report_itself():
@@ -36,57 +36,58 @@ def test_waiting_facts_are_bounded():
 
 
 def test_metadata_is_announced_once_every_rank_registered(tmp_path):
-    authority = listed_authority(tmp_path, "P0", "producer", ranks=2)
-    authority._on_message(m.WorkerReady(b"rank-1", "fp"), 1)
-    assert authority.metadata is None
-    authority._on_message(m.WorkerReady(b"rank-0", "fp"), 0)
-    assert unpack_metadata(authority.metadata) == [b"rank-0", b"rank-1"]
+    sidecar = listed_sidecar(tmp_path, "P0", "producer", ranks=2)
+    sidecar.on_message(m.WorkerReady(b"rank-1", "fp"), 1)
+    assert sidecar.metadata is None
+    sidecar.on_message(m.WorkerReady(b"rank-0", "fp"), 0)
+    assert unpack_metadata(sidecar.metadata) == [b"rank-0", b"rank-1"]
 
 
 def test_ranks_with_different_shards_are_not_announced(tmp_path):
-    authority = listed_authority(tmp_path, "P0", "producer", ranks=2)
-    authority._on_message(m.WorkerReady(b"rank-0", "fp0"), 0)
-    authority._on_message(m.WorkerReady(b"rank-1", "fp1"), 1)
-    assert authority.metadata is None
+    sidecar = listed_sidecar(tmp_path, "P0", "producer", ranks=2)
+    sidecar.on_message(m.WorkerReady(b"rank-0", "fp0"), 0)
+    sidecar.on_message(m.WorkerReady(b"rank-1", "fp1"), 1)
+    assert sidecar.metadata is None
 
 
-def announce(authority, answer) -> bool:
-    async def call(address, call, to=""):
+def announce(sidecar, answer) -> bool:
+    def metadata(call):
         assert isinstance(call, pc.Metadata)
         return answer
 
-    authority._call = call
-    return asyncio.run(authority._announce_peer("127.0.0.1:2", "P0", "a" * 32))
+    sidecar.io.peers["127.0.0.1:2"] = ScriptedPeer(metadata)
+    sidecar.client.peer_refs.pop("127.0.0.1:2", None)  # a new peer there: dialled afresh
+    return asyncio.run(sidecar.client.announce_peer("127.0.0.1:2", "P0", "a" * 32))
 
 
 def test_each_rank_of_a_reader_gets_its_counterparts_metadata(tmp_path):
-    authority = listed_authority(tmp_path, "D0", "consumer", ranks=2)
+    sidecar = listed_sidecar(tmp_path, "D0", "consumer", ranks=2)
     answer = pc.MetadataAnswer("P0", pack_metadata([b"rank-0", b"rank-1"]), "a" * 32)
-    assert announce(authority, answer)
-    assert authority.sent == [("worker.0", m.AddPeer("P0", b"rank-0")), ("worker.1", m.AddPeer("P0", b"rank-1"))]
+    assert announce(sidecar, answer)
+    assert sidecar.io.sent == [("worker.0", m.AddPeer("P0", b"rank-0")), ("worker.1", m.AddPeer("P0", b"rank-1"))]
 
 
 def test_a_peer_of_another_size_is_read_head_share_by_head_share(tmp_path):
-    authority = listed_authority(tmp_path, "D0", "consumer", ranks=2)
-    assert announce(authority, pc.MetadataAnswer("P0", pack_metadata([b"only"]), "a" * 32))
-    assert authority.sent == [("worker.0", m.AddPeer("P0", b"only", "P0#0", (0, 2), (0, 1))),
+    sidecar = listed_sidecar(tmp_path, "D0", "consumer", ranks=2)
+    assert announce(sidecar, pc.MetadataAnswer("P0", pack_metadata([b"only"]), "a" * 32))
+    assert sidecar.io.sent == [("worker.0", m.AddPeer("P0", b"only", "P0#0", (0, 2), (0, 1))),
                               ("worker.1", m.AddPeer("P0", b"only", "P0#0", (1, 2), (0, 1)))]
-    assert authority.read_sources["P0"] == [("P0#0",), ("P0#0",)]
-    authority.sent.clear()
-    authority.peers_announced.clear()
-    assert announce(authority, pc.MetadataAnswer("P0", pack_metadata([b"r0", b"r1", b"r2", b"r3"]), "a" * 32))
-    assert authority.sent == [("worker.0", m.AddPeer("P0", b"r0", "P0#0", (0, 1), (0, 2))),
+    assert sidecar.client.read_sources["P0"] == [("P0#0",), ("P0#0",)]
+    sidecar.io.sent.clear()
+    sidecar.client.peers_announced.clear()
+    assert announce(sidecar, pc.MetadataAnswer("P0", pack_metadata([b"r0", b"r1", b"r2", b"r3"]), "a" * 32))
+    assert sidecar.io.sent == [("worker.0", m.AddPeer("P0", b"r0", "P0#0", (0, 1), (0, 2))),
                               ("worker.0", m.AddPeer("P0", b"r1", "P0#1", (0, 1), (1, 2))),
                               ("worker.1", m.AddPeer("P0", b"r2", "P0#2", (0, 1), (0, 2))),
                               ("worker.1", m.AddPeer("P0", b"r3", "P0#3", (0, 1), (1, 2)))]
-    assert authority.read_sources["P0"] == [("P0#0", "P0#1"), ("P0#2", "P0#3")]
+    assert sidecar.client.read_sources["P0"] == [("P0#0", "P0#1"), ("P0#2", "P0#3")]
 
 
 def test_sizes_that_do_not_divide_and_unreadable_metadata_are_not_read(tmp_path):
-    authority = listed_authority(tmp_path, "D0", "consumer", ranks=2)
-    assert not announce(authority, pc.MetadataAnswer("P0", pack_metadata([b"a", b"b", b"c"]), "a" * 32))
-    assert not announce(authority, pc.MetadataAnswer("P0", b"not a list", "a" * 32))
-    assert authority.sent == [] and authority.refused["metadata_mismatch"] == 2
+    sidecar = listed_sidecar(tmp_path, "D0", "consumer", ranks=2)
+    assert not announce(sidecar, pc.MetadataAnswer("P0", pack_metadata([b"a", b"b", b"c"]), "a" * 32))
+    assert not announce(sidecar, pc.MetadataAnswer("P0", b"not a list", "a" * 32))
+    assert sidecar.io.sent == [] and sidecar.refused["metadata_mismatch"] == 2
 
 
 def test_read_plans_cover_every_head_once():
@@ -99,26 +100,17 @@ def test_read_plans_cover_every_head_once():
 def test_a_decode_engine_keeps_a_bounded_set_of_peer_connections(tmp_path, monkeypatch):
     """The least recently called peer is let go (its connections closed) past MAX_PEERS."""
 
-    from kvbaton.control import peer_calls
+    from kvbaton.control import peer_client
 
-    authority = listed_authority(tmp_path, "D0", "consumer")
-    closed = []
-
-    async def actor_ref(address, uid):
-        return f"ref:{address}"
-
-    async def close_connections(address):
-        closed.append(address)
-        return 1
-
-    monkeypatch.setattr(peer_calls, "MAX_PEERS", 2)
-    monkeypatch.setattr(peer_calls.xo, "actor_ref", actor_ref)
-    monkeypatch.setattr(peer_calls, "close_connections", close_connections)
+    sidecar = listed_sidecar(tmp_path, "D0", "consumer")
+    for address in ("a:1", "b:1", "c:1"):
+        sidecar.io.peers[address] = f"ref:{address}"
+    monkeypatch.setattr(peer_client, "MAX_PEERS", 2)
 
     async def calls():
         for address in ("a:1", "b:1", "a:1", "c:1"):  # a is used again: b is the least recent
-            await authority._ref(address)
+            await sidecar.client.ref(address)
 
     asyncio.run(calls())
-    assert list(authority.peer_refs) == ["a:1", "c:1"] and closed == ["b:1"]
-    assert authority.refused["peer_evicted"] == 1
+    assert list(sidecar.client.peer_refs) == ["a:1", "c:1"] and sidecar.io.disconnected == ["b:1"]
+    assert sidecar.refused["peer_evicted"] == 1

@@ -235,7 +235,7 @@ class Fleet:
     """P and D as vLLM with kvbaton: P issues one ticket per engine request with
     `do_remote_decode` and answers with the first one's handoff (as vLLM does); D claims the ticket
     it is given when it starts answering. The router's abandons reach this ledger (its
-    `call_authority`). D fails for prompts holding the word `d_fails`, P for `p_fails`; D waits
+    `call_sidecar`). D fails for prompts holding the word `d_fails`, P for `p_fails`; D waits
     on `d_waits` before it claims and answers for prompts holding the word "slow"."""
 
     def __init__(self, p_fails: str = "", d_fails: str = "") -> None:
@@ -260,7 +260,7 @@ class Fleet:
         if ticket in self.issued and ticket not in self.abandoned:
             self.claimed.add(ticket)
 
-    async def call_authority(self, address, method, ticket, proof, timeout_s=None, to=""):
+    async def call_sidecar(self, address, method, ticket, proof, timeout_s=None, to=""):
         assert method == "abandon" and proof == "b" * 32
         if ticket not in self.issued or ticket in self.claimed or ticket in self.abandoned:
             return False
@@ -331,7 +331,7 @@ def through_router(fleet: Fleet, bodies: list[dict], monkeypatch, path: str = "/
     """Each body in turn, through the router in process; every abandon the router started is
     done before this returns."""
 
-    monkeypatch.setattr("kvbaton.control.client.call_authority", fleet.call_authority)
+    monkeypatch.setattr("kvbaton.control.client.call_sidecar", fleet.call_sidecar)
 
     async def go():
         router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY, **router_kw)
@@ -524,7 +524,7 @@ def test_a_client_leaving_a_streamed_batch_leaves_no_ticket_open(monkeypatch):
     from kvbaton.testing.ports import free_port
 
     fleet = Fleet()
-    monkeypatch.setattr("kvbaton.control.client.call_authority", fleet.call_authority)
+    monkeypatch.setattr("kvbaton.control.client.call_sidecar", fleet.call_sidecar)
 
     async def go():
         fleet.d_waits.clear()

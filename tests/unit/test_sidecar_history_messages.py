@@ -2,7 +2,7 @@
 
 One message per demoted key let the copier wake on the first key and copy and fence each key on
 its own while the rest were still in flight: on an H200 a 250-block demotion took 90-150 ms and
-the retention it made room for missed its soft deadline. The authority is driven directly, its
+the retention it made room for missed its soft deadline. The sidecar is driven directly, its
 sockets replaced by a list.
 """
 
@@ -14,14 +14,14 @@ from kvbaton.control import messages as m
 from kvbaton.core import events as ev
 from kvbaton.core.ledger import LedgerConfig
 
-from .authority_harness import listed_authority
+from kvbaton.testing.fake_io import listed_sidecar
 
 BLOCK = 100
 
 
 @pytest.fixture
-def authority(tmp_path):
-    return listed_authority(tmp_path, "P", "producer",
+def sidecar(tmp_path):
+    return listed_sidecar(tmp_path, "P", "producer",
                             LedgerConfig(block_bytes=BLOCK, gpu_history_bytes=4 * BLOCK,
                                          cpu_history_bytes=8 * BLOCK, candidate_bytes_max=4 * BLOCK))
 
@@ -29,24 +29,24 @@ def authority(tmp_path):
 def retain(a, ticket: str, keys: tuple[str, ...], first_block: int) -> list[m.Msg]:
     """Issue, claim and release a ticket; the history messages its release sent."""
 
-    a.sent.clear()
+    a.io.sent.clear()
     blocks = tuple(range(first_block, first_block + len(keys)))
-    a._apply(ev.TicketIssued(a._now(), ticket, "r" + ticket, blocks, keys))
-    a._apply(ev.ClaimRequested(a._now(), ticket, "D", 1))
-    a._apply(ev.ReleaseRequested(a._now(), ticket, "D", 1))
-    return [msg for sock, msg in a.sent if sock == "history"]
+    a.apply(ev.TicketIssued(a.io.now_ns(), ticket, "r" + ticket, blocks, keys))
+    a.apply(ev.ClaimRequested(a.io.now_ns(), ticket, "D", 1))
+    a.apply(ev.ReleaseRequested(a.io.now_ns(), ticket, "D", 1))
+    return [msg for sock, msg in a.io.sent if sock == "history"]
 
 
-def test_one_admissions_demotions_are_one_message_before_its_stage(authority):
-    a = authority
+def test_one_admissions_demotions_are_one_message_before_its_stage(sidecar):
+    a = sidecar
     first = retain(a, "a", ("a0", "a1", "a2", "a3"), 10)
     assert [type(msg).__name__ for msg in first] == ["StageCopies"]  # room: nothing to demote
-    a._on_message(m.StageDone("a", True, 4 * BLOCK))
+    a.on_message(m.StageDone("a", True, 4 * BLOCK))
     second = retain(a, "b", ("b0", "b1", "b2"), 20)
     assert [type(msg).__name__ for msg in second] == ["DemoteCopies", "StageCopies"]
     demoted = second[0].keys
     assert len(demoted) == 3 and set(demoted) <= {"a0", "a1", "a2", "a3"}
-    a._on_message(m.DemotesDone(tuple((key, True, "") for key in demoted), 0.004, 0.003,
+    a.on_message(m.DemotesDone(tuple((key, True, "") for key in demoted), 0.004, 0.003,
                                 paired_runs=2, gathered=True))
     blocks = a.ledger.history.blocks
     assert [blocks[key].state for key in demoted] == ["CPU"] * 3
@@ -58,18 +58,18 @@ def test_one_admissions_demotions_are_one_message_before_its_stage(authority):
     assert a.ledger.check_invariants() == []
 
 
-def test_a_failed_demotion_in_a_batch_drops_its_key_and_everything_below_it(authority):
-    a = authority
+def test_a_failed_demotion_in_a_batch_drops_its_key_and_everything_below_it(sidecar):
+    a = sidecar
     retain(a, "a", ("a0", "a1", "a2", "a3"), 10)
-    a._on_message(m.StageDone("a", True, 4 * BLOCK))
+    a.on_message(m.StageDone("a", True, 4 * BLOCK))
     demoted = retain(a, "b", ("b0", "b1"), 20)[0].keys
     assert demoted == ("a3", "a2")  # least recently used first: a chain's tail
-    a.sent.clear()
+    a.io.sent.clear()
     # a2 fails: its data is gone, so a3 below it (demoted fine in the same batch) goes too.
-    a._on_message(m.DemotesDone((("a3", True, ""), ("a2", False, "copy failed"))))
+    a.on_message(m.DemotesDone((("a3", True, ""), ("a2", False, "copy failed"))))
     blocks = a.ledger.history.blocks
     assert "a2" not in blocks and "a3" not in blocks and blocks["a1"].state == "GPU"
-    drops = [(msg.key, msg.tier) for sock, msg in a.sent if sock == "history" and type(msg) is m.DropSlot]
+    drops = [(msg.key, msg.tier) for sock, msg in a.io.sent if sock == "history" and type(msg) is m.DropSlot]
     assert sorted(drops) == [("a2", "cpu"), ("a3", "cpu")]
     assert a.history_io["demotions_failed"] == 1
     assert a.history_io["demote_batches"] == 0  # untimed (seconds 0): kept out of the per-batch time
@@ -77,18 +77,18 @@ def test_a_failed_demotion_in_a_batch_drops_its_key_and_everything_below_it(auth
 
 
 def test_with_a_full_cpu_tier_the_drops_go_first_and_the_demotions_stay_one_message(tmp_path):
-    a = listed_authority(tmp_path, "P", "producer",
+    a = listed_sidecar(tmp_path, "P", "producer",
                          LedgerConfig(block_bytes=BLOCK, gpu_history_bytes=2 * BLOCK, cpu_history_bytes=2 * BLOCK,
                                       candidate_bytes_max=2 * BLOCK))
     for index, name in enumerate("abc"):  # a fills the GPU tier, b demotes it to CPU, c must evict
         keys = (name + "0", name + "1")
-        a._apply(ev.HistoryObserved(a._now(), keys))  # seen before: may displace
+        a.apply(ev.HistoryObserved(a.io.now_ns(), keys))  # seen before: may displace
         sent = retain(a, name, keys, 10 * index)
         for msg in sent:
             if type(msg) is m.StageCopies:
-                a._on_message(m.StageDone(name, True, 2 * BLOCK))
+                a.on_message(m.StageDone(name, True, 2 * BLOCK))
             elif type(msg) is m.DemoteCopies:
-                a._on_message(m.DemotesDone(tuple((key, True, "") for key in msg.keys)))
+                a.on_message(m.DemotesDone(tuple((key, True, "") for key in msg.keys)))
     kinds = [type(msg).__name__ for msg in sent]
     # The core interleaved drop, demote, drop, demote: one message still carries both demotions.
     assert kinds == ["DropSlot", "DropSlot", "DemoteCopies", "StageCopies"], kinds

@@ -8,15 +8,15 @@ import pytest
 
 from kvbaton.control import messages as m
 
-from .authority_harness import listed_authority
+from kvbaton.testing.fake_io import listed_sidecar
 
 
 def test_read_phases_are_summed_over_the_good_reads_that_report_them(tmp_path):
-    a = listed_authority(tmp_path, "D", "consumer")
-    a._on_message(m.ReadDone("r1", "x", True, "", 100, 0.010, 3, False, (0.001, 0.002, 0.0005, 0.003, 0.004, 0.005, 0.001)))
-    a._on_message(m.ReadDone("r2", "y", True, "", 100, 0.020, 3, False, (0.002, 0.0, 0.001, 0.010, 0.008, 0.001, 0.002)))
-    a._on_message(m.ReadDone("r3", "z", True, "", 100, 0.030, 3, False))  # a transport that does not say
-    a._on_message(m.ReadDone("r4", "w", False, "boom", 0, 0.0, 0, False, (0.1,) * 7))
+    a = listed_sidecar(tmp_path, "D", "consumer")
+    a.on_message(m.ReadDone("r1", "x", True, "", 100, 0.010, 3, False, (0.001, 0.002, 0.0005, 0.003, 0.004, 0.005, 0.001)))
+    a.on_message(m.ReadDone("r2", "y", True, "", 100, 0.020, 3, False, (0.002, 0.0, 0.001, 0.010, 0.008, 0.001, 0.002)))
+    a.on_message(m.ReadDone("r3", "z", True, "", 100, 0.030, 3, False))  # a transport that does not say
+    a.on_message(m.ReadDone("r4", "w", False, "boom", 0, 0.0, 0, False, (0.1,) * 7))
     books = a.transfer
     assert (books["reads"], books["failed"], books["phased_reads"]) == (4, 1, 2)
     assert books["bytes"] == 300 and books["seconds"] == pytest.approx(0.060)

@@ -1,15 +1,15 @@
 """The sidecar's calls to peers (D side): claims, read starts and ends, releases, heartbeats to the
-prefill engines a decode engine loads from. A part of `Authority` (`sidecar.py`), which owns the
-ledger, the load contexts and the connection refs these methods use."""
+prefill engines a decode engine loads from. `PeerClient` is a part of `Sidecar` (sidecar.py): it
+keeps what only calls need (connections, the P instance behind each ticket, the peers announced to
+the worker, each load's keepalive) and hands every answer to the sidecar's ledger as an event."""
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import logging
 
+
 import msgspec
-import xoscar as xo
-from xoscar.errors import ActorNotExist
 
 from ..core import effects as fx
 from ..core import events as ev
@@ -18,7 +18,8 @@ from ..core.reasons import Reason
 from . import messages as m
 from . import peer as pc
 from .ranks import read_plan, unpack_metadata
-from .client import AUTHORITY_UID, bounded, close_connections
+from .client import bounded
+from .io import WORKER
 
 logger = logging.getLogger("kvbaton.sidecar")
 
@@ -30,24 +31,74 @@ UNKNOWN_TICKET_RETRY_S = 8.0
 MAX_PEERS = 256
 
 
-class PeerCalls:
-    """Mixed into `Authority`: what a decode engine's sidecar asks of prefill engines."""
+class PeerClient:
+    """What a decode engine's sidecar asks of prefill engines."""
 
-    async def _heartbeat_loop(self) -> None:
+    def __init__(self, sidecar) -> None:
+        self.sidecar = sidecar
+        self.cfg = sidecar.cfg
+        self.io = sidecar.io
+        self.ledger = sidecar.ledger
+        # The instance of the P that issued each ticket this engine loads (calls are addressed).
+        self.ticket_instances: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # The one thing about a load only the shell holds (the core never sees a secret): the
+        # keepalive its heartbeats present to P, by request, until the load finishes.
+        self.keepalives: dict[str, str] = {}
+        # Connections to the peers it calls, least recently called first (`ref`).
+        self.peer_refs: collections.OrderedDict[str, object] = collections.OrderedDict()
+        # NIXL peers announced to the worker, by (control address, engine id, instance) as P's
+        # grants and metadata answers named them (never as a client's request named them).
+        self.peers_announced: set[tuple[str, str, str]] = set()
+        # For a source engine of another tensor parallel size, the transport peers each of this
+        # engine's ranks reads it through (one per source rank it reads: `announce_peer`).
+        self.read_sources: dict[str, list[tuple[str, ...]]] = {}
+
+    def load_requested(self, request: str, ticket: str, source_instance: str, keepalive: str) -> None:
+        """A new load: calls about its ticket, even after the load is pruned, are addressed to
+        the P instance that issued it; its heartbeats present `keepalive`."""
+
+        self.ticket_instances[ticket] = source_instance
+        while len(self.ticket_instances) > 65536:
+            self.ticket_instances.popitem(last=False)
+        self.keepalives[request] = keepalive
+
+    def load_ended(self, request: str) -> None:
+        self.keepalives.pop(request, None)
+
+    def carry(self, effect) -> None:
+        """Start the call an effect asks for."""
+
+        kind = type(effect)
+        cfg, spawn = self.cfg, self.io.spawn
+        if kind is fx.SendClaim:
+            spawn(self.claim(effect))
+        elif kind is fx.SendReadStart:
+            spawn(self.read_start(effect))
+        elif kind is fx.PostRead:
+            spawn(self.post_read(effect))
+        elif kind is fx.SendReadEnd:
+            spawn(self.call(effect.source, pc.ReadEnd(effect.ticket, cfg.engine_id, effect.epoch, effect.read,
+                                                      effect.ok, effect.release),
+                            self.issuer(effect.ticket, effect.request)))
+        elif kind is fx.SendRelease:
+            spawn(self.call(effect.source, pc.Release(effect.ticket, cfg.engine_id, effect.epoch),
+                            self.issuer(effect.ticket, effect.request)))
+
+    async def heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            await self.io.sleep(self.sidecar.hooks.heartbeat_interval_s or self.cfg.heartbeat_interval_s)
             by_source: dict[tuple[str, str], list[pc.HeartbeatTicket]] = {}
             for load in self.ledger.loads.loads.values():
                 if load.state not in loads.SPEC.terminal:
-                    by_source.setdefault((load.source, self._issuer(load.ticket, load.request)), []).append(
+                    by_source.setdefault((load.source, self.issuer(load.ticket, load.request)), []).append(
                         pc.HeartbeatTicket(load.ticket, self.keepalives.get(load.request, "")))
             for (source, instance), tickets in by_source.items():
                 for lo in range(0, len(tickets), pc.MAX_HEARTBEAT_TICKETS):
-                    self._spawn(self._call(source, pc.Heartbeat(
-                        self.cfg.engine_id, tickets[lo:lo + pc.MAX_HEARTBEAT_TICKETS], self.instance,
-                        self.bound_address, self.started_ns), instance))
+                    self.io.spawn(self.call(source, pc.Heartbeat(
+                        self.cfg.engine_id, tickets[lo:lo + pc.MAX_HEARTBEAT_TICKETS], self.sidecar.instance,
+                        self.sidecar.address, self.sidecar.started_ns), instance))
 
-    def _issuer(self, ticket: str, request: str = "") -> str:
+    def issuer(self, ticket: str, request: str = "") -> str:
         """The instance of the P that issued `ticket`: calls about it are addressed to it (the
         load's own record first; the bounded book by ticket for calls after the load ended)."""
 
@@ -58,7 +109,7 @@ class PeerCalls:
 
     # -- calls to peers (D side) -------------------------------------------------------------------
 
-    async def _ref(self, address: str):
+    async def ref(self, address: str):
         ref = self.peer_refs.get(address)
         if ref is None:
             # A bounded set of peers, the least recently called let go first: a connection per
@@ -66,17 +117,17 @@ class PeerCalls:
             while len(self.peer_refs) >= MAX_PEERS:
                 oldest = next(iter(self.peer_refs))
                 self.peer_refs.pop(oldest)
-                self.refused["peer_evicted"] += 1
-                await close_connections(oldest)
-            ref = await xo.actor_ref(address, AUTHORITY_UID)
+                self.sidecar.refused["peer_evicted"] += 1
+                await self.io.disconnect(oldest)
+            ref = await self.io.connect(address)
             self.peer_refs[address] = ref
         else:
             self.peer_refs.move_to_end(address)
         return ref
 
-    async def _try_call(self, address: str, call: pc.PeerCall, to: str = "") -> tuple[str, object]:
-        """Call a peer's authority: `("ok", answer)`, `("refused", exc)` when the call provably
-        never reached it (nobody listens at the address yet, or its pool is up but its authority
+    async def try_call(self, address: str, call: pc.PeerCall, to: str = "") -> tuple[str, object]:
+        """Call a peer's sidecar: `("ok", answer)`, `("refused", exc)` when the call provably
+        never reached it (nobody listens at the address yet, or its pool is up but its sidecar
         is not created yet), or `("failed", exc)` for any other failure (it may have got it).
         The answer is decoded as the typed answer of `call`; anything else is a failure."""
 
@@ -84,41 +135,41 @@ class PeerCalls:
         try:
             # Bounded: a peer that is stopped or wedged (or whose port another program took)
             # never answers, and xoscar would wait for it forever. A timeout may have reached it.
-            ref = await bounded(self._ref(address), self.cfg.call_timeout_s, f"connect to {address}")
-            return "ok", await bounded(pc.ask(ref, call, to=to, sender=self.cfg.engine_id), self.cfg.call_timeout_s,
-                                       f"{what} at {address}")
+            ref = await bounded(self.ref(address), self.cfg.call_timeout_s, f"connect to {address}")
+            answer = pc.ask(ref, call, to=to, sender=self.cfg.engine_id, now_ns=self.io.wall_ns())
+            return "ok", await bounded(answer, self.cfg.call_timeout_s, f"{what} at {address}")
         except Exception as exc:
             # A peer that failed a call loses its connection too: the next call dials afresh
             # (a restarted peer, or one that moved), and a dead one holds no descriptor here.
             self.peer_refs.pop(address, None)
-            await close_connections(address)
+            await self.io.disconnect(address)
             return ("refused" if _never_arrived(exc) else "failed"), exc
 
-    async def _call(self, address: str, call: pc.PeerCall, to: str = ""):
+    async def call(self, address: str, call: pc.PeerCall, to: str = ""):
         """A peer's answer, or None when the call failed (logged). `to`: the peer's instance."""
 
-        status, value = await self._try_call(address, call, to)
+        status, value = await self.try_call(address, call, to)
         if status == "ok":
             return value
         logger.warning("call %s to %s failed: %r", call.__struct_config__.tag, address, value)
         return None
 
-    def _claim_retry_deadline(self) -> float:
+    def claim_retry_deadline(self) -> float:
         """When a claim stops retrying (this process's monotonic seconds): as long as the load
         waits for its claim, no longer."""
 
-        return self._monotonic() + self.cfg.ledger.claim_wait_ns / 1e9
+        return self.io.now_ns() / 1e9 + self.cfg.ledger.claim_wait_ns / 1e9
 
-    def _awaiting_claim(self, effect: fx.SendClaim) -> bool:
+    def awaiting_claim(self, effect: fx.SendClaim) -> bool:
         """The load this claim is for still waits for P's answer (allocated already or not)."""
 
         load = self.ledger.loads.loads.get(effect.request)
         return (load is not None and load.state in loads.AWAITING_ANSWER and load.ticket == effect.ticket
                 and load.epoch == effect.epoch)
 
-    async def _claim(self, effect: fx.SendClaim) -> None:
-        if self.cfg.debug_delay_claim_s:
-            await asyncio.sleep(self.cfg.debug_delay_claim_s)
+    async def claim(self, effect: fx.SendClaim) -> None:
+        if self.sidecar.hooks.delay_claim_s:
+            await self.io.sleep(self.sidecar.hooks.delay_claim_s)
         # Just after an engine starts (its sidecar comes up a while after vLLM reports ready: a
         # second or two on a warm GPU machine, minutes on a loaded CPU one), or just after P
         # finished the prefill (its fact may still be on the way to its sidecar), a claim can
@@ -128,15 +179,15 @@ class PeerCalls:
         # once. A claim is idempotent for the same (claimer, epoch). At most one call per 0.5 s
         # per waiting load once the backoff has grown; the retries stop as soon as the load no
         # longer waits (expired, aborted) or the sidecar stops.
-        deadline = self._claim_retry_deadline()
+        deadline = self.claim_retry_deadline()
         pause = 0.02
         retried = 0
         unknown_since = None
-        call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch, self.instance, self.bound_address,
-                        self.started_ns)
-        expected_instance = self._issuer(effect.ticket, effect.request)
+        call = pc.Claim(effect.ticket, self.cfg.engine_id, effect.epoch, self.sidecar.instance, self.sidecar.address,
+                        self.sidecar.started_ns)
+        expected_instance = self.issuer(effect.ticket, effect.request)
         while True:
-            status, value = await self._try_call(effect.source, call, self._issuer(effect.ticket, effect.request))
+            status, value = await self.try_call(effect.source, call, self.issuer(effect.ticket, effect.request))
             reply = value if status == "ok" else None
             if reply is not None and not reply.granted and (
                     reply.reason == pc.MISADDRESSED_ANSWER
@@ -145,23 +196,23 @@ class PeerCalls:
                 # restarted (its tickets died with the old instance). A miss at once, never the
                 # unknown-ticket retries. (A grant from another instance is the core's to refuse.)
                 reply = pc.ClaimAnswer(False, STALE_SOURCE, instance=reply.instance)
-                self.refused["stale_instance"] += 1
+                self.sidecar.refused["stale_instance"] += 1
                 break
             unknown = reply is not None and not reply.granted and reply.reason == Reason.UNKNOWN_TICKET
             if unknown and unknown_since is None:
-                unknown_since = self._monotonic()
+                unknown_since = self.io.now_ns() / 1e9
             # "Unknown ticket" is a race with P's own fact (milliseconds; seconds on a starved
             # machine), not a reason to hold D's blocks for the whole claim wait: a restarted P,
             # or one that pruned the ticket, never learns it.
-            retry = status == "refused" or (unknown and self._monotonic() - unknown_since < UNKNOWN_TICKET_RETRY_S)
+            retry = status == "refused" or (unknown and self.io.now_ns() / 1e9 - unknown_since < UNKNOWN_TICKET_RETRY_S)
             if not retry:
                 if status == "failed":
                     logger.warning("claim of ticket %s at %s failed: %r", pc.short(effect.ticket),
                                    effect.source, value)
                 break
-            if self.stopping or not self._awaiting_claim(effect):
+            if self.sidecar.stopping or not self.awaiting_claim(effect):
                 return  # the load already ended (it resolved itself); P never took this claim
-            left = deadline - self._monotonic()
+            left = deadline - self.io.now_ns() / 1e9
             if left <= 0:  # the ledger has normally expired the load already ("claim unanswered")
                 logger.warning("claim of ticket %s at %s: still %s after %d retries; giving up",
                                pc.short(effect.ticket), effect.source,
@@ -170,105 +221,105 @@ class PeerCalls:
             if retried == 0:
                 logger.info("claim of ticket %s at %s: %s; retrying for up to %.1f s", pc.short(effect.ticket),
                             effect.source, repr(value) if status == "refused" else "unknown ticket", left)
-            await asyncio.sleep(min(pause, left))
+            await self.io.sleep(min(pause, left))
             pause = min(pause * 2, 0.5)
             retried += 1
-        now = self._now()
+        now = self.io.now_ns()
         if reply is not None and reply.granted:
             # What P granted goes to the core as it came: the load machine decides whether it may
             # be read (core.load.grant_problem), and gives the ticket back when not.
-            effects = self._apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch, reply.engine,
+            effects = self.sidecar.apply(ev.ClaimGranted(now, effect.request, effect.ticket, effect.epoch, reply.engine,
                                                   reply.instance, tuple(reply.blocks), reply.num_tokens,
                                                   reply.digest, reply.layout))
             if _forgotten(effects):  # the load was pruned meanwhile: give the ticket back
-                self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
-                                                                 effect.epoch), self._issuer(effect.ticket, effect.request)))
+                self.io.spawn(self.call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
+                                                                 effect.epoch), self.issuer(effect.ticket, effect.request)))
             for refusal in (e for e in effects if type(e) is fx.LoadResolved and not e.hit):
                 key = "stale_instance" if Reason.head(refusal.reason) == Reason.SOURCE_RESTARTED else "grant_mismatch"
-                self.refused[key] += 1
-                self.refusal_log.warning(key, "request %s: %s (P at %s); recomputing",
+                self.sidecar.refused[key] += 1
+                self.sidecar.refusal_log.warning(key, "request %s: %s (P at %s); recomputing",
                                          effect.request, refusal.reason, effect.source)
         else:
             reason = reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE
-            self._apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
+            self.sidecar.apply(ev.ClaimRefused(now, effect.request, effect.ticket, effect.epoch, reason))
             if status == "failed":
                 # The call may have reached P and been granted there: give the ticket back rather
                 # than leave P's blocks claimed for a whole idle lease.
-                self._spawn(self._call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
-                                                                 effect.epoch), self._issuer(effect.ticket, effect.request)))
+                self.io.spawn(self.call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id,
+                                                                 effect.epoch), self.issuer(effect.ticket, effect.request)))
 
-    async def _announce_peer(self, source: str, engine: str, instance: str) -> bool:
+    async def announce_peer(self, source: str, engine: str, instance: str) -> bool:
         """Give the worker P's transport metadata once per (address, engine, instance); the
         metadata must come from the engine and instance the grant named. A new instance's
         metadata replaces the old one's (the worker drops the old NIXL agent first)."""
 
         if (source, engine, instance) in self.peers_announced:
             return True
-        answer = await self._call(source, pc.Metadata(), instance)
+        answer = await self.call(source, pc.Metadata(), instance)
         if answer is None or answer.metadata is None:
             return False
         if answer.engine != engine or answer.instance != instance:
-            self.refused["metadata_mismatch"] += 1
-            self.refusal_log.warning("metadata_mismatch", "peer at %s granted as engine %r instance %s "
+            self.sidecar.refused["metadata_mismatch"] += 1
+            self.sidecar.refusal_log.warning("metadata_mismatch", "peer at %s granted as engine %r instance %s "
                                      "answers as %r instance %s: not reading from it", source, engine,
                                      instance[:8], answer.engine, answer.instance[:8])
             return False
         per_rank = unpack_metadata(answer.metadata)
         plan = None if per_rank is None else read_plan(len(per_rank), self.cfg.ranks)
         if plan is None:
-            self.refused["metadata_mismatch"] += 1
-            self.refusal_log.warning("metadata_mismatch", "peer at %s (engine %r) sent transport metadata "
+            self.sidecar.refused["metadata_mismatch"] += 1
+            self.sidecar.refusal_log.warning("metadata_mismatch", "peer at %s (engine %r) sent transport metadata "
                                      "for %s ranks, this engine has %d: not reading from it", source, engine,
                                      "unreadable" if per_rank is None else len(per_rank), self.cfg.ranks)
             return False
         if len(per_rank) == self.cfg.ranks:  # each rank reads its counterpart's shard, whole
             for rank, metadata in enumerate(per_rank):
-                self._send_rank(self.to_worker, rank, m.AddPeer(engine, metadata))
+                self.io.send(WORKER, rank=rank, msg=m.AddPeer(engine, metadata))
             self.read_sources.pop(engine, None)
         else:  # each rank reads its heads from the source ranks that hold them (ranks.read_plan)
             sources = []
             for rank, reads in enumerate(plan):
                 sources.append(tuple(f"{engine}#{source_rank}" for source_rank, _, _ in reads))
                 for (source_rank, remote_slice, local_slice), peer in zip(reads, sources[-1]):
-                    self._send_rank(self.to_worker, rank, m.AddPeer(engine, per_rank[source_rank], peer,
+                    self.io.send(WORKER, rank=rank, msg=m.AddPeer(engine, per_rank[source_rank], peer,
                                                                     remote_slice, local_slice))
             self.read_sources[engine] = sources
         self.peers_announced = {key for key in self.peers_announced if key[:2] != (source, engine)}
         self.peers_announced.add((source, engine, instance))
         return True
 
-    async def _read_start(self, effect: fx.SendReadStart) -> None:
-        if effect.read.endswith("/0") and self.cfg.debug_hold_first_read_s:
-            await asyncio.sleep(self.cfg.debug_hold_first_read_s)
-        elif not effect.read.endswith("/0") and self.cfg.debug_pause_between_reads_s:
-            await asyncio.sleep(self.cfg.debug_pause_between_reads_s)
-        if effect.engine and not await self._announce_peer(effect.source, effect.engine, effect.instance):
-            self._apply(ev.ReadRefused(self._now(), effect.request, effect.read, Reason.NO_TRANSPORT_METADATA))
+    async def read_start(self, effect: fx.SendReadStart) -> None:
+        if effect.read.endswith("/0") and self.sidecar.hooks.hold_first_read_s:
+            await self.io.sleep(self.sidecar.hooks.hold_first_read_s)
+        elif not effect.read.endswith("/0") and self.sidecar.hooks.pause_between_reads_s:
+            await self.io.sleep(self.sidecar.hooks.pause_between_reads_s)
+        if effect.engine and not await self.announce_peer(effect.source, effect.engine, effect.instance):
+            self.sidecar.apply(ev.ReadRefused(self.io.now_ns(), effect.request, effect.read, Reason.NO_TRANSPORT_METADATA))
             return
-        reply = await self._call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
-                                                             effect.epoch, effect.read), self._issuer(effect.ticket, effect.request))
-        now = self._now()
+        reply = await self.call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
+                                                             effect.epoch, effect.read), self.issuer(effect.ticket, effect.request))
+        now = self.io.now_ns()
         if reply is not None and reply.ok:
-            effects = self._apply(ev.ReadGranted(now, effect.request, effect.read))
+            effects = self.sidecar.apply(ev.ReadGranted(now, effect.request, effect.read))
             if _forgotten(effects):
                 # The load was pruned meanwhile: nobody will end the read P pinned for; end it.
-                self._spawn(self._call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id,
+                self.io.spawn(self.call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id,
                                                                  effect.epoch, effect.read, False, True),
-                                       self._issuer(effect.ticket, effect.request)))
+                                       self.issuer(effect.ticket, effect.request)))
         else:
             reason = reply.reason if reply is not None else Reason.SOURCE_UNREACHABLE
-            self._apply(ev.ReadRefused(now, effect.request, effect.read, reason))
+            self.sidecar.apply(ev.ReadRefused(now, effect.request, effect.read, reason))
 
-    async def _post_read(self, effect: fx.PostRead) -> None:
-        if self.cfg.debug_hold_post_s:
-            await asyncio.sleep(self.cfg.debug_hold_post_s)
+    async def post_read(self, effect: fx.PostRead) -> None:
+        if self.sidecar.hooks.hold_post_s:
+            await self.io.sleep(self.sidecar.hooks.hold_post_s)
         post = m.PostRead(effect.request, effect.read, effect.engine, effect.src, effect.dst, effect.last)
         sources = self.read_sources.get(effect.engine)
         if sources is None:  # a source of this engine's size: every rank reads its counterpart
-            self._send(self.to_worker, post)
+            self.io.send(WORKER, post)
         else:  # each rank reads its heads from the source ranks that hold them
             for rank, peers in enumerate(sources):
-                self._send_rank(self.to_worker, rank, msgspec.structs.replace(post, peers=peers))
+                self.io.send(WORKER, rank=rank, msg=msgspec.structs.replace(post, peers=peers))
 
 
 def _forgotten(effects: list) -> bool:
@@ -278,11 +329,15 @@ def _forgotten(effects: list) -> bool:
 
 
 def _never_arrived(exc: BaseException) -> bool:
-    """True when a failed call provably never reached the peer's authority: the connection was
+    """True when a failed call provably never reached the peer's sidecar: the connection was
     refused (nobody listens at the address), or the peer's pool answered that no such actor
-    exists (the pool is up, the authority not yet created). Follows explicit wrapping
+    exists (the pool is up, the sidecar not yet created). Follows explicit wrapping
     (`raise ... from exc`), never an exception merely raised while handling another."""
 
+    try:
+        from xoscar.errors import ActorNotExist
+    except ImportError:  # a simulated network has no pools
+        ActorNotExist = ConnectionRefusedError
     for _ in range(8):
         if isinstance(exc, (ConnectionRefusedError, ActorNotExist)):
             return True

@@ -1,12 +1,12 @@
-"""The sidecar's answers to peers (P side): the one door (`call`), its typed requests checked and
-turned into ledger events, refusals counted and logged. A part of `Authority` (`sidecar.py`)."""
+"""The sidecar's answers to peers (P side): the one door (`answer_frame`), its typed requests
+checked and turned into ledger events, refusals counted and logged. `PeerServer` is a part of
+`Sidecar` (sidecar.py): it keeps what only answers need (the replay window, the decode engines'
+instances) and applies every request to the sidecar's ledger as an event."""
 
 from __future__ import annotations
 
+import collections
 import logging
-import time
-
-from xoscar.core import CALL_METHOD_DEFAULT
 
 from ..core import effects as fx
 from ..core import events as ev
@@ -25,71 +25,66 @@ OLDER_INSTANCE_HEARD_NS = 2 * pc.FRESH_WINDOW_NS
 _OWNER_REFUSALS = {Reason.NOT_CLAIMER: "not_claimer", Reason.NO_CAPABILITY: "no_capability"}
 
 
-class PeerAnswers:
-    """Mixed into `Authority`: how a prefill engine's sidecar answers its peers."""
+class PeerServer:
+    """How a prefill engine's sidecar answers its peers."""
 
-    # -- calls from peers (P side) -----------------------------------------------------------------
+    def __init__(self, sidecar) -> None:
+        self.sidecar = sidecar
+        self.cfg = sidecar.cfg
+        self.io = sidecar.io
+        self.ledger = sidecar.ledger
+        # The nonces of the peer calls answered lately: a call that is not fresh is refused.
+        self.replay_window = pc.ReplayWindow()
+        # The instance last heard from each decode engine at each control address ((address,
+        # claimer) -> (started_ns, instance, last heard)): the same engine at the same address with
+        # an instance that started later restarted.
+        self.peer_instances: collections.OrderedDict[tuple[str, str], tuple[int, str, int]] = collections.OrderedDict()
 
-    async def __on_receive__(self, message):
-        """The only door peers have: the `call` method, one bytes argument, no keywords. Every
-        other method (private ones, `__post_create__`, the shell's own) is refused."""
+    def refuse(self, reason: str, detail: str) -> None:
+        """A peer's call refused before (or by) the ledger: counted and logged, rate-limited."""
 
-        try:
-            method, call_method, args, kwargs = message
-        except (TypeError, ValueError):
-            self._refuse("method", "malformed actor message")
-            raise PermissionError("not a kvbaton peer call") from None
-        if method != pc.PEER_METHOD or call_method != CALL_METHOD_DEFAULT or len(args) != 1 or kwargs:
-            self._refuse("method", f"method {str(method)[:64]!r}")
-            raise PermissionError("kvbaton sidecars answer only their protocol's calls")
-        return await super().__on_receive__(message)
+        self.sidecar.refused[reason] += 1
+        self.sidecar.refusal_log.warning(reason, "refused a peer call from %s (%s): %s", peer_address.get(),
+                                         reason, detail)
 
-    def _refuse(self, reason: str, detail: str) -> None:
-        self.refused[reason] += 1
-        self.refusal_log.warning(reason, "refused a peer call from %s (%s): %s", peer_address.get(),
-                                 reason, detail)
+    def answer_frame(self, payload) -> bytes:
+        """A peer's authenticated frame in, the encoded answer out: the one door peers have."""
 
-    async def call(self, payload) -> bytes:
         try:
             envelope = pc.decode_call(payload)
         except pc.PeerRefusal as refusal:
-            self._refuse(refusal.reason, refusal.detail)
+            self.refuse(refusal.reason, refusal.detail)
             return pc.ENCODER.encode(pc.Answer(False, pc.REFUSED + refusal.reason))
         request = envelope.call
-        stale = self.replay_window.refusal(envelope, self.instance, time.time_ns())
+        wall = self.io.wall_ns()
+        stale = self.replay_window.refusal(envelope, self.sidecar.instance, wall)
         if stale is not None:
-            self._refuse(stale, f"{request.__struct_config__.tag} from {envelope.sender!r} for instance "
-                                f"{envelope.to[:8] or '(none)'}, sent {(time.time_ns() - envelope.sent_ns) / 1e9:.1f} s ago")
+            self.refuse(stale, f"{request.__struct_config__.tag} from {envelope.sender!r} for instance "
+                               f"{envelope.to[:8] or '(none)'}, sent {(wall - envelope.sent_ns) / 1e9:.1f} s ago")
             return pc.ENCODER.encode(pc.Answer(False, pc.REFUSED + stale))
         try:
-            answer = self._answer(request)
-        except Exception:  # a bug must not take the authority down, nor leak its text to the peer
+            answer = self.answer(request)
+        except Exception:  # a bug must not take the sidecar down, nor leak its text to the peer
             logger.exception("answering a peer's %s failed", request.__struct_config__.tag)
-            self.refused["internal_error"] += 1
+            self.sidecar.refused["internal_error"] += 1
             answer = pc.ClaimAnswer(False, "internal error") if type(request) is pc.Claim else \
                 pc.Answer(False, "internal error")
         return pc.ENCODER.encode(answer)
 
-    def _reply(self, effects: list[fx.Effect], kind):
-        for effect in effects:
-            if type(effect) is kind:
-                return effect
-        return None
-
-    def _refused_by_ledger(self, effects: list, request: pc.PeerCall) -> fx.Rejected | None:
+    def refused_by_ledger(self, effects: list, request: pc.PeerCall) -> fx.Rejected | None:
         """A peer's request the ledger refused for who asked (not the claimer, no capability,
         claimed by another): counted and logged like the gate's refusals. Refusals of state
         (closed, unknown read) are lifecycle races, counted by the ledger only."""
 
-        refused = self._reply(effects, fx.Rejected)
+        refused = _reply(effects, fx.Rejected)
         if refused is not None:
             reason = _OWNER_REFUSALS.get(refused.reason)
             if reason is not None:
-                self._refuse(reason, f"{request.__struct_config__.tag} of ticket {pc.short(refused.subject)} "
+                self.refuse(reason, f"{request.__struct_config__.tag} of ticket {pc.short(refused.subject)} "
                                      f"by {getattr(request, 'claimer', '?')!r}")
         return refused
 
-    def _note_peer(self, request: pc.Claim | pc.Heartbeat, now: int) -> bool:
+    def note_peer(self, request: pc.Claim | pc.Heartbeat, now: int) -> bool:
         """Decode engine `request.claimer` at `request.address` speaks as `request.instance`,
         started at `request.started_ns`. False (counted: `older_instance`) when this engine at
         this address was heard from as an instance that started later: an older instance's call
@@ -109,7 +104,7 @@ class PeerAnswers:
                 and now - known[2] < OLDER_INSTANCE_HEARD_NS):
             # (An instance P has not heard for a while is gone whatever its start said: a restarted
             # engine whose clock stepped back is locked out for that long at most.)
-            self._refuse("older_instance", f"{request.__struct_config__.tag} from {claimer!r} at {address} as "
+            self.refuse("older_instance", f"{request.__struct_config__.tag} from {claimer!r} at {address} as "
                                            f"instance {instance[:8]}, which started before instance {known[1][:8]}")
             return False
         if known is not None and known[1] == instance:
@@ -131,74 +126,81 @@ class PeerAnswers:
             if ticket.reads:
                 reading += 1
                 continue
-            self._apply(ev.ReleaseRequested(now, ticket.ticket, ticket.claimer, ticket.epoch))
+            self.sidecar.apply(ev.ReleaseRequested(now, ticket.ticket, ticket.claimer, ticket.epoch))
             ended += 1
-        self.refusal_log.warning("peer_restarted", "decode engine at %s restarted (instance %s, was %s): "
+        self.sidecar.refusal_log.warning("peer_restarted", "decode engine at %s restarted (instance %s, was %s): "
                                  "ended %d of its earlier instance's claims; %d with reads in flight end "
                                  "by their read bound", address, instance[:8], known[1][:8], ended, reading)
         return True
 
-    def _answer(self, request: pc.PeerCall):
-        now = self._now()
+    def answer(self, request: pc.PeerCall):
+        now = self.io.now_ns()
         kind = type(request)
         if kind is pc.Claim:
-            if not self._note_peer(request, now):
-                return pc.ClaimAnswer(False, pc.REFUSED + "older_instance", instance=self.instance)
-            reply = self._reply(self._apply(ev.ClaimRequested(now, request.ticket, request.claimer,
+            if not self.note_peer(request, now):
+                return pc.ClaimAnswer(False, pc.REFUSED + "older_instance", instance=self.sidecar.instance)
+            reply = _reply(self.sidecar.apply(ev.ClaimRequested(now, request.ticket, request.claimer,
                                                               request.epoch)), fx.ReplyClaim)
             if reply is None:
-                return pc.ClaimAnswer(False, "no reply", instance=self.instance)
+                return pc.ClaimAnswer(False, "no reply", instance=self.sidecar.instance)
             if not reply.granted:
                 if reply.reason == Reason.CLAIMED_BY_ANOTHER:
-                    self._refuse("not_claimer", f"claim of ticket {pc.short(request.ticket)} claimed by "
+                    self.refuse("not_claimer", f"claim of ticket {pc.short(request.ticket)} claimed by "
                                                 f"another, by {request.claimer!r}")
                 if reply.reason == Reason.UNKNOWN_TICKET:
-                    self.refusal_log.warning("unknown_ticket", "claim of unknown ticket %s by %r from %s",
+                    self.sidecar.refusal_log.warning("unknown_ticket", "claim of unknown ticket %s by %r from %s",
                                              pc.short(request.ticket), request.claimer, peer_address.get())
-                return pc.ClaimAnswer(False, reply.reason, instance=self.instance)
+                return pc.ClaimAnswer(False, reply.reason, instance=self.sidecar.instance)
             return pc.ClaimAnswer(True, reply.reason, self.cfg.engine_id, self.cfg.layout, reply.blocks,
-                                  reply.num_tokens, reply.digest, self.instance)
+                                  reply.num_tokens, reply.digest, self.sidecar.instance)
         if kind is pc.ReadStart:
-            effects = self._apply(ev.ReadStarted(now, request.ticket, request.claimer, request.epoch,
+            effects = self.sidecar.apply(ev.ReadStarted(now, request.ticket, request.claimer, request.epoch,
                                                  request.read))
-            self._refused_by_ledger(effects, request)
-            reply = self._reply(effects, fx.ReplyRead)
+            self.refused_by_ledger(effects, request)
+            reply = _reply(effects, fx.ReplyRead)
             return pc.Answer(bool(reply and reply.granted), reply.reason if reply else "no reply")
         if kind is pc.ReadEnd:
-            effects = self._apply(ev.ReadFinished(now, request.ticket, request.read, request.ok,
+            effects = self.sidecar.apply(ev.ReadFinished(now, request.ticket, request.read, request.ok,
                                                   request.claimer, request.epoch))
-            refused = self._refused_by_ledger(effects, request)
+            refused = self.refused_by_ledger(effects, request)
             if refused is not None and refused.reason == Reason.NOT_CLAIMER:
                 return pc.Answer(False, refused.reason)
             if request.release:
-                self._apply(ev.ReleaseRequested(now, request.ticket, request.claimer, request.epoch))
+                self.sidecar.apply(ev.ReleaseRequested(now, request.ticket, request.claimer, request.epoch))
             return pc.Answer(refused is None, refused.reason if refused is not None else "")
         if kind is pc.Release:
-            refused = self._refused_by_ledger(self._apply(ev.ReleaseRequested(
+            refused = self.refused_by_ledger(self.sidecar.apply(ev.ReleaseRequested(
                 now, request.ticket, request.claimer, request.epoch)), request)
             return pc.Answer(refused is None, refused.reason if refused is not None else "")
         if kind is pc.Heartbeat:
-            if not self._note_peer(request, now):
+            if not self.note_peer(request, now):
                 return pc.Answer(False, pc.REFUSED + "older_instance")
             refused = 0
             for entry in request.tickets:
                 proof = capability_digest(entry.keepalive) if entry.keepalive else ""
-                effects = self._apply(ev.HeartbeatReceived(now, entry.ticket, request.claimer, proof))
-                refused += self._refused_by_ledger(effects, request) is not None
+                effects = self.sidecar.apply(ev.HeartbeatReceived(now, entry.ticket, request.claimer, proof))
+                refused += self.refused_by_ledger(effects, request) is not None
             return pc.Answer(refused == 0, f"{refused} refused" if refused else "")
         if kind is pc.Abandon:
-            effects = self._apply(ev.AbandonRequested(now, request.ticket,
+            effects = self.sidecar.apply(ev.AbandonRequested(now, request.ticket,
                                                       capability_digest(request.capability)))
-            refused = self._refused_by_ledger(effects, request)
+            refused = self.refused_by_ledger(effects, request)
             return pc.Answer(any(type(e) is fx.FreeEngineBlocks for e in effects),
                              refused.reason if refused is not None else "")
         if kind is pc.Metadata:
-            return pc.MetadataAnswer(self.cfg.engine_id, self.metadata, self.instance)
+            return pc.MetadataAnswer(self.cfg.engine_id, self.sidecar.metadata, self.sidecar.instance)
         if kind is pc.State:
-            return pc.StateAnswer(self.debug_state())
+            return pc.StateAnswer(self.sidecar.debug_state())
         if kind is pc.Residency:
             # A count from another instance of this sidecar means nothing here: a snapshot.
-            since = request.since if request.instance == self.instance else -1
-            reset, seq, events = self.residency.answer(since)
-            return pc.ResidencyAnswer(self.instance, seq, reset, events)
+            since = request.since if request.instance == self.sidecar.instance else -1
+            reset, seq, events = self.sidecar.residency.answer(since)
+            return pc.ResidencyAnswer(self.sidecar.instance, seq, reset, events)
         raise TypeError(f"no handler for {kind.__name__}")
+
+
+def _reply(effects: list[fx.Effect], kind):
+    for effect in effects:
+        if type(effect) is kind:
+            return effect
+    return None

@@ -1,0 +1,68 @@
+"""Fault and delay hooks: one object, honoured only under `KVBATON_TEST_HOOKS=1`.
+
+Tests and benchmarks hold a read, delay a claim or fail a copy to reach a lifecycle race on
+purpose. Every such knob of the sidecar is a field of `SidecarHooks`; the sidecar uses the hooks
+its configuration carries only when its own environment turns test hooks on, and `NO_HOOKS`
+otherwise, so a production engine cannot be talked into a fault by a configuration file or a
+message. The worker's own hooks (failing the next reads, holding restores and stages) are named in
+`WORKER_HOOKS`: the sidecar forwards a change of one to the worker ranks, and only when hooks are on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+TEST_HOOKS_ENV = "KVBATON_TEST_HOOKS"
+
+
+def hooks_enabled() -> bool:
+    return os.environ.get(TEST_HOOKS_ENV) == "1"
+
+
+class SidecarHooks(msgspec.Struct, kw_only=True, frozen=True):
+    """The sidecar's hooks; every default is "no hook"."""
+
+    # Split each handoff load into this many sequential reads.
+    reads_per_load: int = 1
+    # Pause before the 2nd and later reads of a load.
+    pause_between_reads_s: float = 0.0
+    # Hold each load's first read after the claim is granted, before asking P for it.
+    hold_first_read_s: float = 0.0
+    # Hold each claim before sending it.
+    delay_claim_s: float = 0.0
+    # Hold each read after P granted it, before posting it.
+    hold_post_s: float = 0.0
+    # Heartbeat interval in place of the configured one (0: the configured one).
+    heartbeat_interval_s: float = 0.0
+    # The instance epoch to speak as (a test that names a sidecar's instance before it starts);
+    # "": 128 random bits, new at every start.
+    instance: str = ""
+
+
+NO_HOOKS = SidecarHooks()
+
+# Hooks of the worker ranks, by the connector socket they go to: the sidecar forwards a change.
+WORKER_HOOKS = {
+    "fail_next_reads": "worker",
+    "history_fail_next_restores": "worker",
+    "history_hold_restore_s": "worker",
+    "history_fail_next_stages": "history",
+    "history_hold_stage_s": "history",
+}
+
+
+def active_hooks(configured: SidecarHooks | None) -> SidecarHooks:
+    """The hooks a sidecar runs with: the configured ones only when test hooks are on."""
+
+    return configured if configured is not None and hooks_enabled() else NO_HOOKS
+
+
+def changed(hooks: SidecarHooks, key: str, value: float) -> SidecarHooks:
+    """`hooks` with `key` set to `value` (ValueError for a key that names no sidecar hook)."""
+
+    if key not in SidecarHooks.__struct_fields__ or key == "instance":
+        raise ValueError(f"no sidecar hook named {key!r}")
+    current = getattr(hooks, key)
+    return msgspec.structs.replace(hooks, **{key: type(current)(value)})

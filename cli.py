@@ -306,6 +306,18 @@ def cmd_serve(args) -> int:
     return run_serve(args)
 
 
+def cmd_router_key(args) -> int:
+    from .control.guard import SecretError, resolve_secret
+    from .control.router_door import router_key
+
+    try:
+        print(router_key(resolve_secret(args.secret_file or "", "127.0.0.1")).hex())
+    except SecretError as exc:
+        print(f"kvbaton router-key: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_timings(args) -> int:
     from .core.log import LogError, read_log_prefix
     from .core.timings import engine_stream, format_story, format_timings, request_story, timings
@@ -389,6 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("router-key", help="print the router's key to the sidecars' router door, derived from "
+                                          "the deployment secret (for `kvbaton serve --router-key-file` on "
+                                          "a host that must not hold the secret)")
+    p.add_argument("--secret-file", default=None, help="the deployment secret (default: $KVBATON_SECRET, "
+                                                       "else this user's per-host secret)")
+    p.set_defaults(func=cmd_router_key)
     return parser
 
 

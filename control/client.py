@@ -175,6 +175,7 @@ class SidecarHandle:
         self.backlog: list[m.Msg] = []
         self.ready = False
         self.instance = ""  # the sidecar's instance epoch, from its Ready
+        self.router_address = ""  # where the router's door listens, from its Ready
         # Only the process that started the sidecar stops it: vLLM forks workers from the
         # engine process, and a fork's exit (its inherited atexit hook) must not stop P's sidecar.
         self.creator_pid = os.getpid()
@@ -243,6 +244,7 @@ class SidecarHandle:
                 self.ready = True
                 self.address = msg.address
                 self.instance = msg.instance
+                self.router_address = msg.router_address
                 logger.info("kvbaton: sidecar of engine %s listens at %s", self.config.engine_id, msg.address)
             else:
                 kept.append(msg)
@@ -310,11 +312,11 @@ XOSCAR_LAZY_PACKAGES = ("torch", "torch_npu", "cudf", "cupy", "rmm", "mlx")
 
 
 def keep_xoscar_light() -> None:
-    """For our own control-plane processes (sidecars, the `kvbaton serve` / `demo` router), which
-    exchange only plain Python values: mark xoscar's lazily loaded packages absent before xoscar
-    loads (a `None` entry in `sys.modules` makes `import` fail fast). Measured in the demo: the
-    router's first sidecar call imported torch inside its event loop with two engines keeping
-    both cores busy, and every request stalled for 57-120 s."""
+    """For our own control-plane processes (sidecars, and `kvbaton serve` / `demo`, which start
+    engines as children), which exchange only plain Python values: mark xoscar's lazily loaded
+    packages absent before xoscar loads (a `None` entry in `sys.modules` makes `import` fail
+    fast), because a first call that imports torch inside an event loop stalls everything that
+    loop serves for as long as the import takes on a busy host."""
 
     import sys
 
@@ -326,31 +328,6 @@ def keep_xoscar_light() -> None:
     for name in XOSCAR_LAZY_PACKAGES:
         if name not in sys.modules:
             sys.modules[name] = None
-
-
-def load_xoscar_eagerly() -> None:
-    """For a process that may need those packages (one embedding the router): import xoscar and
-    what it would load lazily now, at startup, rather than in the middle of the first call.
-    Blocks for the imports (seconds for torch). Without xoscar (a router-only install) it does
-    nothing: sidecar calls then fail, each with its own error, as before."""
-
-    import importlib
-    import importlib.util
-    import sys
-
-    try:
-        import xoscar  # noqa: F401
-    except ImportError:
-        return
-
-    for name in XOSCAR_LAZY_PACKAGES:
-        if name in sys.modules:
-            continue  # loaded already, or marked absent by keep_xoscar_light
-        try:
-            if importlib.util.find_spec(name) is not None:
-                importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a broken optional package: xoscar will not use it either
-            pass
 
 
 def _retrieve(task) -> None:

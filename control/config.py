@@ -24,6 +24,8 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     parent_pid: int = 0
     # Port of the Prometheus endpoint on the control address's host (GET /metrics); 0: none.
     metrics_port: int = 0
+    # Port of the router's door (router_door.py) on the same host; 0: the kernel chooses.
+    router_port: int = 0
     # Fault and delay hooks (tests and benchmarks): used only where the sidecar's environment
     # turns test hooks on (hooks.py); None everywhere else.
     hooks: SidecarHooks | None = None

@@ -71,6 +71,8 @@ class ProcessIo:
         self.sockets: list = []
         self.zctx = None
         self.metrics_server = None
+        self.router_server = None
+        self.router_address = ""
         self.on_close = lambda: None
         self.closed = False
 
@@ -125,10 +127,11 @@ class ProcessIo:
 
     # -- the process -------------------------------------------------------------------------------
 
-    async def start(self, on_message, metrics_snapshot, on_close) -> None:
-        """Bind the connector's sockets (facts to `on_message(msg, rank)`), serve metrics, and
-        watch the engine that started this process; `on_close()` runs first when this IO closes
-        (the sidecar closes its event log)."""
+    async def start(self, on_message, metrics_snapshot, on_close, answer_router=None, advertised_host: str = "") -> None:
+        """Bind the connector's sockets (facts to `on_message(msg, rank)`), serve metrics and the
+        router's door (`answer_router(body, mac)`, advertised on `advertised_host`), and watch the
+        engine that started this process; `on_close()` runs first when this IO closes (the
+        sidecar closes its event log)."""
 
         import zmq
         import zmq.asyncio
@@ -158,6 +161,8 @@ class ProcessIo:
         if cfg.parent_pid:
             self.spawn(self._watch_engine())
         await self._serve_metrics(metrics_snapshot)
+        if answer_router is not None:
+            await self._serve_router_door(answer_router, advertised_host)
 
     async def close(self) -> None:
         if self.closed:
@@ -166,8 +171,9 @@ class ProcessIo:
         self.on_close()
         for task in list(self.tasks):
             task.cancel()
-        if self.metrics_server is not None:
-            self.metrics_server.close()
+        for server in (self.metrics_server, self.router_server):
+            if server is not None:
+                server.close()
         for sock in self.sockets:
             sock.close(0)
         shutil.rmtree(self.cfg.ipc_dir, ignore_errors=True)
@@ -201,6 +207,25 @@ class ProcessIo:
                 logger.warning("engine process %d is gone: stopping", parent)
                 await self.close()
                 os._exit(0)
+
+    async def _serve_router_door(self, answer_router, advertised_host: str) -> None:
+        """The router's door (router_door.py), on the control address's host at `router_port`
+        (0: the kernel chooses). One that cannot be bound is logged: the router then cannot
+        abandon tickets early (they expire) or read counts, and handoffs go on."""
+
+        from . import router_door
+
+        host = self.cfg.address.rpartition(":")[0].strip("[]") or "127.0.0.1"
+        try:
+            self.router_server = await router_door.serve(host, self.cfg.router_port, answer_router)
+        except OSError as exc:
+            logger.error("kvbaton sidecar of engine %s: cannot serve the router's door on %s:%d (router_port): "
+                         "%s; handoffs go on, the router cannot abandon tickets early", self.cfg.engine_id,
+                         host, self.cfg.router_port, exc)
+            return
+        port = self.router_server.sockets[0].getsockname()[1]
+        shown = advertised_host or host
+        self.router_address = f"[{shown}]:{port}" if ":" in shown else f"{shown}:{port}"
 
     async def _serve_metrics(self, snapshot) -> None:
         """The Prometheus endpoint (`metrics_port`), on the host the control address binds. A

@@ -33,8 +33,9 @@ class Apply(Msg, tag="apply"):
 class HandoffRefused(Msg, tag="hrefused"):
     """D refused a request's handoff section before claiming (adapters/vllm/handoff.py
     HandoffError.reason: invalid, unsigned, forged, expired, untrusted_control, layout,
-    tensor_parallel, weights); the request recomputes. Counted, never logged as an event: no
-    ticket or load exists for it."""
+    tensor_parallel, weights; the request recomputes), or P refused to hand a request off
+    (no_router_capability: see `require_router_capability`). Counted, never logged as an event:
+    no ticket or load exists for it."""
 
     reason: str
 
@@ -123,6 +124,7 @@ class Ready(Msg, tag="ready"):
     pid: int
     log_path: str
     instance: str = ""  # this sidecar's instance epoch: a restart at the same address is a new peer
+    router_address: str = ""  # where the router's door listens (router_door.py); "" when it does not
 
 
 class Resolved(Msg, tag="resolved"):

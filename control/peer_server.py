@@ -6,13 +6,17 @@ instances) and applies every request to the sidecar's ledger as an event."""
 from __future__ import annotations
 
 import collections
+import hmac
 import logging
+
+import msgspec
 
 from ..core import effects as fx
 from ..core import events as ev
 from ..core import ticket as tickets
 from ..core.reasons import Reason
 from . import peer as pc
+from . import router_door as rd
 from .guard import capability_digest, peer_address
 
 logger = logging.getLogger("kvbaton.sidecar")
@@ -70,6 +74,35 @@ class PeerServer:
             answer = pc.ClaimAnswer(False, "internal error") if type(request) is pc.Claim else \
                 pc.Answer(False, "internal error")
         return pc.ENCODER.encode(answer)
+
+    def answer_router(self, body: bytes, mac: str) -> tuple[str, bytes, str]:
+        """The router's door (router_door.py): (HTTP status, answer, its tag). The tag is checked
+        before a byte is decoded; only Abandon, State and Residency decode."""
+
+        key = self.sidecar.router_key
+        if not key or not hmac.compare_digest(rd.tag(key, b"call", body), mac or ""):
+            self.refuse("router_unauthenticated", f"a {len(body)}-byte call without the router key's tag")
+            return "403 Forbidden", b"", ""
+        try:
+            envelope = rd.DECODER.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self.refuse("router_invalid", str(exc)[:200])
+            return "400 Bad Request", b"", ""
+        wall = self.io.wall_ns()
+        stale = self.replay_window.refusal(envelope, self.sidecar.instance, wall)
+        if stale is not None:
+            self.refuse(stale, f"router's {envelope.call.__struct_config__.tag} for instance "
+                               f"{envelope.to[:8] or '(none)'}, sent {(wall - envelope.sent_ns) / 1e9:.1f} s ago")
+            answer = pc.Answer(False, pc.REFUSED + stale)
+        else:
+            try:
+                answer = self.answer(envelope.call)
+            except Exception:  # a bug must not take the sidecar down, nor leak its text
+                logger.exception("answering the router's %s failed", envelope.call.__struct_config__.tag)
+                self.sidecar.refused["internal_error"] += 1
+                answer = pc.Answer(False, "internal error")
+        out = pc.ENCODER.encode(answer)
+        return "200 OK", out, rd.answer_tag(key, envelope.nonce, out)
 
     def refused_by_ledger(self, effects: list, request: pc.PeerCall) -> fx.Rejected | None:
         """A peer's request the ledger refused for who asked (not the claimer, no capability,

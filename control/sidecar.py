@@ -68,10 +68,13 @@ class Sidecar:
     """One engine's ledger, driven by its connector's facts and its peers' calls, through `io`."""
 
     def __init__(self, cfg: SidecarConfig, io: SidecarIo, *, address: str = "", log: LogWriter | None = None,
-                 strict: bool = False, instance: str = "") -> None:
+                 strict: bool = False, instance: str = "", router_key: bytes = b"") -> None:
         self.cfg = cfg
         self.io = io
         self.address = address  # where peers reach this sidecar (announced once it is up)
+        # The router's door (router_door.py): the key its calls are tagged with, where it listens.
+        self.router_key = router_key
+        self.router_address = ""
         self.hooks = active_hooks(cfg.hooks)
         # This instance's epoch: a sidecar restarted at the same address is a new peer, whose
         # predecessor's tickets and claims are over (peers compare it on every answer).
@@ -122,7 +125,8 @@ class Sidecar:
         if self.cfg.role in ("consumer", "both"):
             self.io.spawn(self.client.heartbeat_loop())
         if self.address:
-            self.io.send(SCHEDULER, m.Ready(self.address, os.getpid(), self.cfg.log_path, self.instance))
+            self.io.send(SCHEDULER, m.Ready(self.address, os.getpid(), self.cfg.log_path, self.instance,
+                                            self.router_address))
 
     def close(self) -> None:
         """Stop: the event log closes with a checkpoint of the ledger."""

@@ -59,17 +59,20 @@ def _actor_class():
     class SidecarActor(xo.Actor):
         """The sidecar as peers reach it: `call` is its only method they may use."""
 
-        def __init__(self, config_json: bytes, address: str = "") -> None:
+        def __init__(self, config_json: bytes, address: str = "", router_key: bytes = b"") -> None:
             super().__init__()
             cfg = msgspec.json.decode(config_json, type=SidecarConfig)
             self.io = ProcessIo(cfg)
-            self.sidecar = Sidecar(cfg, self.io, address=address,
+            self.sidecar = Sidecar(cfg, self.io, address=address, router_key=router_key,
                                    log=open_event_log(cfg) if cfg.log_path else None)
             self.sidecar.frame_refusals = FRAME_REFUSALS
 
         async def __post_create__(self) -> None:
             sidecar = self.sidecar
-            await self.io.start(sidecar.on_message, sidecar.metrics_snapshot, sidecar.close)
+            advertised = sidecar.address.rpartition(":")[0].strip("[]")
+            await self.io.start(sidecar.on_message, sidecar.metrics_snapshot, sidecar.close,
+                                sidecar.server.answer_router, advertised)
+            sidecar.router_address = self.io.router_address
             sidecar.start()
 
         async def __pre_destroy__(self) -> None:
@@ -116,6 +119,7 @@ async def _main(launch) -> None:
     import xoscar as xo
 
     from .client import SIDECAR_UID
+    from .router_door import router_key
     from .guard import RateLimitedLog, Strangers, bound_strangers, guard_pool, install_frame_key, watch_refused_frames
 
     cfg = launch.config
@@ -134,7 +138,7 @@ async def _main(launch) -> None:
     bound_strangers(pool, Strangers(cfg.strangers_max, cfg.strangers_per_source, cfg.first_frame_s),
                     lambda reason, peer: frame_refused(reason, f"{reason} from {peer}"))
     await xo.create_actor(_actor_class(), msgspec.json.encode(cfg), pool.external_address,
-                          address=pool.external_address, uid=SIDECAR_UID)
+                          router_key(launch.secret), address=pool.external_address, uid=SIDECAR_UID)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -47,6 +47,9 @@ class EngineSpec:
     # Where the engine publishes vLLM's KV events ("" when it does not): set by the Deployment
     # for engines it starts, given by the operator for attached ones.
     kv_events: str = ""
+    # The port of its sidecar's router door (router_door.py): chosen by the Deployment for
+    # engines it starts, so the router follows P's history from its start.
+    router_port: int = 0
 
 
 @dataclass
@@ -59,6 +62,10 @@ class Engine:
     @property
     def control(self) -> str:
         return f"{self.spec.host}:{self.spec.control_port}"
+
+    @property
+    def router_door(self) -> str:
+        return f"{self.spec.host}:{self.spec.router_port}" if self.spec.router_port else ""
 
     def tail(self, lines: int = 25) -> str:
         try:
@@ -110,7 +117,12 @@ class Deployment:
         return self.log_dir / "events"
 
     def _command(self, spec: EngineSpec) -> tuple[list[str], dict]:
-        extra = {"event_log_dir": str(self.event_log_dir), "control_port": spec.control_port, **spec.extra_config}
+        if not spec.router_port:
+            spec.router_port = free_port()
+        # The engines it starts hand off only what the router asks for (the router proves it).
+        extra = {"event_log_dir": str(self.event_log_dir), "control_port": spec.control_port,
+                 "router_port": spec.router_port, "require_router_capability": spec.role == "prefill",
+                 **spec.extra_config}
         if getattr(self, "secret_file", ""):
             extra["secret_file"] = self.secret_file
         kv_config = {**CONNECTOR, "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
@@ -221,8 +233,12 @@ class Deployment:
 
         import dataclasses
 
+        # The router follows each P's history at its router door (attached engines': learned
+        # from their handoffs).
+        doors = {e.url: e.router_door for e in self.engines
+                 if e.process is not None and e.spec.role == "prefill" and e.router_door}
         return dataclasses.replace(self.routing, tokenizer=self.routing.tokenizer or self.tokenizer or self.model,
-                                   kv_events=self.kv_events(), controls=self.controls("prefill"))
+                                   kv_events=self.kv_events(), controls=doors)
 
     def controls(self, role: str | None = None) -> dict[str, str]:
         return {e.url: e.control for e in self.engines if e.process is not None and (role is None or e.spec.role == role)}
@@ -333,11 +349,31 @@ def tenant_key(secret_file: str = "") -> bytes:
     return hashlib.blake2b(resolve_secret(secret_file).encode(), key=b"kvbaton-tenant-salt", digest_size=32).digest()
 
 
+def deployment_router_key(secret_file: str = "", key_file: str = "") -> bytes:
+    """The key the router calls sidecars with (control/router_door.py): read from `key_file`
+    (hex, owner-only, for a router kept away from the engines' secret) or derived from the
+    deployment secret. The router never installs the secret as its own frame key."""
+
+    from ..control.guard import resolve_secret
+    from ..control.router_door import router_key
+
+    if key_file:
+        text = read_api_key_file(key_file)
+        try:
+            key = bytes.fromhex(text or "")
+        except ValueError:
+            key = b""
+        if len(key) != 32:
+            raise ValueError(f"{key_file}: a router key is 64 hex characters (`kvbaton router-key` prints it)")
+        return key
+    return router_key(resolve_secret(secret_file, "127.0.0.1"))
+
+
 async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio.Event, *,
                      api_key: str | None = None, max_body_bytes: int | None = None,
                      max_in_flight: int | None = None, max_batch_prompts: int | None = None,
                      first_token: str = "prefill", routing=None, tenant_header: str | None = None,
-                     metrics_key: str | None = None, secret_file: str = "") -> None:
+                     metrics_key: str | None = None, secret_file: str = "", router_key: bytes | None = None) -> None:
     import uvicorn
 
     from ..router.app import (DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, Router,
@@ -350,7 +386,8 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
                     max_batch_prompts=max_batch_prompts or DEFAULT_MAX_BATCH_PROMPTS,
                     routing=routing or deployment.routing_config(), first_token=first_token,
                     tenant_header=tenant_header, metrics_key=metrics_key,
-                    tenant_key=tenant_key(secret_file) if tenant_header else None)
+                    tenant_key=tenant_key(secret_file) if tenant_header else None,
+                    router_key=router_key or deployment_router_key(secret_file))
     # Connections beyond what the in-flight cap can use are answered 503 by uvicorn itself.
     config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on",
                             limit_concurrency=2 * router.max_in_flight + 64)
@@ -416,6 +453,9 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--metrics-key-file", default=None,
                         help="/metrics answers only this key (an operator's, owner-only file; default: "
                              "$KVBATON_METRICS_KEY), not the API key")
+    parser.add_argument("--router-key-file", default=None,
+                        help="the router's key to the sidecars' router door, 64 hex characters, owner-only "
+                             "(`kvbaton router-key` prints it); default: derived from the deployment secret")
     parser.add_argument("--secret-file", default=None,
                         help="the deployment secret that authenticates control frames (default: "
                              "$KVBATON_SECRET, else this user's per-host secret)")
@@ -479,7 +519,7 @@ def read_api_key_file(path: str | None) -> str | None:
 
 
 def run_serve(args) -> int:
-    from ..control.guard import SecretError, ensure_frame_key
+    from ..control.guard import SecretError
 
     def progress(text: str) -> None:
         print(f"kvbaton serve: {text}", flush=True)
@@ -507,9 +547,9 @@ def run_serve(args) -> int:
         progress(f"--max-batch-prompts must be at least 1, not {args.max_batch_prompts}")
         return 2
     try:
-        ensure_frame_key(args.secret_file or "")
-    except SecretError as exc:
-        progress(str(exc))
+        router_key = deployment_router_key(args.secret_file or "", args.router_key_file or "")
+    except (SecretError, ValueError) as exc:
+        progress(str(exc).replace("--api-key-file", "--router-key-file"))
         return 2
     try:
         deployment = deployment_from_args(args)
@@ -539,7 +579,7 @@ def run_serve(args) -> int:
                          max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
                          max_batch_prompts=args.max_batch_prompts, first_token=args.first_token,
                          tenant_header=args.tenant_header, metrics_key=metrics_key,
-                         secret_file=args.secret_file or "")
+                         secret_file=args.secret_file or "", router_key=router_key)
 
     try:
         asyncio.run(main())

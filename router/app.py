@@ -214,7 +214,7 @@ class Batch:
 
 class Router:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, timeout_s: float = 600.0,
-                 models: list[str] | None = None, api_key: str | None = None, engine_api_key: str | None = None,
+                 models: list[str] | None = None, api_key: str | None = None, engine_api_key: str | None = None, router_key: bytes | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
                  max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS, routing: RoutingConfig | None = None,
                  first_token: str = "prefill", tenant_header: str | None = None,
@@ -250,7 +250,10 @@ class Router:
         self._background: set[asyncio.Task] = set()  # abandons and handoffs run on tasks of their own
         self._states_at = float("-inf")
         self.models = set(models or [])
-        self.controls: dict[str, str] = {}  # P engine id -> its sidecar address (learned from handoffs)
+        self.controls: dict[str, str] = {}  # P engine id -> its sidecar's router door (learned from handoffs)
+        # The router key (router_door.py): all the router holds to call sidecars, never the
+        # deployment secret, and nothing it receives from them is unpickled.
+        self.router_key = router_key or b""
         # The engines' API key (kvbaton serve gives each deployment's engines one): every call to an
         # engine carries it, so only the router reaches their /v1 routes.
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=(
@@ -283,12 +286,9 @@ class Router:
         self.placement = CacheRouting(routing or RoutingConfig(mode="round-robin"), self.prefill_urls,
                                       self.decode_urls)
         self.registry.register(RoutingCollector(self.placement))
+        if self.router_key:
+            self.placement.call_sidecar = self.call_sidecar
         self._states: dict[str, dict] = {}
-        # The control-plane client's imports happen here, at startup: done lazily by the first
-        # abandon or state refresh, they ran inside the event loop and stalled every request.
-        from ..control.client import load_xoscar_eagerly
-
-        load_xoscar_eagerly()
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -325,36 +325,47 @@ class Router:
     def sidecar_states(self) -> dict[str, dict]:
         return dict(self._states)
 
+    async def call_sidecar(self, address: str, call, *, to: str = "", timeout_s: float = 5.0):
+        """`call` (Abandon, State or Residency) at the sidecar whose router door is `address`."""
+
+        from ..control.router_door import call_sidecar
+
+        return await call_sidecar(self.client, address, call, self.router_key, to=to, timeout_s=timeout_s)
+
     async def refresh_sidecar_states(self) -> None:
-        from ..control.client import call_sidecar
+        from ..control import peer as pc
 
         if time.monotonic() - self._states_at < STATE_REFRESH_S and set(self.controls) <= set(self._states):
             return
         self._states_at = time.monotonic()
         for engine, address in list(self.controls.items()):
             try:
-                self._states[engine] = await call_sidecar(address, "debug_state", timeout_s=2.0)
+                answer = await self.call_sidecar(address, pc.State(), timeout_s=2.0)
+                self._states[engine] = answer.state
             except Exception as exc:
                 logger.warning("could not read the state of sidecar %s: %r", address, exc)
                 self._states[engine] = {"error": "unreachable"}
 
     async def abandon(self, params: dict | None, cause: str) -> None:
         """Give P's blocks back now (the ticket is unclaimed): with the capability P gave only
-        to the router (`abandon` in P's answer, never forwarded)."""
+        to the router (`abandon` in P's answer, never forwarded), through P's router door."""
 
         section = (params or {}).get("kvbaton")
         if not isinstance(section, dict) or not isinstance(section.get("abandon"), str):
             return
-        from ..control.client import call_sidecar
+        from ..control import peer as pc
 
         try:
-            closed = await call_sidecar(section["control"], "abandon", section["ticket"], section["abandon"],
-                                          timeout_s=5.0, to=str(section.get("instance") or ""))
-            self.abandons.labels(cause if closed else cause + "_already_claimed").inc()
+            if not isinstance(section.get("router"), str) or not section["router"]:
+                raise ConnectionError("P's answer names no router door")
+            answer = await self.call_sidecar(section["router"], pc.Abandon(section["ticket"], section["abandon"]),
+                                             to=str(section.get("instance") or ""), timeout_s=5.0)
+            refused = answer.reason.startswith(pc.REFUSED)  # not fresh or misaddressed: counted there too
+            self.abandons.labels(cause if answer.ok else cause + ("_refused" if refused else "_already_claimed")).inc()
         except Exception as exc:
             self.abandons.labels(cause + "_unreachable").inc()
             logger.warning("could not abandon ticket %s on %s: %r", _short(section.get("ticket")),
-                           section.get("control"), exc)
+                           section.get("router"), exc)
 
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` on a task of its own, kept until it is done."""
@@ -639,6 +650,10 @@ class Router:
         # (P's token ids only when its first token may be the client's: they are the whole prompt.)
         p_body = ft.prefill_body(body, token_ids=first_token and self.first_token == "prefill"
                                  and ft.refusal(endpoint, body) is None)
+        if self.router_key:  # P hands off only what the router asked for (require_router_capability)
+            from ..control.router_door import handoff_capability
+
+            p_body["kv_transfer_params"]["kvbaton_router"] = handoff_capability(self.router_key, time.time())
         p_body["request_id"] = f"kvb-{uuid.uuid4().hex}"
         try:
             with self.placement.busy(p_url):
@@ -660,9 +675,10 @@ class Router:
         if not isinstance(params, dict):
             params = None
         section = (params or {}).get("kvbaton")
-        if isinstance(section, dict) and section.get("engine") and section.get("control"):
-            self.controls[str(section["engine"])] = str(section["control"])
-            self.placement.watch_history(p_url, str(section["control"]))
+        if isinstance(section, dict) and section.get("engine") and isinstance(section.get("router"), str) \
+                and section["router"]:
+            self.controls[str(section["engine"])] = section["router"]
+            self.placement.watch_history(p_url, section["router"])
         return params, reply_json if isinstance(reply_json, dict) else None
 
     async def _decode(self, endpoint: str, d_url: str, d_body: dict, held: Held,
@@ -1003,7 +1019,8 @@ def with_handoff(body: dict, params: dict | None) -> dict:
         forwarded = dict(params)
         section = params.get("kvbaton")
         if isinstance(section, dict):
-            forwarded["kvbaton"] = {k: v for k, v in section.items() if k != "abandon"}
+            # The abandon capability and the router's door are the router's, never D's.
+            forwarded["kvbaton"] = {k: v for k, v in section.items() if k not in ("abandon", "router")}
         d_body["kv_transfer_params"] = forwarded
     return d_body
 

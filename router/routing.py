@@ -49,7 +49,7 @@ class RoutingConfig:
     # One request in flight ahead costs this share of a prompt's cached prefix.
     load_weight: float = 0.1
     kv_events: dict[str, str] = field(default_factory=dict)  # engine URL -> its vLLM KV events endpoint
-    controls: dict[str, str] = field(default_factory=dict)  # P URL -> its sidecar's control address
+    controls: dict[str, str] = field(default_factory=dict)  # P URL -> its sidecar's router door (router_door.py)
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTING_MODES:
@@ -79,6 +79,9 @@ class CacheRouting:
         self.index = KvIndex(config.block_size, self.hasher)
         self.in_flight: dict[str, int] = {u: 0 for u in prefill_urls + decode_urls}
         self.controls = {u.rstrip("/"): a for u, a in config.controls.items()}
+        # How to ask a P sidecar for its residency (the router's door, set by the router): None
+        # until the router holds a router key.
+        self.call_sidecar = None
         self._rr_p = 0
         self._rr_d = 0
         self.tokenizer = None
@@ -221,13 +224,14 @@ class CacheRouting:
 
     async def _history_feed(self, url: str, address: str) -> None:
         from ..control import peer as pc
-        from ..control.client import call_peer
 
         since, instance, failures = -1, "", 0
         history_budget = CpuBudget(EVENT_CPU_SHARE, EVENT_CPU_BURST_S)
         while True:
             try:
-                answer = await call_peer(address, pc.Residency(since, instance), timeout_s=5.0)
+                if self.call_sidecar is None:
+                    raise ConnectionError("the router holds no router key")
+                answer = await self.call_sidecar(address, pc.Residency(since, instance), timeout_s=5.0)
                 failures = 0
             except asyncio.CancelledError:
                 raise

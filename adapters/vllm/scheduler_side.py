@@ -19,6 +19,7 @@ from ...control import peer as pc
 from ...control.client import SidecarHandle
 from ...control.config import SidecarConfig
 from ...control.hooks import SidecarHooks, hooks_enabled
+from ...control.router_door import handoff_capability_problem, router_key
 from ...control.guard import RateLimitedLog, capability_digest, install_frame_key, mint_capability, resolve_secret
 from ...core import events as ev
 from ...core.reasons import LoadOutcome
@@ -72,7 +73,7 @@ class SchedulerSide:
             heartbeat_interval_s=s.heartbeat_interval_s, call_timeout_s=s.peer_timeout_s,
             parent_pid=os.getpid(), layout=conn.layout, block_size=conn.block_size,
             ranks=conn.identity.tensor_parallel,
-            metrics_port=s.metrics_port,
+            metrics_port=s.metrics_port, router_port=s.router_port,
             hooks=SidecarHooks(
                 reads_per_load=s.test_hooks.reads_per_load,
                 pause_between_reads_s=s.test_hooks.pause_between_reads_s,
@@ -84,6 +85,7 @@ class SchedulerSide:
         secret = resolve_secret(s.secret_file, s.control_host)
         install_frame_key(secret)  # this process's own calls to its sidecar (debug_state)
         self.handoff_key = handoff_key(secret)  # P signs the sections it hands out; D checks them
+        self.router_key = router_key(secret)  # P: what the router proves it asked for a handoff with
         self.trusted = parse_peer_networks(s.peer_networks)
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self.sidecar_lost_logged = False
@@ -331,6 +333,14 @@ class SchedulerSide:
             return False, None
         if aborted or not block_ids or not self.usable():
             return False, report
+        if self.conn.settings.require_router_capability:
+            problem = handoff_capability_problem(self.router_key, params.get("kvbaton_router"), time.time())
+            if problem:
+                # Not the router's request: no ticket (vLLM frees the blocks now).
+                self.refusal_log.warning("router_capability", "kvbaton: request %s asked for a handoff with %s; "
+                                         "not handing off", rid, problem)
+                self.sidecar.send(m.HandoffRefused("no_router_capability"))
+                return False, report
         blocks = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
         num_tokens = min(len(request.prompt_token_ids or ()), len(blocks) * self.conn.block_size)
         blocks = tuple(blocks[: math.ceil(num_tokens / self.conn.block_size)])
@@ -377,6 +387,8 @@ class SchedulerSide:
                 "keepalive": keepalive,
                 "abandon": abandon,
                 "instance": self.sidecar.instance,
+                # The router's door on P's sidecar (abandon, state, residency under the router key).
+                "router": self.sidecar.router_address,
             }, self.handoff_key, self.conn.settings.unclaimed_ttl_s),
             **(report or {}),
         }

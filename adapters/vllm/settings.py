@@ -158,6 +158,15 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "`kvbaton_*`: tickets, loads, handoff bytes and seconds, history hits, drops, restores, "
         "refusals), on control_host; 0: not served. Unauthenticated and counts only: expose it to "
         "the scraper's network only.", ge=0, le=65535)] = 0
+    require_router_capability: Annotated[bool, _doc(
+        "P: hand off only requests whose kv_transfer_params carry the router's capability "
+        "(`kvbaton_router`, made with the router key): a client of P's own HTTP port cannot make it "
+        "pin KV for a ticket. `kvbaton serve` turns it on for the engines it starts; a stock "
+        "NixlConnector-protocol proxy needs it off.")] = False
+    router_port: Annotated[int, _doc(
+        "Port of the router's door on the engine's sidecar (on control_host): the router gives "
+        "tickets back and reads counts and history residency there under a key derived from the "
+        "secret; 0 picks a free one (P's handoffs name it).", ge=0, le=65535)] = 0
     secret_file: Annotated[str, _doc(
         "The deployment secret that authenticates every control frame comes from KVBATON_SECRET, else "
         "this file (owner-only), else (loopback control_host only) a per-user file made on first "
@@ -317,9 +326,12 @@ def parse_settings(extra: dict[str, Any] | None) -> Settings:
         if not math.isfinite(value):
             raise SettingsError(f"kvbaton: kv_connector_extra_config {name!r} must be a finite number "
                                 f"(got {value!r})")
-    if settings.metrics_port and settings.metrics_port == settings.control_port:
-        raise SettingsError(f"kvbaton: kv_connector_extra_config 'metrics_port' and 'control_port' are "
-                            f"both {settings.metrics_port}; the sidecar needs one port for each")
+    ports = [(name, getattr(settings, name)) for name in ("control_port", "metrics_port", "router_port")]
+    for i, (name, port) in enumerate(ports):
+        for other, other_port in ports[i + 1:]:
+            if port and port == other_port:
+                raise SettingsError(f"kvbaton: kv_connector_extra_config {other!r} and {name!r} are "
+                                    f"both {port}; the sidecar needs one port for each")
     if settings.event_log_dir:
         settings.event_log_dir = os.path.abspath(settings.event_log_dir)
     try:

@@ -406,6 +406,35 @@ def test_engine_ports_answer_only_the_router(stack):
     wait_no_open_tickets(router)
 
 
+def test_p_hands_off_only_what_the_router_asked_for(stack):
+    """Even a holder of the engine key (or an attached engine without one) cannot make P pin KV
+    for a ticket: P started by kvbaton serve hands off only requests that carry the router's
+    capability, counts the others, and answers them as plain requests."""
+
+    from kvbaton.control.client import call_sidecar_sync
+
+    deployment, router = stack
+    (p_control,) = deployment.controls("prefill").values()
+
+    def refused() -> int:
+        return call_sidecar_sync(p_control, "debug_state")["counters"].get("handoffs.refused.no_router_capability", 0)
+
+    before_refused = refused()
+    issued = call_sidecar_sync(p_control, "debug_state")["counters"].get("tickets.issued", 0)
+    forged = {"t": int(time.time()), "mac": "0" * 32}
+    for params in ({"do_remote_decode": True}, {"do_remote_decode": True, "kvbaton_router": forged}):
+        body = {"model": MODEL, "prompt": "w5 w6 w7 w8", "max_tokens": 1, "kv_transfer_params": params}
+        reply = httpx.post(f"{deployment.prefill_urls[0]}/v1/completions", json=body, headers=ENGINE_HEADERS, timeout=60)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+        assert not (reply.json().get("kv_transfer_params") or {}).get("kvbaton")
+    assert refused() == before_refused + 2
+    assert call_sidecar_sync(p_control, "debug_state")["counters"].get("tickets.issued", 0) == issued
+    # The router's own requests are handed off as ever.
+    assert client_for(router).completions.create(model=MODEL, prompt="w5 w6 w7 w8", max_tokens=3).choices[0].text
+    assert call_sidecar_sync(p_control, "debug_state")["counters"].get("tickets.issued", 0) == issued + 1
+    wait_no_open_tickets(router)
+
+
 def test_the_api_key_is_enforced_in_front_of_real_engines(stack):
     deployment, _router = stack
     keyed = RouterThread(deployment, free_port(), api_key="sk-kvbaton-test-key")

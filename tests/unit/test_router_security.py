@@ -4,6 +4,7 @@ them. The API key, body and in-flight bounds, malformed JSON, and what is (never
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 
 import pytest
@@ -11,9 +12,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from kvbaton.control import peer as pc  # noqa: E402
+from kvbaton.control import router_door as rd  # noqa: E402
 from kvbaton.router.app import Router, build_app  # noqa: E402
 
 KEY = "sk-test-0123456789abcdef"
+ROUTER_KEY = rd.router_key("test deployment secret")
 P_URL, D_URL = "http://p-internal.example:8100", "http://d-internal.example:8200"
 
 
@@ -33,7 +37,8 @@ class Engines:
         if role == "p":
             params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "kvbaton": {
                 "ticket": "t" * 32, "control": "127.0.0.1:9", "engine": "P0", "num_tokens": 40,
-                "layout": "L", "keepalive": "a" * 32, "abandon": "b" * 32}} if self.p_params else None
+                "layout": "L", "keepalive": "a" * 32, "abandon": "b" * 32,
+                "router": "127.0.0.1:8"}} if self.p_params else None
             return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": params})
         if self.d_status != 200:
             return httpx.Response(self.d_status, text="Traceback (most recent call last): internal at "
@@ -105,7 +110,7 @@ def test_the_abandon_capability_stays_with_the_router():
     call(engines, "POST", "/v1/completions", headers=bearer(), json_body=BODY)
     d_body = next(body for role, body in engines.seen if role == "d" and "prompt" in body)
     section = d_body["kv_transfer_params"]["kvbaton"]
-    assert "abandon" not in section and section["keepalive"] == "a" * 32 and section["ticket"] == "t" * 32
+    assert "abandon" not in section and "router" not in section and section["keepalive"] == "a" * 32 and section["ticket"] == "t" * 32
 
 
 @pytest.mark.parametrize("content,status", [
@@ -235,7 +240,7 @@ class Fleet:
     """P and D as vLLM with kvbaton: P issues one ticket per engine request with
     `do_remote_decode` and answers with the first one's handoff (as vLLM does); D claims the ticket
     it is given when it starts answering. The router's abandons reach this ledger (its
-    `call_sidecar`). D fails for prompts holding the word `d_fails`, P for `p_fails`; D waits
+    router door). D fails for prompts holding the word `d_fails`, P for `p_fails`; D waits
     on `d_waits` before it claims and answers for prompts holding the word "slow"."""
 
     def __init__(self, p_fails: str = "", d_fails: str = "") -> None:
@@ -260,14 +265,23 @@ class Fleet:
         if ticket in self.issued and ticket not in self.abandoned:
             self.claimed.add(ticket)
 
-    async def call_sidecar(self, address, method, ticket, proof, timeout_s=None, to=""):
-        assert method == "abandon" and proof == "b" * 32
-        if ticket not in self.issued or ticket in self.claimed or ticket in self.abandoned:
-            return False
-        self.abandoned.add(ticket)
-        return True
+    def router_door(self, request: httpx.Request) -> httpx.Response:
+        """P's router door: the call must carry the router key's tag; only abandons come here."""
+
+        raw = request.content
+        assert hmac.compare_digest(rd.tag(ROUTER_KEY, b"call", raw), request.headers[rd.MAC_HEADER])
+        envelope = rd.DECODER.decode(raw)
+        call = envelope.call
+        assert isinstance(call, pc.Abandon) and call.capability == "b" * 32
+        ok = call.ticket in self.issued and call.ticket not in self.claimed and call.ticket not in self.abandoned
+        if ok:
+            self.abandoned.add(call.ticket)
+        out = pc.ENCODER.encode(pc.Answer(ok))
+        return httpx.Response(200, content=out, headers={rd.MAC_HEADER: rd.answer_tag(ROUTER_KEY, envelope.nonce, out)})
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == rd.PATH:
+            return self.router_door(request)
         body = json.loads(request.content or b"{}")
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "tiny"}]})
@@ -284,7 +298,7 @@ class Fleet:
                     self.issued[ticket] = prompt
                     handoffs.append({"do_remote_prefill": True, "kvbaton": {
                         "ticket": ticket, "control": "127.0.0.1:9", "engine": "P0", "num_tokens": 40,
-                        "layout": "L", "keepalive": "a" * 32, "abandon": "b" * 32}})
+                        "layout": "L", "keepalive": "a" * 32, "abandon": "b" * 32, "router": "127.0.0.1:8"}})
             return httpx.Response(200, json={
                 "id": "cmpl-p", "choices": [{"index": i, "text": "x"} for i in range(len(prompts))],
                 "usage": {"prompt_tokens": 4}, "kv_transfer_params": handoffs[0] if handoffs else None})
@@ -331,10 +345,8 @@ def through_router(fleet: Fleet, bodies: list[dict], monkeypatch, path: str = "/
     """Each body in turn, through the router in process; every abandon the router started is
     done before this returns."""
 
-    monkeypatch.setattr("kvbaton.control.client.call_sidecar", fleet.call_sidecar)
-
     async def go():
-        router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY, **router_kw)
+        router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY, router_key=ROUTER_KEY, **router_kw)
         router.client = httpx.AsyncClient(transport=httpx.MockTransport(fleet))
         app = build_app(router)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
@@ -524,11 +536,10 @@ def test_a_client_leaving_a_streamed_batch_leaves_no_ticket_open(monkeypatch):
     from kvbaton.testing.ports import free_port
 
     fleet = Fleet()
-    monkeypatch.setattr("kvbaton.control.client.call_sidecar", fleet.call_sidecar)
 
     async def go():
         fleet.d_waits.clear()
-        router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY)
+        router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY, router_key=ROUTER_KEY)
         router.client = httpx.AsyncClient(transport=httpx.MockTransport(fleet))
         port = free_port("127.0.0.1")
         server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))

@@ -66,3 +66,46 @@ def changed(hooks: SidecarHooks, key: str, value: float) -> SidecarHooks:
         raise ValueError(f"no sidecar hook named {key!r}")
     current = getattr(hooks, key)
     return msgspec.structs.replace(hooks, **{key: type(current)(value)})
+
+
+class WorkerHooks:
+    """A worker rank's fault and delay hooks, one object its io thread, history copier and
+    restore runner share. A change (`change`, from a test's `m.Debug`) is taken only where test
+    hooks are on; with every count at 0 nothing is injected."""
+
+    def __init__(self, fail_every_nth_read: int = 0) -> None:
+        self.fail_every_nth_read = fail_every_nth_read
+        self.reads_seen = 0
+        self.fail_next_reads = 0
+        self.fail_next_stages = 0
+        self.hold_stage_s = 0.0
+        self.fail_next_restores = 0
+        self.hold_restore_s = 0.0
+
+    def change(self, key: str, value: float) -> bool:
+        """Set the hook `key` names (a WORKER_HOOKS key): False, and nothing changes, when test
+        hooks are off or no such hook exists."""
+
+        name = key.removeprefix("history_")
+        if not hooks_enabled() or key not in WORKER_HOOKS or not hasattr(self, name):
+            return False
+        setattr(self, name, type(getattr(self, name))(value))
+        return True
+
+    def take(self, name: str) -> bool:
+        """Whether to inject the fault `name` counts (fail_next_*) now; counts it down."""
+
+        left = getattr(self, name)
+        if left > 0:
+            setattr(self, name, left - 1)
+            return True
+        return False
+
+    def fail_read(self, read_id: str) -> bool:
+        """The transport's fault hook: fail this read (the next N, or every Nth)."""
+
+        self.reads_seen += 1
+        if self.take("fail_next_reads"):
+            return True
+        nth = self.fail_every_nth_read
+        return bool(nth) and self.reads_seen % nth == 0

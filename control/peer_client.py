@@ -77,12 +77,26 @@ class PeerClient:
         elif kind is fx.PostRead:
             spawn(self.post_read(effect))
         elif kind is fx.SendReadEnd:
-            spawn(self.call(effect.source, pc.ReadEnd(effect.ticket, cfg.engine_id, effect.epoch, effect.read,
-                                                      effect.ok, effect.release),
-                            self.issuer(effect.ticket, effect.request)))
+            spawn(self.read_end(effect))
         elif kind is fx.SendRelease:
             spawn(self.call(effect.source, pc.Release(effect.ticket, cfg.engine_id, effect.epoch),
                             self.issuer(effect.ticket, effect.request)))
+
+    async def read_end(self, effect: fx.SendReadEnd) -> None:
+        """Tell P a read ended. P answers whether it still held the read's blocks: a read that
+        succeeded here after P had ended it (its reader silent past the claim lease: this
+        sidecar unreachable while the worker's transfer went on) may have read reused memory.
+        That cannot be undone once the worker reported the blocks to vLLM, so it is counted
+        (`read_unpinned`) and logged as an error naming the request."""
+
+        answer = await self.call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id, effect.epoch,
+                                                           effect.read, effect.ok, effect.release),
+                                 self.issuer(effect.ticket, effect.request))
+        if effect.ok and answer is not None and not answer.ok and answer.reason == Reason.UNKNOWN_READ:
+            self.sidecar.refused["read_unpinned"] += 1
+            logger.error("request %s: P at %s no longer held read %s when it ended here (its reader was "
+                         "silent past P's claim lease); its KV may be wrong: keep claim_lease_s well above "
+                         "peer_timeout_s", effect.request, effect.source, effect.read)
 
     async def heartbeat_loop(self) -> None:
         while True:

@@ -8,6 +8,7 @@ import threading
 import time
 
 from ...control import messages as m
+from ...control.hooks import WorkerHooks
 from .history_slots import RestoreJob, SlotStore
 
 logger = logging.getLogger("vllm.kvbaton.history")
@@ -22,7 +23,7 @@ class HistoryCopier:
     POLL_S = 0.1
 
     def __init__(self, ipc_dir: str, store: SlotStore | None, broken: str = "",
-                 cpus: frozenset[int] | None = None, rank: int = 0) -> None:
+                 cpus: frozenset[int] | None = None, rank: int = 0, hooks: WorkerHooks | None = None) -> None:
         self.ipc_dir = ipc_dir
         self.rank = rank  # the worker rank whose shard of every block this copier keeps
         self.cpus = cpus  # where this thread runs (transports/affinity.py)
@@ -30,9 +31,7 @@ class HistoryCopier:
         self.broken = broken  # why the store could not be built: every copy then fails
         self.stopping = threading.Event()
         self.errors = 0
-        # Test hooks (sidecar Debug messages named history_*).
-        self.fail_next_stages = 0
-        self.hold_stage_s = 0.0
+        self.hooks = hooks or WorkerHooks()  # the worker rank's test hooks (control/hooks.py)
         self.thread = threading.Thread(target=self._run, name="kvbaton-history", daemon=True)
 
     def start(self) -> None:
@@ -100,14 +99,13 @@ class HistoryCopier:
         kind = type(msg)
         store = self.store
         if kind is m.StageCopies:
-            if self.hold_stage_s:
-                time.sleep(self.hold_stage_s)
+            if self.hooks.hold_stage_s:
+                time.sleep(self.hooks.hold_stage_s)
             started = time.perf_counter()
             try:
                 if store is None:
                     raise RuntimeError(self.broken or "no history store")
-                if self.fail_next_stages > 0:
-                    self.fail_next_stages -= 1
+                if self.hooks.take("fail_next_stages"):
                     raise RuntimeError("injected staging failure")
                 nbytes = store.stage(msg.copies)
             except Exception as exc:
@@ -118,10 +116,7 @@ class HistoryCopier:
                 store.drop(msg.key, msg.tier)
             return None
         if kind is m.Debug:
-            if msg.key == "history_fail_next_stages":
-                self.fail_next_stages = int(msg.value)
-            elif msg.key == "history_hold_stage_s":
-                self.hold_stage_s = float(msg.value)
+            self.hooks.change(msg.key, msg.value)
             return None
         logger.warning("kvbaton history: unexpected message %s", kind.__name__)
         return None
@@ -143,13 +138,11 @@ class RestoreRunner:
     Restores are asynchronous: vLLM parks the request until `poll` reports its copies done (the
     worker then puts it in finished_recving), so a restore never holds up a step's forward."""
 
-    def __init__(self, store: SlotStore | None, broken: str = "") -> None:
+    def __init__(self, store: SlotStore | None, broken: str = "", hooks: WorkerHooks | None = None) -> None:
         self.store = store
         self.broken = broken
         self.jobs: list[tuple[str, str, RestoreJob]] = []  # (lease, request, job) in flight
-        # Test hooks (sidecar Debug messages named history_*restore*).
-        self.fail_next_restores = 0
-        self.hold_restore_s = 0.0
+        self.hooks = hooks or WorkerHooks()  # the worker rank's test hooks (control/hooks.py)
 
     def start(self, msg: m.RestoreCopies) -> m.RestoreDone | None:
         """Post the copies; a restore that cannot start is answered at once (failed)."""
@@ -157,10 +150,9 @@ class RestoreRunner:
         try:
             if self.store is None:
                 raise RuntimeError(self.broken or "no history store")
-            if self.fail_next_restores > 0:
-                self.fail_next_restores -= 1
+            if self.hooks.take("fail_next_restores"):
                 raise RuntimeError("injected restore failure")
-            job = self.store.begin_restore(msg.copies, self.hold_restore_s)
+            job = self.store.begin_restore(msg.copies, self.hooks.hold_restore_s)
         except Exception as exc:
             return m.RestoreDone(msg.lease, False, error=str(exc))
         self.jobs.append((msg.lease, msg.request, job))
@@ -188,7 +180,4 @@ class RestoreRunner:
         return done
 
     def debug(self, msg: m.Debug) -> None:
-        if msg.key == "history_fail_next_restores":
-            self.fail_next_restores = int(msg.value)
-        elif msg.key == "history_hold_restore_s":
-            self.hold_restore_s = float(msg.value)
+        self.hooks.change(msg.key, msg.value)

@@ -87,6 +87,15 @@ class SchedulerSide:
         self.handoff_key = handoff_key(secret)  # P signs the sections it hands out; D checks them
         self.router_key = router_key(secret)  # P: what the router proves it asked for a handoff with
         self.trusted = parse_peer_networks(s.peer_networks)
+        if s.claim_lease_s <= s.peer_timeout_s + pc.FRESH_WINDOW_NS / 1e9:
+            # P ends a read whose reader has been silent for the claim lease; D's transport gives
+            # a read up after the peer timeout (plus its size at a floor rate). Only with the
+            # lease well above that (and the clocks' disagreement) can P never free blocks under
+            # a read D is still making, even when D's sidecar stops answering mid-read.
+            logger.warning("kvbaton: claim_lease_s (%g s) should exceed peer_timeout_s (%g s) by more than %g s: "
+                           "a decode engine whose sidecar goes silent mid-read could otherwise read blocks "
+                           "P has freed (counted as read_unpinned)", s.claim_lease_s, s.peer_timeout_s,
+                           pc.FRESH_WINDOW_NS / 1e9)
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self.sidecar_lost_logged = False
         self.unbound_logged = False

@@ -22,6 +22,7 @@ import zmq
 
 from ...control import messages as m
 from ...control.client import Link
+from ...control.hooks import WorkerHooks
 from ...transports.affinity import run_on
 
 logger = logging.getLogger("vllm.kvbaton.connector")
@@ -30,8 +31,9 @@ WAIT_S = 0.05  # how often the thread checks for stop between messages
 
 class WorkerIo:
     def __init__(self, ipc_dir: str, transport, bad_peers: dict[str, str],
-                 cpus: frozenset[int] | None = None, rank: int = 0) -> None:
+                 cpus: frozenset[int] | None = None, rank: int = 0, hooks: WorkerHooks | None = None) -> None:
         self.transport = transport
+        self.hooks = hooks or WorkerHooks()  # the worker rank's test hooks (control/hooks.py)
         self.cpus = cpus  # where this thread runs (transports/affinity.py)
         self.bad_peers = bad_peers
         self.link = Link(ipc_dir, "worker", rank)  # this thread's own sockets (zmq sockets are per thread)
@@ -90,15 +92,7 @@ class WorkerIo:
                 self.bad_peers[peer] = str(exc)
                 logger.warning("kvbaton worker: cannot read from %s: %s", peer, exc)
         elif kind is m.Debug and msg.key == "fail_next_reads":
-            remaining = [int(msg.value)]
-
-            def fail_next(read_id: str) -> bool:
-                if remaining[0] > 0:
-                    remaining[0] -= 1
-                    return True
-                return False
-
-            self.transport.fault_hook = fail_next
+            self.hooks.change(msg.key, msg.value)
         else:
             self.inbox.append(msg)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import faulthandler
 import signal
-import itertools
 import logging
 import os
 import sys
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ...control import messages as m
 from ...control.client import Link
+from ...control.hooks import WorkerHooks, hooks_enabled
 from ...transports.affinity import engine_cpus
 from .settings import GIL_SWITCH_INTERVAL_S, STEP_STALL_DUMP_S, automatic_landing
 from .worker_io import WorkerIo
@@ -131,10 +131,11 @@ class WorkerSide:
             request_amx_permission()
         self.transport.register(layout, kv_caches)
         self.kv_caches = kv_caches  # kept for test hooks and history copies
-        nth = hooks.fail_every_nth_read
-        if nth:
-            counter = itertools.count(1)
-            self.transport.fault_hook = lambda read_id: next(counter) % nth == 0
+        # This rank's fault and delay hooks (control/hooks.py), for tests; the transport asks them
+        # about each read only where test hooks are on.
+        self.hooks = WorkerHooks(fail_every_nth_read=hooks.fail_every_nth_read)
+        if hooks_enabled():
+            self.transport.fault_hook = self.hooks.fail_read
         # Decisions for the worker arrive on the io thread (reads start at once); the engine
         # thread only sends, on its own socket.
         if (self.conn.is_consumer or self.conn.history.enabled) and GIL_SWITCH_INTERVAL_S < sys.getswitchinterval():
@@ -143,7 +144,8 @@ class WorkerSide:
             # copies of a batch (every torch copy call gives it up and must take it back from
             # the busy engine thread). See GIL_SWITCH_INTERVAL_S.
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers, self.thread_cpus, self.rank)
+        self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers, self.thread_cpus, self.rank,
+                           self.hooks)
         self.link = Link(self.conn.ipc_dir, None, self.rank)
         self.link.send(m.WorkerReady(self.transport.local_metadata(), layout.fingerprint()))
         self.io.start()
@@ -166,9 +168,9 @@ class WorkerSide:
         except Exception as exc:  # out of memory, odd layout: history copies fail, serving goes on
             broken = f"history tiers could not be allocated: {exc}"
             logger.exception("kvbaton worker: %s", broken)
-        self.history = HistoryCopier(self.conn.ipc_dir, store, broken, self.thread_cpus, self.rank)
+        self.history = HistoryCopier(self.conn.ipc_dir, store, broken, self.thread_cpus, self.rank, self.hooks)
         self.history.start()
-        self.restorer = RestoreRunner(store, broken)
+        self.restorer = RestoreRunner(store, broken, self.hooks)
 
     def pump(self) -> None:
         """On the engine's thread: take what the io thread left for it (see worker_io.py)."""

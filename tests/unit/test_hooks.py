@@ -49,3 +49,23 @@ def test_a_hook_change_names_a_hook():
         changed(NO_HOOKS, "instance", 1)
     with pytest.raises(ValueError, match="no sidecar hook"):
         changed(NO_HOOKS, "post_reads_inline", 1)
+
+
+def test_a_workers_hooks_change_only_where_test_hooks_are_on(monkeypatch):
+    from kvbaton.control.hooks import WorkerHooks
+
+    hooks = WorkerHooks()
+    monkeypatch.setenv("KVBATON_TEST_HOOKS", "0")
+    assert not hooks.change("fail_next_reads", 2) and hooks.fail_next_reads == 0
+    monkeypatch.setenv("KVBATON_TEST_HOOKS", "1")
+    assert hooks.change("fail_next_reads", 2) and hooks.change("history_hold_stage_s", 0.25)
+    assert not hooks.change("reads_per_load", 2)  # the sidecar's, not a worker's
+    assert [hooks.fail_read(f"r{i}") for i in range(3)] == [True, True, False]
+    assert hooks.hold_stage_s == 0.25
+
+
+def test_every_nth_read_fails_with_the_hook():
+    from kvbaton.control.hooks import WorkerHooks
+
+    hooks = WorkerHooks(fail_every_nth_read=3)
+    assert [hooks.fail_read(str(i)) for i in range(6)] == [False, False, True, False, False, True]

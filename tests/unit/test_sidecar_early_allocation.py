@@ -146,3 +146,19 @@ def test_with_two_ranks_only_the_rank_that_did_not_report_is_told(tmp_path):
     assert a.ledger.loads.loads["r1"].state == "FAILED"
     told = [(sock, type(msg).__name__) for sock, msg in a.io.sent if sock.startswith("worker")]
     assert told == [("worker", "InvalidBlocks"), ("worker.1", "FinishedRecving")]
+
+
+def test_a_read_p_no_longer_held_when_it_ended_is_counted(tmp_path):
+    """P answers a read's end with whether it still held the read: one it had ended (its reader
+    silent past the claim lease) while the transfer went on here is counted and logged."""
+
+    import asyncio
+
+    from kvbaton.core import effects as fx
+
+    d = listed_sidecar(tmp_path, "D", "consumer")
+    answers = {"r1/0": pc.Answer(False, "unknown read"), "r2/0": pc.Answer(True)}
+    d.io.peers["127.0.0.1:2"] = ScriptedPeer(lambda call: answers[call.read])
+    for request, ok in (("r1", True), ("r2", True), ("r1", False)):
+        asyncio.run(d.client.read_end(fx.SendReadEnd(request, "t1", "127.0.0.1:2", 1, f"{request}/0", ok, True)))
+    assert d.refused["read_unpinned"] == 1  # only the successful read P had ended

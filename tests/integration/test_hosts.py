@@ -28,7 +28,7 @@ from kvbaton.testing.hosts import Hosts, can_make_hosts  # noqa: E402
 from kvbaton.testing.ports import free_port  # noqa: E402
 from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
 
-from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
+from .engine_key import ENGINE_HEADERS, handoff_params, ENGINE_KEY  # noqa: E402,F401
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -205,7 +205,7 @@ def test_two_prefill_hosts_and_one_decode_host_serve_a_stream_with_no_read_past_
 
 def prefill_on_p(deployment, prompt: str) -> dict:
     reply = httpx.post(f"{deployment.prefill_urls[0]}/v1/completions", headers=ENGINE_HEADERS, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": handoff_params()},
         timeout=120).json()
     return reply["kv_transfer_params"]
 

@@ -24,7 +24,7 @@ from kvbaton.control.client import call_sidecar_sync  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
 from kvbaton.testing.ports import free_port  # noqa: E402
 from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
-from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
+from .engine_key import ENGINE_HEADERS, handoff_params, ENGINE_KEY  # noqa: E402,F401
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -65,7 +65,7 @@ def complete(url: str, prompt: str, **extra) -> httpx.Response:
 
 def hand_off(deployment, prompt: str) -> dict:
     reply = httpx.post(f"{deployment.prefill_urls[0]}/v1/completions", headers=ENGINE_HEADERS, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": handoff_params()},
         timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()["kv_transfer_params"]

@@ -203,42 +203,17 @@ async def serve(host: str, port: int, snapshot_fn: Callable[[], dict]) -> asynci
     """Serve `GET /metrics` at host:port from the running event loop; raises OSError when the
     port cannot be bound. The snapshot is taken in the loop, between the sidecar's own events."""
 
+    from .http_server import plain
+    from .http_server import serve as serve_http
+
     registry = registry_for(snapshot_fn)
-    active = 0
 
-    async def answer(writer: asyncio.StreamWriter, status: str, body: bytes, content_type: str) -> None:
-        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-                     f"Connection: close\r\n\r\n".encode() + body)
-        await writer.drain()
+    def handler(method: str, path: str, headers: dict, body: bytes):
+        if method not in ("GET", "HEAD"):
+            return plain("405 Method Not Allowed", "only GET\n")
+        if path != "/metrics":
+            return plain("404 Not Found", "see /metrics\n")
+        return "200 OK", CONTENT_TYPE, generate_latest(registry), {}
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal active
-        active += 1
-        try:
-            if active > MAX_CONNECTIONS:
-                await answer(writer, "503 Service Unavailable", b"busy\n", "text/plain")
-                return
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
-            method, _, rest = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
-            path = rest.split(" ", 1)[0].split("?", 1)[0]
-            if method not in ("GET", "HEAD"):
-                await answer(writer, "405 Method Not Allowed", b"only GET\n", "text/plain")
-            elif path != "/metrics":
-                await answer(writer, "404 Not Found", b"see /metrics\n", "text/plain")
-            else:
-                body = generate_latest(registry)
-                await answer(writer, "200 OK", b"" if method == "HEAD" else body, CONTENT_TYPE)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ConnectionError, UnicodeError):
-            pass  # a client that sent no proper request, too slowly, or went away: nothing to say
-        except Exception:  # a rendering bug must not take the sidecar down; the next scrape retries
-            logger.exception("rendering the metrics failed")
-            try:
-                await answer(writer, "500 Internal Server Error", b"metrics failed\n", "text/plain")
-            except Exception:
-                pass
-        finally:
-            active -= 1
-            writer.close()
-
-    return await asyncio.start_server(handle, host, port, limit=MAX_REQUEST_BYTES)
+    return await serve_http(host, port, handler, max_connections=MAX_CONNECTIONS, timeout_s=REQUEST_TIMEOUT_S,
+                            max_head_bytes=MAX_REQUEST_BYTES, what="a metrics scrape")

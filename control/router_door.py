@@ -142,50 +142,14 @@ async def serve(host: str, port: int, answer) -> asyncio.AbstractServer:
     """Serve the router door at host:port (port 0: the kernel chooses). `answer(body, mac)` is
     the sidecar's: it returns (HTTP status, body, answer tag)."""
 
-    active = 0
+    from .http_server import plain
+    from .http_server import serve as serve_http
 
-    async def reply(writer, status: str, body: bytes, mac: str = "") -> None:
-        head = f"HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n"
-        if mac:
-            head += f"{MAC_HEADER}: {mac}\r\n"
-        writer.write((head + "Connection: close\r\n\r\n").encode() + body)
-        await writer.drain()
+    def handler(method: str, path: str, headers: dict, body: bytes):
+        if method != "POST" or path != PATH:
+            return plain("404 Not Found")
+        status, answer_body, mac = answer(body, headers.get(MAC_HEADER.lower(), ""))
+        return status, CONTENT_TYPE, answer_body, ({MAC_HEADER: mac} if mac else {})
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal active
-        active += 1
-        try:
-            if active > MAX_CONNECTIONS:
-                await reply(writer, "503 Service Unavailable", b"busy")
-                return
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
-            if len(head) > MAX_HEAD_BYTES:
-                await reply(writer, "431 Request Header Fields Too Large", b"")
-                return
-            lines = head.decode("latin-1").split("\r\n")
-            method, _, rest = lines[0].partition(" ")
-            headers = {}
-            for line in lines[1:]:
-                name, sep, value = line.partition(":")
-                if sep:
-                    headers[name.strip().lower()] = value.strip()
-            if method != "POST" or rest.split(" ", 1)[0] != PATH:
-                await reply(writer, "404 Not Found", b"")
-                return
-            length = int(headers.get("content-length", "-1"))
-            if not 0 <= length <= MAX_REQUEST_BYTES:
-                await reply(writer, "413 Payload Too Large", b"")
-                return
-            body = await asyncio.wait_for(reader.readexactly(length), REQUEST_TIMEOUT_S)
-            status, answer_body, mac = answer(body, headers.get(MAC_HEADER.lower(), ""))
-            await reply(writer, status, answer_body, mac)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ConnectionError, UnicodeError, ValueError):
-            pass  # a client that sent no proper request, too slowly, or went away: nothing to say
-        except Exception:  # a bug must not take the sidecar down
-            logger.exception("answering a router call failed")
-        finally:
-            active -= 1
-            writer.close()
-
-    return await asyncio.start_server(handle, host, port, limit=MAX_HEAD_BYTES)
+    return await serve_http(host, port, handler, max_connections=MAX_CONNECTIONS, timeout_s=REQUEST_TIMEOUT_S,
+                            max_head_bytes=MAX_HEAD_BYTES, max_body_bytes=MAX_REQUEST_BYTES, what="a router call")

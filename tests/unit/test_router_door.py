@@ -130,3 +130,19 @@ def test_the_routers_handoff_capability_is_checked_by_key_and_age():
         "stale router capability"
     forged = dict(capability, t=capability["t"] + 3600)  # a later time under the old tag
     assert "router key" in rd.handoff_capability_problem(ROUTER_KEY, forged, now + 3600)
+
+
+def test_the_door_refuses_other_routes_and_oversized_calls_unread(p):
+    async def go():
+        server = await rd.serve("127.0.0.1", 0, p.server.answer_router)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            async with httpx.AsyncClient() as client:
+                return [(await client.get(f"{base}{rd.PATH}")).status_code,
+                        (await client.post(f"{base}/other", content=b"x")).status_code,
+                        (await client.post(f"{base}{rd.PATH}", content=b"x" * (rd.MAX_REQUEST_BYTES + 1))).status_code]
+        finally:
+            server.close()
+
+    assert asyncio.run(go()) == [404, 404, 413]
+    assert sum(p.refused.values()) == 0 and p.ledger.tickets.tickets["t1"].state == "ISSUED"

@@ -253,9 +253,12 @@ def cmd_fuzz_shell(args) -> int:
 
     try:
         from .sim.shell import run_shell_fuzz
+
+        import vllm.v1.request  # noqa: F401 - the decode engines run the connector's scheduler side
     except ImportError as exc:
-        print(f"kvbaton fuzz --shell runs the sidecar itself, which needs the control plane's "
-              f"packages (pip install 'kvbaton[nixl,serve]'): {exc}", file=sys.stderr)
+        print(f"kvbaton fuzz --shell runs the sidecar and the connector's scheduler side, which need "
+              f"the control plane's packages and vLLM (pip install 'kvbaton[cpu,nixl,serve]'): {exc}",
+              file=sys.stderr)
         return 2
     report = run_shell_fuzz(seed=args.seed, sequences=args.sequences, broken=args.broken or "")
     print("faults exercised:")

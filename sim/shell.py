@@ -3,10 +3,14 @@
 The core simulator (`swarm.py`) drives ledgers with a model of the shell. This one runs the shell
 itself: one prefill and two decode engines, each with the production `Sidecar` (its event
 stamping, effect carrying, claim retries, read calls, heartbeats and timers), exchanging the real
-encoded peer calls and connector messages. Only the outside world is simulated: the network
-between sidecars (latency, lost calls and answers, a dead host refusing), each engine's scheduler
-and worker (ticket issue, allocation before or after P answers, reads, aborts, preemptions,
-deaths; their messages reach the sidecar in order but late, so a claim can beat P's own ticket), P's history copier
+encoded peer calls and connector messages, and each decode engine with the connector's own
+scheduler side (`SchedulerSide`: P's signed handoff section checked, the claim, allocation while
+the claim is out or after P answered, n > 1 siblings waiting for their reader, preemptions and
+aborts relayed, `request_finished`), which a modelled vLLM scheduler steps. Only the outside world
+is simulated: the network between sidecars (latency, lost calls and answers, a dead host
+refusing), vLLM's scheduler and each engine's worker (P's ticket issue, D's engine steps, reads,
+aborts, preemptions of running requests, deaths; their messages reach the sidecar in order but
+late, so a claim can beat P's own ticket), P's history copier
 (stages, demotions and restores that end late or fail, in most sequences), and the clock. Every
 sidecar runs on one asyncio loop whose time is virtual: a sleep or a call timeout costs nothing,
 and a sequence replays exactly from its seed.
@@ -15,7 +19,8 @@ Oracles: the auditor on every ledger after every event, the core's invariants ev
 after every sequence and its drain (virtual time run on until every deadline passed), the
 invariants again; nothing open; P's blocks each returned once; every request vLLM parked for a load
 or a restore told it was received exactly once; every restore copying only resident, pinned slots;
-no shell task left running; and in a sequence without faults, every handoff read and released (no
+no shell task left running; every decode request finished and forgotten by its scheduler side
+(no slot, no reader, no connector error); and in a sequence without faults, every handoff read and released (no
 ticket closed by its lease, no load missed).
 
 `--break` runs a deliberately broken shell, which these oracles must catch: `dropped_release`
@@ -34,6 +39,8 @@ import random
 import selectors
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cache
+from types import SimpleNamespace
 
 import msgspec
 
@@ -53,6 +60,32 @@ LAYOUT = "sim-layout"
 BREAKS = ("dropped_release", "endless_claim_retry", "lost_finished_recving")
 SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "decode_death", "prefill_death", "copy_failure", "restore_abort", "restore_miscount")
 DOCUMENTS = 6  # prompts come from a few documents, so they return and history has something to restore
+WEIGHTS = "sim-weights"
+KV_HEADS = 4  # heads split over 1 or 2 ranks: engines of either size read each other's
+# The deployment secret's handoff key: P signs its answers with it, D's scheduler side checks them.
+HANDOFF_SECRET = "6f1d93b2c48e07a5d3b9f26e1c70a84e"
+SIM_NETWORK = "198.18.0.0/15"
+
+
+@cache
+def RequestStatus():  # noqa: N802 - vLLM's enum, imported once the shell simulator needs it
+    from vllm.v1.request import RequestStatus as status
+
+    return status
+
+
+def decode_scheduler(engine: Engine):
+    """D's scheduler side, the connector's own code, on a link to the engine's sidecar."""
+
+    from ..adapters.vllm.handoff import handoff_key
+    from ..adapters.vllm.identity import KvIdentity
+    from ..adapters.vllm.scheduler_side import SchedulerSide
+    from ..adapters.vllm.settings import parse_peer_networks
+
+    conn = SimpleNamespace(is_consumer=True, is_producer=False, layout=LAYOUT, block_size=BLOCK_SIZE,
+                           engine_id=engine.name, identity=KvIdentity(LAYOUT, WEIGHTS, engine.ranks, KV_HEADS))
+    return SchedulerSide.attached(conn, SchedulerLink(engine), handoff_key=handoff_key(HANDOFF_SECRET),
+                                  trusted=parse_peer_networks(SIM_NETWORK))
 
 
 class Stalled(RuntimeError):
@@ -222,6 +255,8 @@ class Handoff:
     digest: str
     keepalive: str
     source: Engine
+    params: dict = field(default_factory=dict)  # what P's answer carries (`kv_transfer_params`)
+    tokens: list = field(default_factory=list)  # the prompt's token ids
 
 
 @dataclass
@@ -231,6 +266,43 @@ class DecodeRequest:
     parked: bool = False  # blocks allocated for the load: vLLM waits for one finished_recving per rank
     received: Counter = field(default_factory=Counter)  # rank -> finished_recving reports
     aborted: bool = False
+    request: object = None  # D: the request as vLLM's scheduler hands it to the connector
+
+
+class Blocks:
+    """The blocks vLLM allocated for a request, as the connector is given them."""
+
+    def __init__(self, ids) -> None:
+        self.ids = list(ids)
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+class SchedulerLink:
+    """D's scheduler side's link to its sidecar: facts go to the sidecar's inbox (late, in
+    order); its decisions for the scheduler wait in `inbox` until the scheduler drains them."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.address = engine.address
+        self.router_address = ""
+        self.inbox: list = []
+
+    @property
+    def instance(self) -> str:
+        return self.engine.sidecar.instance
+
+    def send(self, msg) -> bool:
+        self.engine.send(msg)
+        return True
+
+    def drain(self) -> list:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def alive(self) -> bool:
+        return self.engine.alive
 
 
 class Engine:
@@ -253,6 +325,11 @@ class Engine:
         self.sidecar = sidecar_class(cfg, self.io, address=address, strict=True,
                                      instance=f"{world.instances:032x}")
         observed_ledger(self, self.sidecar)
+        if role == "consumer":
+            self.scheduler = decode_scheduler(self)
+            self.waiting: list[str] = []  # requests vLLM's scheduler asks about at its next step
+            self.preempting: set[str] = set()
+            self.step_due = False
         self.next_block = 0
         self.inbox_at = 0.0
         self.tickets: dict[str, tuple[str, tuple[int, ...]]] = {}  # P: ticket -> (request, blocks)
@@ -306,6 +383,10 @@ class Engine:
         r.received[rank] += 1
         if r.received[rank] > 1:
             self.world.violation(self, f"request {request}: finished_recving twice from rank {rank}")
+        if r.request is not None and all(r.received[k] for k in range(self.ranks)) \
+                and r.request.status == RequestStatus().WAITING_FOR_REMOTE_KVS:
+            r.request.status = RequestStatus().RUNNING  # its blocks are in: it runs, then ends
+            self.world.later(self.world.rng.uniform(0.001, 0.05), self.finish, request)
 
     def blocks(self, count: int) -> tuple[int, ...]:
         self.next_block += count
@@ -321,7 +402,13 @@ class Engine:
         num_tokens = world.rng.randint(1, 6 * BLOCK_SIZE)
         blocks = self.blocks(-(-num_tokens // BLOCK_SIZE))
         ticket = f"t{world.rng.getrandbits(64):016x}"
-        digest = hashlib.sha256(request.encode()).hexdigest()[:32]
+        # The prompt: its document's tokens, so prompts of one document share their prefixes.
+        document = int(hashlib.sha256(request.encode()).hexdigest(), 16) % DOCUMENTS
+        tokens = [document * 10_000 + i for i in range(num_tokens)]
+        from ..adapters.vllm.handoff import prompt_digest
+
+        digest = prompt_digest(SimpleNamespace(prompt_token_ids=tokens, cache_salt=None, lora_request=None,
+                                               mm_features=None), num_tokens)
         # Capabilities as P mints them (128 random bits), from the sequence's seed.
         abandon, keepalive = (f"{world.rng.getrandbits(128):032x}" for _ in range(2))
         self.tickets[ticket] = (request, blocks)
@@ -331,7 +418,14 @@ class Engine:
                                                capability_digest(abandon), capability_digest(keepalive)),)))
         else:
             self.send(m.Apply((ev.RetainRequested(0, ticket, request, blocks, keys),)))
-        return Handoff(request, ticket, num_tokens, digest, keepalive, self)
+        # P's answer, signed as P's scheduler side signs it (the connector's own code on D checks it).
+        from ..adapters.vllm.handoff import PARAMS_VERSION, handoff_key, sign_handoff
+
+        params = {"do_remote_prefill": True, "kvbaton": sign_handoff({
+            "v": PARAMS_VERSION, "ticket": ticket, "control": self.address, "engine": self.name,
+            "num_tokens": num_tokens, "layout": LAYOUT, "weights": WEIGHTS, "tp": self.ranks,
+            "keepalive": keepalive, "instance": self.sidecar.instance}, handoff_key(HANDOFF_SECRET), 3600)}
+        return Handoff(request, ticket, num_tokens, digest, keepalive, self, params, tokens)
 
     def ask_history(self, request: str) -> None:
         """P's scheduler asks history for a returning prompt's prefix (a lease if anything is kept)."""
@@ -387,35 +481,87 @@ class Engine:
 
     # -- D ---------------------------------------------------------------------------------------
 
-    def arrive(self, handoff: Handoff) -> None:
-        world = self.world
-        rid = handoff.request
-        self.requests[rid] = DecodeRequest(handoff)
-        p = handoff.source
-        self.send(m.Apply((ev.LoadRequested(0, rid, handoff.ticket, p.address, 1, -(-handoff.num_tokens // BLOCK_SIZE),
-                                            handoff.num_tokens, handoff.digest, p.sidecar.instance),),
-                          handoff.keepalive))
-        if world.rng.random() < 0.5:  # vLLM's scheduler allocates before P answered, as often as not
-            world.later(world.rng.uniform(0, 0.01), self.allocate, rid)
-        if world.fault("abort"):
-            world.later(world.rng.uniform(0, 0.5), self.abort, rid, False)
-        elif world.fault("preempt"):
-            world.later(world.rng.uniform(0, 0.5), self.abort, rid, True)
+    def arrive(self, handoff: Handoff, children: int = 1) -> None:
+        """A request that carries P's handoff reaches D (with `children` > 1, vLLM's fan-out of an
+        n > 1 request: children that share one handoff). The connector's scheduler side hears of
+        it now and is asked about it at each engine step."""
 
-    def allocate(self, rid: str) -> None:
-        r = self.requests.get(rid)
-        if r is None or r.parked or r.aborted or not self.alive:
+        world = self.world
+        names = [handoff.request] if children == 1 else [f"{i}_{handoff.request}" for i in range(children)]
+        for rid in names:
+            request = SimpleNamespace(request_id=rid, kv_transfer_params=handoff.params,
+                                      prompt_token_ids=list(handoff.tokens), status=RequestStatus().WAITING,
+                                      cache_salt=None, lora_request=None, mm_features=None)
+            self.requests[rid] = DecodeRequest(handoff, request=request)
+            self.scheduler.on_new_request(request)
+            self.waiting.append(rid)
+            if world.fault("abort"):
+                world.later(world.rng.uniform(0, 0.5), self.abort, rid, False)
+            elif world.fault("preempt"):
+                world.later(world.rng.uniform(0, 0.5), self.abort, rid, True)
+        self.step_soon()
+
+    def step_soon(self) -> None:
+        if not self.step_due:
+            self.step_due = True
+            self.world.later(self.world.rng.uniform(0, 0.02), self.step)
+
+    def step(self) -> None:
+        """One engine step of vLLM's scheduler: the connector's metadata (preemptions), then
+        every waiting request asked how many tokens it can load: allocated and parked for a
+        load, run (nothing to load, refused, or a sibling whose reader's blocks are cached), or
+        asked again at the next step."""
+
+        self.step_due = False
+        if not self.alive:
             return
-        r.blocks = self.blocks(-(-r.handoff.num_tokens // BLOCK_SIZE))
-        r.parked = True
-        self.send(m.Apply((ev.LoadAllocated(0, rid, r.blocks),)))
+        status = RequestStatus()
+        preempted, self.preempting = self.preempting, set()
+        self.scheduler.build_connector_meta(SimpleNamespace(preempted_req_ids=preempted))
+        for rid in list(self.waiting):
+            r = self.requests[rid]
+            count, load_async = self.scheduler.get_num_new_matched_tokens(r.request, 0)
+            if count is None:
+                continue
+            self.waiting.remove(rid)
+            if count > 0:
+                r.blocks = self.blocks(-(-count // BLOCK_SIZE))
+                self.scheduler.update_state_after_alloc(r.request, Blocks(r.blocks), count)
+                if load_async:
+                    r.parked = True
+                    r.request.status = status.WAITING_FOR_REMOTE_KVS
+                    continue
+            r.request.status = status.RUNNING
+            self.world.later(self.world.rng.uniform(0.001, 0.05), self.finish, rid)
+        if self.waiting:
+            self.step_soon()
+
+    def finish(self, rid: str, aborted: bool = False) -> None:
+        """The request ends (done, or aborted): the connector's request_finished, once."""
+
+        r = self.requests.get(rid)
+        if r is None or r.request.status.name.startswith("FINISHED") or not self.alive:
+            return
+        status = RequestStatus()
+        r.request.status = status.FINISHED_ABORTED if aborted else status.FINISHED_LENGTH_CAPPED
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+        self.scheduler.request_finished(r.request, [list(r.blocks)])
 
     def abort(self, rid: str, preempted: bool) -> None:
         r = self.requests.get(rid)
         if r is None or not self.alive:
             return
-        r.aborted = r.aborted or not preempted
-        self.send(m.Apply(((ev.RequestPreempted if preempted else ev.RequestAborted)(0, rid),)))
+        if not preempted:
+            r.aborted = True
+            self.finish(rid, aborted=True)
+            return
+        # vLLM preempts only running requests: back to waiting, asked again at the next step.
+        if r.request.status == RequestStatus().RUNNING:
+            r.request.status = RequestStatus().WAITING
+            self.preempting.add(rid)
+            self.waiting.append(rid)
+            self.step_soon()
 
     def read(self, msg: m.PostRead, rank: int | None = None) -> None:
         """The worker's read of P's blocks (every rank's, or `rank`'s when the sidecar addressed
@@ -457,10 +603,9 @@ class Engine:
             self.freed[msg.request] += 1
             if self.freed[msg.request] > 1:
                 world.violation(self, f"request {msg.request}: its blocks were returned twice")
-        elif kind is m.Resolved:
-            r = self.requests.get(msg.request)
-            if r is not None and msg.hit and not r.parked:
-                world.later(world.rng.uniform(0, 0.02), self.allocate, msg.request)
+        elif sock == "scheduler" and self.role == "consumer":
+            self.scheduler.sidecar.inbox.append(msg)  # drained at the scheduler's next step
+            self.step_soon()
         elif kind is m.PostRead:
             self.read(msg, rank)
         elif kind is m.RestoreReply:
@@ -561,7 +706,8 @@ class World:
                     self.p.issue(f"req{i}", remote=False)
                 else:
                     d = self.rng.choice([d for d in self.ds if d.alive])
-                    d.arrive(self.p.issue(f"req{i}"))
+                    # Now and then an n > 1 request: vLLM's children share one handoff.
+                    d.arrive(self.p.issue(f"req{i}"), self.rng.choice((1, 1, 1, 1, 2, 3)))
             if i == decode_death:
                 self.rng.choice(self.ds).kill()
             if i == prefill_death:
@@ -601,6 +747,17 @@ class World:
                 told = [r.received[rank] for rank in range(engine.ranks)]
                 if r.parked and told != [1] * engine.ranks:
                     self.violation(engine, f"request {rid}: parked, told received {told} times by its ranks")
+            if engine.role == "consumer":
+                # Every request ended (vLLM called request_finished) and the scheduler side
+                # forgot it: no slot, no reader left.
+                unfinished = [rid for rid, r in engine.requests.items()
+                              if not r.request.status.name.startswith("FINISHED")]
+                if unfinished:
+                    self.violation(engine, f"after the drain: requests never finished {unfinished[:4]}")
+                side = engine.scheduler
+                if side.slots or side.readers or side.errors:
+                    self.violation(engine, f"after the drain: scheduler slots {list(side.slots)[:4]}, readers "
+                                           f"{list(side.readers)[:4]}, {side.errors} connector errors")
             lingering = [task for task in engine.io.tasks
                          if task.get_coro().__name__ not in ("timer_loop", "heartbeat_loop")]
             if lingering:

@@ -12,6 +12,7 @@ import math
 import os
 import time
 import uuid
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from ...control import messages as m
@@ -97,10 +98,7 @@ class SchedulerSide:
                            "P has freed (counted as read_unpinned)", s.claim_lease_s, s.peer_timeout_s,
                            pc.FRESH_WINDOW_NS / 1e9)
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
-        self.sidecar_lost_logged = False
-        self.unbound_logged = False
-        # One line per refusal reason per window: a client replaying bad sections cannot flood the log.
-        self.refusal_log = RateLimitedLog(logger)
+        self._books(plan, kv_cache_config)
         logger.info("kvbaton: engine %s (%s), control on %s (port %s), num_blocks %d, event log %s, "
                     "metrics %s", conn.engine_id, role, s.control_host, s.control_port or "chosen at bind",
                     num_blocks, log_path or "off",
@@ -112,6 +110,14 @@ class SchedulerSide:
                         "plain requests too" if s.history_scope == "all" else "handed-off requests only")
         elif conn.is_producer:
             logger.info("kvbaton: history off (%s)", plan.reason)
+
+    def _books(self, plan, kv_cache_config) -> None:
+        """What the scheduler side keeps once its sidecar is there."""
+
+        self.sidecar_lost_logged = False
+        self.unbound_logged = False
+        # One line per refusal reason per window: a client replaying bad sections cannot flood the log.
+        self.refusal_log = RateLimitedLog(logger)
         # One slot per request the connector was asked about, until request_finished (slots.py).
         self.slots: dict[str, Slot] = {}
         # D: an index of the slots: the request reading each ticket, while it lives (see _slot).
@@ -120,12 +126,27 @@ class SchedulerSide:
         self.errors = 0
         # History (P): the keys this engine has offered to history (a prompt whose first uncached
         # key was never offered cannot be restored, so it is answered at once without asking).
-        self.history_on = plan.enabled
+        self.history_on = bool(plan.enabled)
         self.kv_cache_config = kv_cache_config
         # History keys name the layout and the weights: KV is restored only into what computed it.
-        self.key_prefix = f"{conn.layout}{conn.identity.weights}:"
+        self.key_prefix = f"{self.conn.layout}{self.conn.identity.weights}:"
         self.offered: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.offered_max = max(4096, 4 * (plan.gpu_slots + plan.cpu_slots))
+
+    @classmethod
+    def attached(cls, conn, sidecar, *, handoff_key: bytes, trusted, router_key: bytes = b"",
+                 allocate_early: bool = True, plan=None, kv_cache_config=None) -> "SchedulerSide":
+        """A scheduler side on a sidecar link that is already there (anything with `send`,
+        `drain`, `alive`, `address`, `instance`, `router_address`): what the shell simulator and
+        the tests drive, with the connector's own code from the first callback on."""
+
+        side = object.__new__(cls)
+        side.conn, side.sidecar = conn, sidecar
+        side.handoff_key, side.router_key, side.trusted = handoff_key, router_key, trusted
+        side.allocate_early = allocate_early
+        plan = plan or SimpleNamespace(enabled=False, gpu_slots=0, cpu_slots=0)
+        side._books(plan, kv_cache_config)
+        return side
 
     def guard(self, fn, fallback, *args):
         """Run a callback; an exception becomes a warning and a safe answer, never an engine crash."""

@@ -32,7 +32,6 @@ from kvbaton.adapters.vllm.identity import KvIdentity  # noqa: E402
 from kvbaton.adapters.vllm.settings import parse_peer_networks  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
 from kvbaton.control import peer as pc  # noqa: E402
-from kvbaton.control.guard import RateLimitedLog  # noqa: E402
 from kvbaton.control.ranks import pack_metadata  # noqa: E402
 from kvbaton.core import events as ev  # noqa: E402
 from kvbaton.core.ledger import SECOND_NS, LedgerConfig  # noqa: E402
@@ -108,19 +107,9 @@ class Blocks:
 
 
 def scheduler_side(link: Link) -> c.SchedulerSide:
-    side = object.__new__(c.SchedulerSide)
-    side.conn = SimpleNamespace(is_consumer=True, is_producer=False, layout=LAYOUT, block_size=BLOCK,
-                                engine_id="D0", identity=KvIdentity(LAYOUT, "W", 1))
-    side.trusted = parse_peer_networks("127.0.0.0/8")
-    side.handoff_key = KEY
-    side.sidecar = link
-    side.allocate_early = True
-    side.history_on = False
-    side.slots, side.readers = {}, {}
-    side.epochs = itertools.count(1)
-    side.errors = 0
-    side.refusal_log = RateLimitedLog(c.logger)
-    return side
+    conn = SimpleNamespace(is_consumer=True, is_producer=False, layout=LAYOUT, block_size=BLOCK, engine_id="D0",
+                           identity=KvIdentity(LAYOUT, "W", 1))
+    return c.SchedulerSide.attached(conn, link, handoff_key=KEY, trusted=parse_peer_networks("127.0.0.0/8"))
 
 
 class DecodeEngine(RuleBasedStateMachine):

@@ -5,7 +5,6 @@ with request stand-ins and a sidecar that records what it is sent."""
 
 from __future__ import annotations
 
-import itertools
 import uuid
 from types import SimpleNamespace
 
@@ -50,18 +49,9 @@ KEY = handoff_key("3f9c1a7be2d84c06a5f1e93b7d20c4e8")
 
 
 def scheduler_side() -> c.SchedulerSide:
-    side = object.__new__(c.SchedulerSide)
-    side.conn = SimpleNamespace(is_consumer=True, is_producer=False, layout=LAYOUT, block_size=32, engine_id="D0",
-                                identity=KvIdentity(LAYOUT, "W", 1))
-    side.trusted = parse_peer_networks("127.0.0.0/8")
-    side.handoff_key = KEY
-    side.sidecar = Sidecar()
-    side.allocate_early = True
-    side.history_on = False
-    side.slots, side.readers = {}, {}
-    side.epochs = itertools.count(1)
-    side.errors = 0
-    return side
+    conn = SimpleNamespace(is_consumer=True, is_producer=False, layout=LAYOUT, block_size=32, engine_id="D0",
+                           identity=KvIdentity(LAYOUT, "W", 1))
+    return c.SchedulerSide.attached(conn, Sidecar(), handoff_key=KEY, trusted=parse_peer_networks("127.0.0.0/8"))
 
 
 def children(n: int, ticket: str | None = None, tokens: int = 80) -> list[SimpleNamespace]:

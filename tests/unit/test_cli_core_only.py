@@ -1,5 +1,5 @@
 """A core-only install (msgspec, transitions) runs `kvbaton fuzz`; the real-shell fuzzer, which
-needs the control plane's packages, says so in one line and exits 2 instead of a traceback."""
+needs the control plane's packages and vLLM, says so in one line and exits 2 instead of a traceback."""
 
 from __future__ import annotations
 
@@ -27,4 +27,4 @@ def test_fuzz_runs_on_the_core_alone(tmp_path):
 def test_the_shell_fuzzer_names_what_it_needs_without_a_traceback():
     out = run_cli("fuzz", "--shell", "--sequences", "1")
     assert out.returncode == 2
-    assert "kvbaton[nixl,serve]" in out.stderr and "Traceback" not in out.stderr
+    assert "kvbaton[cpu,nixl,serve]" in out.stderr and "Traceback" not in out.stderr

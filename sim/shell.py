@@ -3,12 +3,14 @@
 The core simulator (`swarm.py`) drives ledgers with a model of the shell. This one runs the shell
 itself: one prefill and two decode engines, each with the production `Sidecar` (its event
 stamping, effect carrying, claim retries, read calls, heartbeats and timers), exchanging the real
-encoded peer calls and connector messages, and each decode engine with the connector's own
-scheduler side (`SchedulerSide`: P's signed handoff section checked, the claim, allocation while
-the claim is out or after P answered, n > 1 siblings waiting for their reader, preemptions and
-aborts relayed, `request_finished`), which a modelled vLLM scheduler steps. Only the outside world
-is simulated: the network between sidecars (latency, lost calls and answers, a dead host
-refusing), vLLM's scheduler and each engine's worker (P's ticket issue, D's engine steps, reads,
+encoded peer calls and connector messages, and every engine with the connector's own scheduler
+side (`SchedulerSide`), which a modelled vLLM scheduler steps: on P it issues and signs the
+tickets (`request_finished`), keeps plain prompts for history and asks history for returning ones
+(the lease, its allocation, a retry with another local hit); on D it checks P's signed section, claims, allocates while
+the claim is out or after P answered, keeps n > 1 siblings waiting for their reader and relays
+preemptions and aborts. Its ids come from the sequence's seed and its waits from the virtual
+clock. Only the outside world is simulated: the network between sidecars (latency, lost calls and
+answers, a dead host refusing), vLLM's scheduler and each engine's worker (engine steps, reads,
 aborts, preemptions of running requests, deaths; their messages reach the sidecar in order but
 late, so a claim can beat P's own ticket), P's history copier
 (stages, demotions and restores that end late or fail, in most sequences), and the clock. Every
@@ -58,7 +60,7 @@ MS = SECOND_NS // 1000
 BLOCK_SIZE = 16
 LAYOUT = "sim-layout"
 BREAKS = ("dropped_release", "endless_claim_retry", "lost_finished_recving")
-SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "decode_death", "prefill_death", "copy_failure", "restore_abort", "restore_miscount")
+SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "decode_death", "prefill_death", "copy_failure", "restore_abort")
 DOCUMENTS = 6  # prompts come from a few documents, so they return and history has something to restore
 WEIGHTS = "sim-weights"
 KV_HEADS = 4  # heads split over 1 or 2 ranks: engines of either size read each other's
@@ -72,6 +74,32 @@ def RequestStatus():  # noqa: N802 - vLLM's enum, imported once the shell simula
     from vllm.v1.request import RequestStatus as status
 
     return status
+
+
+def prefill_scheduler(engine: Engine):
+    """P's scheduler side, the connector's own code: it issues the tickets (and signs the handoff
+    sections D checks), keeps plain prompts for history and asks history for returning ones.
+    Its ids and capabilities come from the sequence's seed and its waits from the virtual clock."""
+
+    from ..adapters.vllm.handoff import handoff_key
+    from ..adapters.vllm.identity import KvIdentity
+    from ..adapters.vllm.scheduler_side import SchedulerSide
+    from ..adapters.vllm.settings import parse_peer_networks
+
+    world = engine.world
+    conn = SimpleNamespace(is_consumer=False, is_producer=True, layout=LAYOUT, block_size=BLOCK_SIZE,
+                           engine_id=engine.name, identity=KvIdentity(LAYOUT, WEIGHTS, engine.ranks, KV_HEADS),
+                           settings=SimpleNamespace(history_scope="all", unclaimed_ttl_s=3600.0,
+                                                    require_router_capability=False))
+    plan = SimpleNamespace(enabled=world.history, gpu_slots=0, cpu_slots=0)
+
+    def seeded_id() -> str:
+        return f"{world.rng.getrandbits(128):032x}"
+
+    return SchedulerSide.attached(conn, SchedulerLink(engine), handoff_key=handoff_key(HANDOFF_SECRET),
+                                  trusted=parse_peer_networks(SIM_NETWORK), plan=plan,
+                                  kv_cache_config=SimpleNamespace(hash_block_size=BLOCK_SIZE), new_id=seeded_id,
+                                  mint=seeded_id, clock=world.loop.time)
 
 
 def decode_scheduler(engine: Engine):
@@ -325,17 +353,16 @@ class Engine:
         self.sidecar = sidecar_class(cfg, self.io, address=address, strict=True,
                                      instance=f"{world.instances:032x}")
         observed_ledger(self, self.sidecar)
-        if role == "consumer":
-            self.scheduler = decode_scheduler(self)
-            self.waiting: list[str] = []  # requests vLLM's scheduler asks about at its next step
-            self.preempting: set[str] = set()
-            self.step_due = False
+        # The connector's scheduler side, stepped by a modelled vLLM scheduler.
+        self.scheduler = decode_scheduler(self) if role == "consumer" else prefill_scheduler(self)
+        self.waiting: list[str] = []  # requests vLLM's scheduler asks about at its next step
+        self.preempting: set[str] = set()
+        self.step_due = False
         self.next_block = 0
         self.inbox_at = 0.0
         self.tickets: dict[str, tuple[str, tuple[int, ...]]] = {}  # P: ticket -> (request, blocks)
         self.freed: Counter = Counter()  # P: request -> finished_sending count
         self.requests: dict[str, DecodeRequest] = {}  # D; on P, the requests restoring from history
-        self.leases: dict[str, tuple[str, tuple[str, ...]]] = {}  # P: lease -> (request, keys asked)
 
     def start(self) -> None:
         sidecar = self.sidecar
@@ -394,61 +421,49 @@ class Engine:
 
     # -- P ---------------------------------------------------------------------------------------
 
-    def issue(self, request: str, remote: bool = True) -> Handoff:
-        """P prefilled `request` (a prompt from one of a few documents): a ticket for D to claim,
-        or (`remote` False) a plain request whose blocks only go to history."""
+    def prompt(self, request: str, num_tokens: int) -> SimpleNamespace:
+        """A prompt of one of a few documents, as vLLM's scheduler hands it to the connector: its
+        tokens and its full blocks' chained hashes are its document's, so prompts of one document
+        share their prefixes (and history keys)."""
+
+        document = int(hashlib.sha256(request.encode()).hexdigest(), 16) % DOCUMENTS
+        hashes = [hashlib.sha256(f"doc{document}/{i}".encode()).digest()[:16] for i in range(num_tokens // BLOCK_SIZE)]
+        return SimpleNamespace(request_id=request, prompt_token_ids=[document * 10_000 + i for i in range(num_tokens)],
+                               block_hashes=hashes, num_computed_tokens=num_tokens, kv_transfer_params=None,
+                               status=RequestStatus().WAITING, cache_salt=None, lora_request=None, mm_features=None)
+
+    def issue(self, request: str, remote: bool = True) -> Handoff | None:
+        """P prefilled `request`: the connector's request_finished issues a ticket for D to claim
+        (its answer's signed section), or (`remote` False) keeps a plain prompt for history."""
 
         world = self.world
         num_tokens = world.rng.randint(1, 6 * BLOCK_SIZE)
         blocks = self.blocks(-(-num_tokens // BLOCK_SIZE))
-        ticket = f"t{world.rng.getrandbits(64):016x}"
-        # The prompt: its document's tokens, so prompts of one document share their prefixes.
-        document = int(hashlib.sha256(request.encode()).hexdigest(), 16) % DOCUMENTS
-        tokens = [document * 10_000 + i for i in range(num_tokens)]
-        from ..adapters.vllm.handoff import prompt_digest
-
-        digest = prompt_digest(SimpleNamespace(prompt_token_ids=tokens, cache_salt=None, lora_request=None,
-                                               mm_features=None), num_tokens)
-        # Capabilities as P mints them (128 random bits), from the sequence's seed.
-        abandon, keepalive = (f"{world.rng.getrandbits(128):032x}" for _ in range(2))
+        prompt = self.prompt(request, num_tokens)
+        prompt.kv_transfer_params = {"do_remote_decode": True} if remote else None
+        prompt.status = RequestStatus().FINISHED_LENGTH_CAPPED
+        held, params = self.scheduler.request_finished(prompt, [list(blocks)])
+        if not held:
+            return None
+        section = (params or {}).get("kvbaton")
+        ticket = section["ticket"] if section else f"retained/{request}"
         self.tickets[ticket] = (request, blocks)
-        keys = world.keys(request, num_tokens // BLOCK_SIZE) if world.history else ()
-        if remote:
-            self.send(m.Apply((ev.TicketIssued(0, ticket, request, blocks, keys, num_tokens, digest,
-                                               capability_digest(abandon), capability_digest(keepalive)),)))
-        else:
-            self.send(m.Apply((ev.RetainRequested(0, ticket, request, blocks, keys),)))
-        # P's answer, signed as P's scheduler side signs it (the connector's own code on D checks it).
-        from ..adapters.vllm.handoff import PARAMS_VERSION, handoff_key, sign_handoff
-
-        params = {"do_remote_prefill": True, "kvbaton": sign_handoff({
-            "v": PARAMS_VERSION, "ticket": ticket, "control": self.address, "engine": self.name,
-            "num_tokens": num_tokens, "layout": LAYOUT, "weights": WEIGHTS, "tp": self.ranks,
-            "keepalive": keepalive, "instance": self.sidecar.instance}, handoff_key(HANDOFF_SECRET), 3600)}
-        return Handoff(request, ticket, num_tokens, digest, keepalive, self, params, tokens)
+        if not section:
+            return None
+        return Handoff(request, ticket, num_tokens, "", section["keepalive"], self, params, prompt.prompt_token_ids)
 
     def ask_history(self, request: str) -> None:
-        """P's scheduler asks history for a returning prompt's prefix (a lease if anything is kept)."""
+        """A prompt reaches P; its scheduler side asks history for the prefix at the next step
+        (a lease, restored into the request's blocks, if history keeps it)."""
 
         world = self.world
-        keys = world.keys(request, world.rng.randint(1, 6))
-        lease = f"L{world.rng.getrandbits(64):016x}"
-        self.leases[lease] = (request, keys)
-        self.send(m.Apply((ev.RestoreRequested(0, lease, request, 0, keys),)))
-
-    def answered(self, msg: m.RestoreReply) -> None:
-        world = self.world
-        if msg.blocks <= 0 or msg.lease not in self.leases:
-            return
-        if world.fault("restore_abort"):  # the request went away before the scheduler allocated
-            world.later(world.rng.uniform(0, 0.01), self.send, m.Apply((ev.LeaseReleased(0, msg.lease, msg.request, 0),)))
-            return
-        count = world.rng.randint(1, msg.blocks)
-        if world.fault("restore_miscount"):
-            count = msg.blocks + 1  # more blocks than the lease holds: the core must refuse them
-        r = self.requests.setdefault(msg.request, DecodeRequest(Handoff(msg.request, "", 0, "", "", self)))
-        r.blocks, r.parked = self.blocks(count), True
-        world.later(world.rng.uniform(0, 0.01), self.send, m.Apply((ev.LeaseAllocated(0, msg.lease, r.blocks, msg.request),)))
+        prompt = self.prompt(request, world.rng.randint(1, 6) * BLOCK_SIZE)
+        self.requests[request] = DecodeRequest(Handoff(request, "", 0, "", "", self), request=prompt)
+        self.scheduler.on_new_request(prompt)
+        self.waiting.append(request)
+        if world.fault("restore_abort"):  # the request goes away, before or after its lease
+            world.later(world.rng.uniform(0, 0.02), self.abort, request, False)
+        self.step_soon()
 
     def restore(self, msg: m.RestoreCopies) -> None:
         """The worker copies history slots into the request's blocks: each slot must be resident
@@ -520,12 +535,16 @@ class Engine:
         self.scheduler.build_connector_meta(SimpleNamespace(preempted_req_ids=preempted))
         for rid in list(self.waiting):
             r = self.requests[rid]
-            count, load_async = self.scheduler.get_num_new_matched_tokens(r.request, 0)
+            # What vLLM's own prefix cache holds of the prompt, which may change between asks
+            # (a scheduling retry): nothing, or its first block.
+            tokens = len(r.request.prompt_token_ids)
+            hit = self.world.rng.choice((0, 0, 0, BLOCK_SIZE)) if tokens > BLOCK_SIZE else 0
+            count, load_async = self.scheduler.get_num_new_matched_tokens(r.request, hit)
             if count is None:
                 continue
             self.waiting.remove(rid)
             if count > 0:
-                r.blocks = self.blocks(-(-count // BLOCK_SIZE))
+                r.blocks = self.blocks(-(-(hit + count) // BLOCK_SIZE))
                 self.scheduler.update_state_after_alloc(r.request, Blocks(r.blocks), count)
                 if load_async:
                     r.parked = True
@@ -546,7 +565,9 @@ class Engine:
         r.request.status = status.FINISHED_ABORTED if aborted else status.FINISHED_LENGTH_CAPPED
         if rid in self.waiting:
             self.waiting.remove(rid)
-        self.scheduler.request_finished(r.request, [list(r.blocks)])
+        held, _params = self.scheduler.request_finished(r.request, [list(r.blocks)])
+        if held and self.role == "producer":  # kept for history: its blocks come back once
+            self.tickets[f"retained/{rid}"] = (rid, r.blocks)
 
     def abort(self, rid: str, preempted: bool) -> None:
         r = self.requests.get(rid)
@@ -603,13 +624,11 @@ class Engine:
             self.freed[msg.request] += 1
             if self.freed[msg.request] > 1:
                 world.violation(self, f"request {msg.request}: its blocks were returned twice")
-        elif sock == "scheduler" and self.role == "consumer":
+        elif sock == "scheduler":
             self.scheduler.sidecar.inbox.append(msg)  # drained at the scheduler's next step
             self.step_soon()
         elif kind is m.PostRead:
             self.read(msg, rank)
-        elif kind is m.RestoreReply:
-            self.answered(msg)
         elif kind is m.RestoreCopies:
             self.restore(msg)
         elif kind is m.FinishedRecving:
@@ -707,7 +726,10 @@ class World:
                 else:
                     d = self.rng.choice([d for d in self.ds if d.alive])
                     # Now and then an n > 1 request: vLLM's children share one handoff.
-                    d.arrive(self.p.issue(f"req{i}"), self.rng.choice((1, 1, 1, 1, 2, 3)))
+                    handoff = self.p.issue(f"req{i}")
+                    children = self.rng.choice((1, 1, 1, 1, 2, 3))
+                    if handoff is not None:
+                        d.arrive(handoff, children)
             if i == decode_death:
                 self.rng.choice(self.ds).kill()
             if i == prefill_death:
@@ -747,17 +769,16 @@ class World:
                 told = [r.received[rank] for rank in range(engine.ranks)]
                 if r.parked and told != [1] * engine.ranks:
                     self.violation(engine, f"request {rid}: parked, told received {told} times by its ranks")
-            if engine.role == "consumer":
-                # Every request ended (vLLM called request_finished) and the scheduler side
-                # forgot it: no slot, no reader left.
-                unfinished = [rid for rid, r in engine.requests.items()
-                              if not r.request.status.name.startswith("FINISHED")]
-                if unfinished:
-                    self.violation(engine, f"after the drain: requests never finished {unfinished[:4]}")
-                side = engine.scheduler
-                if side.slots or side.readers or side.errors:
-                    self.violation(engine, f"after the drain: scheduler slots {list(side.slots)[:4]}, readers "
-                                           f"{list(side.readers)[:4]}, {side.errors} connector errors")
+            # Every request ended (vLLM called request_finished) and the scheduler side forgot it:
+            # no slot, no reader left.
+            unfinished = [rid for rid, r in engine.requests.items()
+                          if not r.request.status.name.startswith("FINISHED")]
+            if unfinished:
+                self.violation(engine, f"after the drain: requests never finished {unfinished[:4]}")
+            side = engine.scheduler
+            if side.slots or side.readers or side.errors:
+                self.violation(engine, f"after the drain: scheduler slots {list(side.slots)[:4]}, readers "
+                                       f"{list(side.readers)[:4]}, {side.errors} connector errors")
             lingering = [task for task in engine.io.tasks
                          if task.get_coro().__name__ not in ("timer_loop", "heartbeat_loop")]
             if lingering:

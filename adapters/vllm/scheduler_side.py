@@ -132,10 +132,15 @@ class SchedulerSide:
         self.key_prefix = f"{self.conn.layout}{self.conn.identity.weights}:"
         self.offered: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.offered_max = max(4096, 4 * (plan.gpu_slots + plan.cpu_slots))
+        # Where ids, capabilities and the waits' clock come from (a simulator seeds them).
+        self.new_id = lambda: uuid.uuid4().hex
+        self.mint = mint_capability
+        self.clock = time.monotonic
 
     @classmethod
     def attached(cls, conn, sidecar, *, handoff_key: bytes, trusted, router_key: bytes = b"",
-                 allocate_early: bool = True, plan=None, kv_cache_config=None) -> "SchedulerSide":
+                 allocate_early: bool = True, plan=None, kv_cache_config=None, new_id=None, mint=None,
+                 clock=None) -> "SchedulerSide":
         """A scheduler side on a sidecar link that is already there (anything with `send`,
         `drain`, `alive`, `address`, `instance`, `router_address`): what the shell simulator and
         the tests drive, with the connector's own code from the first callback on."""
@@ -146,6 +151,7 @@ class SchedulerSide:
         side.allocate_early = allocate_early
         plan = plan or SimpleNamespace(enabled=False, gpu_slots=0, cpu_slots=0)
         side._books(plan, kv_cache_config)
+        side.new_id, side.mint, side.clock = new_id or side.new_id, mint or side.mint, clock or side.clock
         return side
 
     def guard(self, fn, fallback, *args):
@@ -245,7 +251,7 @@ class SchedulerSide:
             # them from there and compute only the tail (the last partial block). A sibling never
             # claims, so P sees one claim and one read per handoff whatever n is.
             slot.state, slot.reason = SlotState.SIBLING, SHARES_A_HANDOFF
-            slot.reader, slot.waiting_since = reader, time.monotonic()
+            slot.reader, slot.waiting_since = reader, self.clock()
             return slot
         slot.ticket, slot.control, slot.num_tokens = section["ticket"], section["control"], num_tokens
         slot.epoch = next(self.epochs)
@@ -267,7 +273,7 @@ class SchedulerSide:
 
         if slot.reader.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS):
             return False
-        if time.monotonic() - slot.waiting_since > SIBLING_WAIT_S:
+        if self.clock() - slot.waiting_since > SIBLING_WAIT_S:
             logger.warning("kvbaton: request %s waited %.0f s for the load of request %s, which shares "
                            "its handoff; computing it locally", rid, SIBLING_WAIT_S, slot.reader.request_id)
             return False
@@ -390,11 +396,11 @@ class SchedulerSide:
                                "%.0f s; requests are not handed off until it does (log %s)",
                                self.conn.engine_id, SIDECAR_READY_WAIT_S, self.sidecar.log_file)
             return False, None
-        ticket = uuid.uuid4().hex
+        ticket = self.new_id()
         ticket_keys = self._ticket_keys(request, slot.keys, len(blocks), num_tokens)
         # Two capabilities: the router's (abandon; it strips it before forwarding to D) and D's
         # keepalive (heartbeats while unclaimed). P keeps only their digests.
-        abandon, keepalive = mint_capability(), mint_capability()
+        abandon, keepalive = self.mint(), self.mint()
         if not self.send(ev.TicketIssued(0, ticket, rid, blocks, ticket_keys, num_tokens,
                                          prompt_digest(request, num_tokens),
                                          capability_digest(abandon), capability_digest(keepalive))):
@@ -481,7 +487,7 @@ class SchedulerSide:
         blocks = tuple(blocks[:n])
         ticket_keys = self._ticket_keys(request, keys[:n], n, n * bs)
         # No decode engine will claim these blocks: the ledger keeps them for history only.
-        if not self.send(ev.RetainRequested(0, uuid.uuid4().hex, request.request_id, blocks, ticket_keys)):
+        if not self.send(ev.RetainRequested(0, self.new_id(), request.request_id, blocks, ticket_keys)):
             return False, None  # not queued: vLLM frees the blocks now, nothing is retained
         return True, None  # the blocks are returned (finished_sending) once history copied them
 
@@ -504,12 +510,12 @@ class SchedulerSide:
             keys = self._keys(request, slot)
             if first >= len(keys) or keys[first] not in self.offered or not self.usable():
                 return 0, False
-            slot.state, slot.lease, slot.epoch = SlotState.ASKED, uuid.uuid4().hex, next(self.epochs)
-            slot.first, slot.asked_at = first, time.monotonic()
+            slot.state, slot.lease, slot.epoch = SlotState.ASKED, self.new_id(), next(self.epochs)
+            slot.first, slot.asked_at = first, self.clock()
             self.send(ev.RestoreRequested(0, slot.lease, rid, slot.epoch, tuple(keys[first:])))
             return None, False  # not known yet: vLLM asks again next step
         if slot.state == SlotState.ASKED:
-            if time.monotonic() - slot.asked_at > RESTORE_REPLY_WAIT_S or not self.usable():
+            if self.clock() - slot.asked_at > RESTORE_REPLY_WAIT_S or not self.usable():
                 logger.warning("kvbaton: no answer to the history restore of %s: recomputing", rid)
                 self._release(rid, slot)
                 return 0, False

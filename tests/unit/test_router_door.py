@@ -146,3 +146,24 @@ def test_the_door_refuses_other_routes_and_oversized_calls_unread(p):
 
     assert asyncio.run(go()) == [404, 404, 413]
     assert sum(p.refused.values()) == 0 and p.ledger.tickets.tickets["t1"].state == "ISSUED"
+
+
+def test_a_sidecars_answer_carrying_a_pickle_runs_nothing_in_the_router(tmp_path):
+    """The router decodes only a typed msgpack answer under the router key's tag: a pickle that
+    would run code when unpickled is refused, tagged or not, and never unpickled."""
+
+    import pickle
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    body = pickle.dumps(Payload())
+    nonce = "a" * 32
+    with pytest.raises(PermissionError):
+        rd.open_answer(pc.State(), body, "", nonce, ROUTER_KEY)
+    with pytest.raises(Exception) as caught:  # tagged as a compromised sidecar would: still not decoded as pickle
+        rd.open_answer(pc.State(), body, rd.answer_tag(ROUTER_KEY, nonce, body), nonce, ROUTER_KEY)
+    assert not isinstance(caught.value, PermissionError) and not marker.exists()

@@ -232,9 +232,12 @@ class Stack:
             return
         import uvicorn
 
+        from kvbaton.deploy.serve import deployment_router_key
         from kvbaton.router.app import Router, build_app
 
-        router = Router([self.urls["prefill"]], [self.urls["decode"]], first_token=self.system.router_first_token)
+        # The router key (its door into the sidecars), derived from the secret the engines use.
+        router = Router([self.urls["prefill"]], [self.urls["decode"]], first_token=self.system.router_first_token,
+                        router_key=deployment_router_key())
         config = uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning")
         server = uvicorn.Server(config)
         self._router_stop = server

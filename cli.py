@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -313,6 +314,10 @@ def cmd_router_key(args) -> int:
     from .control.guard import SecretError, resolve_secret
     from .control.router_door import router_key
 
+    if not args.secret_file and not os.environ.get("KVBATON_SECRET"):
+        # Never from a per-user secret made on the spot: that key would match no engine.
+        print("kvbaton router-key: name the deployment secret (--secret-file, or KVBATON_SECRET)", file=sys.stderr)
+        return 2
     try:
         print(router_key(resolve_secret(args.secret_file or "", "127.0.0.1")).hex())
     except SecretError as exc:

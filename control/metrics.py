@@ -20,7 +20,6 @@ the sidecar's life (the ledger prunes ended records, never their counts).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -30,7 +29,6 @@ from ..core import lease as lease_machine
 from ..core import load as load_machine
 from ..core import ticket as ticket_machine
 
-logger = logging.getLogger("kvbaton.sidecar.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -159,9 +157,9 @@ def families(snap: dict) -> list:
           [((t,), history.get(f"{t}_blocks", 0)) for t in TIERS])
 
     # -- refusals ---------------------------------------------------------------------------------
-    counter("kvbaton_handoffs_refused", "Handoff sections this engine refused before claiming (D): "
+    counter("kvbaton_handoffs_refused", "Handoff sections this engine refused before claiming (D: "
             "invalid, unsigned, forged, expired, untrusted_control, layout, tensor_parallel, weights; "
-            "each request recomputed", labels=("reason",),
+            "each request recomputed), or handoffs it would not make (P: no_router_capability)", labels=("reason",),
             rows=[((_label(r),), n) for r, n in sorted((snap.get("handoffs_refused") or {}).items())])
     counter("kvbaton_peer_refused", "Peer calls and connections this sidecar refused, by reason",
             labels=("reason",), rows=[((_label(r),), n) for r, n in sorted((snap.get("refused") or {}).items())])

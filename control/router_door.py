@@ -73,6 +73,13 @@ def tag(key: bytes, *parts: bytes) -> str:
     return mac.hexdigest()
 
 
+def same_tag(expected: str, given) -> bool:
+    """Whether `given` (from the network or a client) is the tag `expected`, in constant time; a
+    value that is not an ASCII string is simply not it."""
+
+    return isinstance(given, str) and given.isascii() and hmac.compare_digest(expected, given)
+
+
 def seal(call, to: str, key: bytes, now_ns: int) -> tuple[bytes, str, str]:
     """(body, its tag, its nonce) of a router call to the sidecar instance `to`."""
 
@@ -84,9 +91,13 @@ def seal(call, to: str, key: bytes, now_ns: int) -> tuple[bytes, str, str]:
 def open_answer(call, body: bytes, mac: str, nonce: str, key: bytes):
     """The typed answer to `call` sent with `nonce`, once its tag checks (PermissionError if not)."""
 
-    if not hmac.compare_digest(tag(key, b"answer", nonce.encode(), body), mac or ""):
+    if not same_tag(tag(key, b"answer", nonce.encode(), body), mac):
         raise PermissionError("the sidecar's answer is not tagged under the router key")
-    return pc.decode_answer(call, body)
+    try:
+        return pc.decode_answer(call, body)
+    except msgspec.ValidationError:  # a call the sidecar refused (stale, replayed, misaddressed)
+        answer = msgspec.msgpack.decode(body, type=pc.Answer)
+        raise PermissionError(f"the sidecar refused the router's {call.__struct_config__.tag}: {answer.reason}") from None
 
 
 def answer_tag(key: bytes, nonce: str, body: bytes) -> str:
@@ -101,7 +112,9 @@ HANDOFF_CAPABILITY_S = 60
 def handoff_capability(key: bytes, now_s: float) -> dict:
     """What the router adds to P's `kv_transfer_params` (`kvbaton_router`): proof that the router
     asked for this handoff, so P with `require_router_capability` hands off nothing a client of its
-    own HTTP port asks for (a ticket pins P's KV until claimed or expired)."""
+    own HTTP port asks for (a ticket pins P's KV until claimed or expired). It names a time, not a
+    request: whoever sees one on its way to P can reuse it until it is stale, so it keeps out the
+    clients that cannot see the router's traffic, which is what the engines' ports are exposed to."""
 
     issued = int(now_s)
     return {"t": issued, "mac": tag(key, b"handoff", str(issued).encode())[:32]}
@@ -115,7 +128,7 @@ def handoff_capability_problem(key: bytes, capability, now_s: float) -> str:
     issued, mac = capability.get("t"), capability.get("mac")
     if type(issued) is not int or not isinstance(mac, str):
         return "malformed router capability"
-    if not hmac.compare_digest(tag(key, b"handoff", str(issued).encode())[:32], mac):
+    if not same_tag(tag(key, b"handoff", str(issued).encode())[:32], mac):
         return "router capability not made with the router key"
     if abs(now_s - issued) > HANDOFF_CAPABILITY_S:
         return "stale router capability"

@@ -83,7 +83,8 @@ class Sidecar:
         # Peer requests refused before they reached the ledger, by reason (and frames xoscar
         # dropped for want of our key): `peers.refused.<reason>` in debug_state's counters.
         self.refused: collections.Counter = collections.Counter()
-        # D: handoff sections the scheduler refused before claiming, by reason (m.HandoffRefused).
+        # Handoffs the scheduler refused, by reason (m.HandoffRefused): D's sections refused before
+        # claiming, P's requests without the router's capability.
         self.handoffs_refused: collections.Counter = collections.Counter()
         self.refusal_log = RateLimitedLog(logger)
         # Connections the process's pool dropped before a call reached us (sidecar_main.py).

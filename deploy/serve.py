@@ -338,15 +338,14 @@ def plan_engines(prefill: int, decode: int, device: str, kv_cache_bytes: int, pr
     return specs
 
 
-def tenant_key(secret_file: str = "") -> bytes:
-    """The key tenants' cache salts are made with: derived from the deployment secret, so a
-    restarted router salts each tenant as before (its cached prefixes stay found)."""
+def tenant_key(router_key: bytes) -> bytes:
+    """The key tenants' cache salts are made with: derived from the router key (itself derived from
+    the deployment secret), so a restarted router salts each tenant as before (its cached
+    prefixes stay found) and a router holding only its router key can make them."""
 
     import hashlib
 
-    from ..control.guard import resolve_secret
-
-    return hashlib.blake2b(resolve_secret(secret_file).encode(), key=b"kvbaton-tenant-salt", digest_size=32).digest()
+    return hashlib.blake2b(router_key, key=b"kvbaton-tenant-salt", digest_size=32).digest()
 
 
 def deployment_router_key(secret_file: str = "", key_file: str = "") -> bytes:
@@ -379,6 +378,8 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
     from ..router.app import (DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, Router,
                               build_app)
 
+    router_key = router_key or deployment_router_key(secret_file)
+
     router = Router(deployment.prefill_urls, deployment.decode_urls, models=[deployment.served_model_name],
                     api_key=api_key, engine_api_key=deployment.engine_api_key,
                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
@@ -386,8 +387,8 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
                     max_batch_prompts=max_batch_prompts or DEFAULT_MAX_BATCH_PROMPTS,
                     routing=routing or deployment.routing_config(), first_token=first_token,
                     tenant_header=tenant_header, metrics_key=metrics_key,
-                    tenant_key=tenant_key(secret_file) if tenant_header else None,
-                    router_key=router_key or deployment_router_key(secret_file))
+                    tenant_key=tenant_key(router_key) if tenant_header else None,
+                    router_key=router_key)
     # Connections beyond what the in-flight cap can use are answered 503 by uvicorn itself.
     config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on",
                             limit_concurrency=2 * router.max_in_flight + 64)

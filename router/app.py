@@ -254,6 +254,9 @@ class Router:
         # The router key (router_door.py): all the router holds to call sidecars, never the
         # deployment secret, and nothing it receives from them is unpickled.
         self.router_key = router_key or b""
+        # The sidecars' doors get a client of their own: never queued behind the engines' streams,
+        # never sent the engines' API key.
+        self.door_client = httpx.AsyncClient(timeout=httpx.Timeout(10.0), limits=httpx.Limits(max_connections=32))
         # The engines' API key (kvbaton serve gives each deployment's engines one): every call to an
         # engine carries it, so only the router reaches their /v1 routes.
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=(
@@ -330,7 +333,9 @@ class Router:
 
         from ..control.router_door import call_sidecar
 
-        return await call_sidecar(self.client, address, call, self.router_key, to=to, timeout_s=timeout_s)
+        if not self.router_key:
+            raise ConnectionError("the router holds no router key (kvbaton serve derives it from the secret)")
+        return await call_sidecar(self.door_client, address, call, self.router_key, to=to, timeout_s=timeout_s)
 
     async def refresh_sidecar_states(self) -> None:
         from ..control import peer as pc
@@ -987,6 +992,7 @@ class Router:
         if self._background:  # abandons under way
             await asyncio.wait(set(self._background), timeout=6.0)
         await self.client.aclose()
+        await self.door_client.aclose()
 
 
 class HeldStream(StreamingResponse):

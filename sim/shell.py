@@ -199,7 +199,14 @@ class SimIo:
     def spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        """A shell task that raised is a bug the oracles report (the process would only log it)."""
+
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.engine.world.violation(self.engine, f"a shell task failed: {task.exception()!r}")
 
     def send(self, dest: str, msg: m.Msg, rank: int | None = None) -> None:
         # Through the wire format, delivered after the sending code returns (a socket's order).
@@ -308,7 +315,7 @@ class Blocks:
 
 
 class SchedulerLink:
-    """D's scheduler side's link to its sidecar: facts go to the sidecar's inbox (late, in
+    """A scheduler side's link to its engine's sidecar: facts go to the sidecar's inbox (late, in
     order); its decisions for the scheduler wait in `inbox` until the scheduler drains them."""
 
     def __init__(self, engine: Engine) -> None:

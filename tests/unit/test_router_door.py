@@ -167,3 +167,21 @@ def test_a_sidecars_answer_carrying_a_pickle_runs_nothing_in_the_router(tmp_path
     with pytest.raises(Exception) as caught:  # tagged as a compromised sidecar would: still not decoded as pickle
         rd.open_answer(pc.State(), body, rd.answer_tag(ROUTER_KEY, nonce, body), nonce, ROUTER_KEY)
     assert not isinstance(caught.value, PermissionError) and not marker.exists()
+
+
+def test_a_tag_that_is_not_ascii_is_refused_and_counted_not_an_error(p):
+    body, _mac, _nonce = rd.seal(pc.State(), "", ROUTER_KEY, time.time_ns())
+    status, answer, mac = p.server.answer_router(body, "\u00e9" * 64)
+    assert status.startswith("403") and answer == b"" and mac == ""
+    assert p.refused["router_unauthenticated"] == 1
+    assert "router key" in rd.handoff_capability_problem(ROUTER_KEY, {"t": 1, "mac": "\u00e9" * 32}, 1.0)
+
+
+def test_router_key_needs_a_named_secret(monkeypatch, capsys):
+    from kvbaton.cli import main
+
+    monkeypatch.delenv("KVBATON_SECRET", raising=False)
+    assert main(["router-key"]) == 2 and "name the deployment secret" in capsys.readouterr().err
+    monkeypatch.setenv("KVBATON_SECRET", "9c2f4e81d7a3b60e5f1c8d94a2b7e03c")
+    assert main(["router-key"]) == 0
+    assert capsys.readouterr().out.strip() == rd.router_key("9c2f4e81d7a3b60e5f1c8d94a2b7e03c").hex()

@@ -347,7 +347,7 @@ def through_router(fleet: Fleet, bodies: list[dict], monkeypatch, path: str = "/
 
     async def go():
         router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY, router_key=ROUTER_KEY, **router_kw)
-        router.client = httpx.AsyncClient(transport=httpx.MockTransport(fleet))
+        router.client = router.door_client = httpx.AsyncClient(transport=httpx.MockTransport(fleet))
         app = build_app(router)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
             replies = [await client.post(path, headers=bearer(), json=body) for body in bodies]
@@ -540,7 +540,7 @@ def test_a_client_leaving_a_streamed_batch_leaves_no_ticket_open(monkeypatch):
     async def go():
         fleet.d_waits.clear()
         router = Router([P_URL], [D_URL], models=["tiny"], api_key=KEY, router_key=ROUTER_KEY)
-        router.client = httpx.AsyncClient(transport=httpx.MockTransport(fleet))
+        router.client = router.door_client = httpx.AsyncClient(transport=httpx.MockTransport(fleet))
         port = free_port("127.0.0.1")
         server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))
         serving = asyncio.create_task(server.serve())

@@ -7,6 +7,7 @@ token every `tpot_s`."""
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -60,10 +61,28 @@ def spawn_fake_engine(port: int, tpot_s: float) -> subprocess.Popen:
 
 
 def stop(process: subprocess.Popen) -> None:
-    """Terminate a process, killing it if it has not ended within 10 s."""
-    process.terminate()
+    """Terminate a process and everything in its session (a server started with
+    `start_new_session=True` leads one: its engine core is a child that would outlive it), killing
+    them if the process has not ended within 10 s."""
+
+    try:  # a leader's group outlives it while any member is alive
+        leads = os.getpgid(process.pid) == process.pid
+    except ProcessLookupError:
+        leads = False
+
+    def signal_all(sig) -> None:
+        try:
+            if leads:
+                os.killpg(process.pid, sig)
+            else:
+                process.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    signal_all(signal.SIGTERM)
     try:
         process.wait(10)
     except subprocess.TimeoutExpired:
-        process.kill()
+        signal_all(signal.SIGKILL)
         process.wait(10)
+    signal_all(signal.SIGKILL)  # a child that ignored SIGTERM while its parent exited

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from kvbaton.testing import ports
+
+
+@pytest.fixture(autouse=True)
+def own_book(tmp_path, monkeypatch):
+    """Each test its own host-wide book, so ports other runs handed out do not count here."""
+
+    monkeypatch.setattr(ports, "_shared_path", lambda: str(tmp_path / "ports"))
 
 
 def test_a_port_is_handed_out_once_even_when_the_draw_repeats(monkeypatch):
@@ -42,3 +51,19 @@ def test_free_port_ignores_the_seeded_global_random():
     random.seed(0)
     picks = {ports.free_port("127.0.0.1") for _ in range(5)} | {first}
     assert len(picks) > 1
+
+
+def test_two_processes_planning_at_once_never_get_one_port(monkeypatch):
+    """Another process of this user (its own set of handed-out ports, one host-wide book): a
+    port one of them handed out is passed over by the other until it has surely been bound."""
+
+    monkeypatch.setattr(ports._PORTS, "randrange", lambda low, high: 23456)
+    monkeypatch.setattr(ports, "_ephemeral_low", lambda: 32768)
+    monkeypatch.setattr(ports, "_HANDED_OUT", set())
+    first = ports.free_port("127.0.0.1")
+    monkeypatch.setattr(ports, "_HANDED_OUT", set())  # the other process
+    second = ports.free_port("127.0.0.1")
+    assert first == 23456 and second != 23456
+    monkeypatch.setattr(ports.time, "time", lambda: 1e12)  # long after: the book has forgotten it
+    monkeypatch.setattr(ports, "_HANDED_OUT", set())
+    assert ports.free_port("127.0.0.1") == 23456

@@ -61,9 +61,9 @@ def spawn_fake_engine(port: int, tpot_s: float) -> subprocess.Popen:
 
 
 def stop(process: subprocess.Popen) -> None:
-    """Terminate a process and everything in its session (a server started with
-    `start_new_session=True` leads one: its engine core is a child that would outlive it), killing
-    them if the process has not ended within 10 s."""
+    """Terminate a process and its whole session (a server started with `start_new_session=True`
+    leads one, and its engine core is a child in it); kill them if the process has not ended
+    within 10 s."""
 
     try:  # a leader's group outlives it while any member is alive
         leads = os.getpgid(process.pid) == process.pid

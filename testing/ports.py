@@ -25,8 +25,8 @@ _HANDED_OUT: set[int] = set()
 
 
 # Ports handed out by any process of this user on this host, for a while: two processes that plan
-# ports at once (two `kvbaton serve`, a test session beside another) must not both pick one that
-# is still free because neither has bound it yet.
+# ports at once (two deployments, two test runs) must not both pick one that is still free
+# because neither has bound it yet.
 SHARED_HOLD_S = 600.0
 
 

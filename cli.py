@@ -265,6 +265,9 @@ def cmd_fuzz_shell(args) -> int:
     print("faults exercised:")
     for name, count in sorted(report["faults"].items()):
         print(f"  {name:<28} {count}")
+    print("rare paths reached:")
+    for name, count in sorted(report["outcomes"].items()):
+        print(f"  {name:<28} {count}")
     for failure in report["failures"]:
         print(f"FAILED sequence {failure['index']} (kvbaton fuzz --shell --seed {args.seed} "
               f"--sequences {failure['index'] + 1}{' --break ' + args.broken if args.broken else ''} reproduces it):")
@@ -391,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shell", action="store_true",
                    help="run the sidecars' own code (stamping, effects, claim retries, heartbeats) on a "
                         "virtual clock and a simulated network instead of the core's model of it")
-    p.add_argument("--break", dest="broken", choices=("dropped_release", "endless_claim_retry", "lost_finished_recving"),
+    p.add_argument("--break", dest="broken", choices=("dropped_release", "endless_claim_retry", "lost_finished_recving",
+                                                       "unpinned_reads"),
                    help="with --shell: a deliberately broken shell the run must catch (exit 1)")
     p.set_defaults(func=cmd_fuzz)
 

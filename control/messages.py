@@ -64,6 +64,8 @@ class ReadDone(Msg, tag="rdone"):
     descriptors: int = 0  # as the transport posted it (0: not reported)
     landed: bool = False  # through D's landing area (see transports/landing.py)
     phases: tuple[float, ...] = ()  # where `seconds` went (transports/base.py ReadResult.phases)
+    # The rank saw it end by the read's pin deadline (`PostRead.pinned_until_ns`).
+    in_pin: bool = True
 
 
 # --- history copier (a thread of P's worker) and P's worker -> sidecar -------------------------
@@ -185,12 +187,16 @@ class PostRead(Msg, tag="post"):
     peer: str
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
-    # The load's last read: when it succeeds the worker reports the request received at once
-    # (and drops the sidecar's FinishedRecving that follows) instead of waiting a round trip.
+    # The load's last read: when it succeeds within its pin the worker reports the request
+    # received at once (the sidecar then sends this rank no FinishedRecving for it) instead of
+    # waiting a round trip.
     last: bool = False
     # The transport peers this rank reads the blocks from, one head share each (a P with more
     # ranks than this engine); empty: `peer` alone. One ReadDone reports them all.
     peers: tuple[str, ...] = ()
+    # CLOCK_MONOTONIC ns (the sidecar's clock, the same on this host): a read that ends by then
+    # had P's blocks throughout; one that ends later waits for P's word (core.load CONFIRMING).
+    pinned_until_ns: int = 0
 
 
 class InvalidBlocks(Msg, tag="invalid"):

@@ -131,6 +131,9 @@ AnyPeerCall = Union[Claim, ReadStart, ReadEnd, Release, Heartbeat, Abandon, Meta
 class Answer(msgspec.Struct, frozen=True):
     ok: bool
     reason: str = ""
+    # A granted read: how long P keeps its blocks pinned for a reader it does not hear from
+    # (core.ticket: its silent-reader bound); 0: not said (D confirms the read's end).
+    pinned_ns: int = 0
 
 
 class ClaimAnswer(msgspec.Struct, frozen=True):

@@ -29,6 +29,7 @@ UNKNOWN_TICKET_RETRY_S = 8.0
 # Control addresses a decode engine keeps connections to: one per prefill engine it reads from,
 # far more than a deployment has.
 MAX_PEERS = 256
+HEARTBEAT_RECHECK_S = 1.0
 
 
 class PeerClient:
@@ -83,24 +84,42 @@ class PeerClient:
                             self.issuer(effect.ticket, effect.request)))
 
     async def read_end(self, effect: fx.SendReadEnd) -> None:
-        """Tell P a read ended. P answers whether it still held the read's blocks: a read that
-        succeeded here after P had ended it (its reader silent past the claim lease: this
-        sidecar unreachable while the worker's transfer went on) may have read reused memory.
-        That cannot be undone once the worker reported the blocks to vLLM, so it is counted
-        (`read_unpinned`) and logged as an error naming the request."""
+        """Tell P a read ended. P answers whether it still held the read's blocks. A read to
+        confirm (it ended past its pin) counts only on a "held" answer: the answer goes to the
+        core, and a read P had let go of is counted (`read_unpinned`) and recomputed. A read that
+        ended within its pin was P's throughout, so P answering otherwise means a broken clock
+        or bound: logged as an error naming the request."""
 
         answer = await self.call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id, effect.epoch,
                                                            effect.read, effect.ok, effect.release),
                                  self.issuer(effect.ticket, effect.request))
-        if effect.ok and answer is not None and not answer.ok and answer.reason == Reason.UNKNOWN_READ:
+        held = answer is not None and answer.ok
+        if effect.confirm:
+            reason = "" if held else (answer.reason if answer is not None else Reason.SOURCE_UNREACHABLE)
+            if not held:
+                self.sidecar.refused["read_unpinned"] += 1
+                self.sidecar.refusal_log.warning(
+                    "read_unpinned", "request %s: read %s ended past its pin and P at %s did not confirm "
+                    "it still held the blocks (%s); the request recomputes them", effect.request, effect.read,
+                    effect.source, reason)
+            self.sidecar.apply(ev.ReadEndAnswered(self.io.now_ns(), effect.request, effect.read, held, reason))
+        elif effect.counted and answer is not None and not held and answer.reason == Reason.UNKNOWN_READ:
             self.sidecar.refused["read_unpinned"] += 1
-            logger.error("request %s: P at %s no longer held read %s when it ended here (its reader was "
-                         "silent past P's claim lease); its KV may be wrong: keep claim_lease_s well above "
-                         "peer_timeout_s", effect.request, effect.source, effect.read)
+            logger.error("request %s: P at %s no longer held read %s, which ended here within its pin: the "
+                         "engines' clocks or P's silent-reader bound are broken; its KV may be wrong",
+                         effect.request, effect.source, effect.read)
 
     async def heartbeat_loop(self) -> None:
+        last = self.io.now_ns()
         while True:
-            await self.io.sleep(self.sidecar.hooks.heartbeat_interval_s or self.cfg.heartbeat_interval_s)
+            # The interval is read afresh at least every HEARTBEAT_RECHECK_S: a changed test hook
+            # takes effect within that, not after a long interval already begun.
+            interval_ns = int((self.sidecar.hooks.heartbeat_interval_s or self.cfg.heartbeat_interval_s) * 1e9)
+            left_ns = last + interval_ns - self.io.now_ns()
+            if left_ns > 0:
+                await self.io.sleep(min(left_ns / 1e9, HEARTBEAT_RECHECK_S))
+                continue
+            last = self.io.now_ns()
             by_source: dict[tuple[str, str], list[pc.HeartbeatTicket]] = {}
             for load in self.ledger.loads.loads.values():
                 if load.state not in loads.SPEC.terminal:
@@ -310,11 +329,12 @@ class PeerClient:
         if effect.engine and not await self.announce_peer(effect.source, effect.engine, effect.instance):
             self.sidecar.apply(ev.ReadRefused(self.io.now_ns(), effect.request, effect.read, Reason.NO_TRANSPORT_METADATA))
             return
+        asked = self.io.now_ns()  # P's bound on the read starts after this (ReadGranted)
         reply = await self.call(effect.source, pc.ReadStart(effect.ticket, self.cfg.engine_id,
                                                              effect.epoch, effect.read), self.issuer(effect.ticket, effect.request))
         now = self.io.now_ns()
         if reply is not None and reply.ok:
-            effects = self.sidecar.apply(ev.ReadGranted(now, effect.request, effect.read))
+            effects = self.sidecar.apply(ev.ReadGranted(now, effect.request, effect.read, asked, reply.pinned_ns))
             if _forgotten(effects):
                 # The load was pruned meanwhile: nobody will end the read P pinned for; end it.
                 self.io.spawn(self.call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id,
@@ -327,7 +347,8 @@ class PeerClient:
     async def post_read(self, effect: fx.PostRead) -> None:
         if self.sidecar.hooks.hold_post_s:
             await self.io.sleep(self.sidecar.hooks.hold_post_s)
-        post = m.PostRead(effect.request, effect.read, effect.engine, effect.src, effect.dst, effect.last)
+        post = m.PostRead(effect.request, effect.read, effect.engine, effect.src, effect.dst, effect.last,
+                          pinned_until_ns=effect.pinned_until_ns)
         sources = self.read_sources.get(effect.engine)
         if sources is None:  # a source of this engine's size: every rank reads its counterpart
             self.io.send(WORKER, post)

@@ -190,16 +190,23 @@ class PeerServer:
                                                  request.read))
             self.refused_by_ledger(effects, request)
             reply = _reply(effects, fx.ReplyRead)
-            return pc.Answer(bool(reply and reply.granted), reply.reason if reply else "no reply")
+            if reply is None:
+                return pc.Answer(False, "no reply")
+            return pc.Answer(reply.granted, reply.reason, reply.pinned_ns if reply.granted else 0)
         if kind is pc.ReadEnd:
+            # The answer says whether this engine still held the read's blocks: the reader counts
+            # a read that ended past its pin only when it did (core.load CONFIRMING).
             effects = self.sidecar.apply(ev.ReadFinished(now, request.ticket, request.read, request.ok,
                                                   request.claimer, request.epoch))
             refused = self.refused_by_ledger(effects, request)
+            held = _reply(effects, fx.ReplyReadEnd)
             if refused is not None and refused.reason == Reason.NOT_CLAIMER:
                 return pc.Answer(False, refused.reason)
             if request.release:
                 self.sidecar.apply(ev.ReleaseRequested(now, request.ticket, request.claimer, request.epoch))
-            return pc.Answer(refused is None, refused.reason if refused is not None else "")
+            if held is None:
+                return pc.Answer(False, "no reply")
+            return pc.Answer(held.held, held.reason)
         if kind is pc.Release:
             refused = self.refused_by_ledger(self.sidecar.apply(ev.ReleaseRequested(
                 now, request.ticket, request.claimer, request.epoch)), request)

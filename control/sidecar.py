@@ -321,7 +321,7 @@ class Sidecar:
             self.worker_ready(msg, rank)
         elif kind is m.ReadDone:
             load = self.ledger.loads.loads.get(msg.request)
-            if msg.ok and load is not None and load.is_last_read(msg.read):
+            if msg.ok and msg.in_pin and load is not None and load.is_last_read(msg.read):
                 # This rank told vLLM the request was received (worker_side.pump).
                 self.reported.setdefault(("load", msg.request), set()).add(rank)
             # The transfer counters count the transport's reads: one per rank of a read.
@@ -348,8 +348,9 @@ class Sidecar:
                     logger.warning("read %s of request %s failed on rank %d: %s; the request recomputes",
                                    msg.read, msg.request, rank, msg.error)
             ok = self.fan_in.note(("read", msg.request, msg.read), rank, msg.ok)
+            in_pin = self.fan_in.note(("pin", msg.request, msg.read), rank, msg.in_pin)
             if ok is not None:  # every rank's part has ended
-                self.apply(ev.LoadReadFinished(now, msg.request, msg.read, ok))
+                self.apply(ev.LoadReadFinished(now, msg.request, msg.read, ok, bool(in_pin)))
         elif kind is m.Stop:
             self.io.spawn(self.io.exit())
         elif kind is m.Debug:

@@ -9,6 +9,7 @@ its own books from the event stream and the effects the ledger emitted, so such 
 * blocks returned while a granted read is still in flight (unless its reader had been silent on
   the ticket for `reader_silence_ns`: then a `Tick` may end its reads);
 * a release or read accepted from someone who is not the current claimer;
+* a read's end answered "held" for a read that was not in flight (ended, or never granted);
 * at quiescence (`leaks()`), tickets whose blocks were never returned, loads never finished,
   leases never ended.
 """
@@ -41,6 +42,8 @@ class Auditor:
         before = len(self.violations)
         rejected = any(type(e) is fx.Rejected for e in effects)
         kind = type(event)
+        # Whether the read a ReadFinished ends was still in flight (before a Tick or it ends it).
+        in_flight = kind is ev.ReadFinished and event.read in self.reads.get(event.ticket, ())
         self.now = max(self.now, event.at_ns)
         if kind in _CLAIMER_WORDS and not rejected:
             self.heard[event.ticket] = self.now
@@ -79,6 +82,9 @@ class Auditor:
                     self._flag(seq, f"ticket {effect.ticket}: read granted to {effect.claimer},"
                                     " not the claimer")
                 self.reads.setdefault(effect.ticket, set()).add(effect.read)
+            elif etype is fx.ReplyReadEnd and effect.held and not in_flight:
+                self._flag(seq, f"ticket {effect.ticket}: read {effect.read} answered held, but it was "
+                                f"not in flight")
             elif etype is fx.FreeEngineBlocks:
                 if effect.ticket in self.returned:
                     self._flag(seq, f"ticket {effect.ticket}: blocks returned twice")

@@ -49,13 +49,26 @@ class ReplyClaim(Effect, tag="rcl"):
 
 
 class ReplyRead(Effect, tag="rrd"):
-    """Answer a read request: when granted the blocks stay put until the read ends."""
+    """Answer a read request: when granted the blocks stay put until the read ends, or until the
+    reader has been silent for `pinned_ns` (`NEVER`: no such bound)."""
 
     ticket: str
     claimer: str
     read: str
     granted: bool
     reason: str = ""  # refused: a `core.reasons.Reason`, possibly with detail
+    pinned_ns: int = 0
+
+
+class ReplyReadEnd(Effect, tag="rre"):
+    """Answer a read's end: `held`, the read's blocks were still pinned for it until now (not
+    held: P had ended the read, `reason` says how the refusal reads)."""
+
+    ticket: str
+    claimer: str
+    read: str
+    held: bool
+    reason: str = ""
 
 
 class StageHistory(Effect, tag="stg"):
@@ -161,10 +174,14 @@ class PostRead(Effect, tag="prd"):
     src: tuple[int, ...] = ()
     dst: tuple[int, ...] = ()
     last: bool = True
+    # By the shell's monotonic clock: a read that ends (ok) by then had P's blocks throughout;
+    # one that ends later is confirmed with P before it counts (0: every read is).
+    pinned_until_ns: int = 0
 
 
 class SendReadEnd(Effect, tag="sre"):
-    """Tell P a read ended; with `release` the ticket is released too (one message)."""
+    """Tell P a read ended; with `release` the ticket is released too (one message). With
+    `confirm`, P's answer comes back as `ReadEndAnswered` (a failed call: not held)."""
 
     request: str
     ticket: str
@@ -173,6 +190,10 @@ class SendReadEnd(Effect, tag="sre"):
     read: str
     ok: bool
     release: bool
+    confirm: bool = False
+    # D counts the read's bytes on the strength of its pin alone (it ended within it): P must
+    # still have held it (the shell logs an error when P says otherwise).
+    counted: bool = False
 
 
 class SendRelease(Effect, tag="srl"):
@@ -215,6 +236,7 @@ AnyEffect = (
     | FreeEngineBlocks
     | ReplyClaim
     | ReplyRead
+    | ReplyReadEnd
     | StageHistory
     | DemoteHistory
     | DropHistory

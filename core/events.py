@@ -179,10 +179,15 @@ class LoadAllocated(Event, tag="la"):
 
 
 class ReadGranted(Event, tag="rg"):
-    """P agreed to the next read: its blocks are pinned until the read ends."""
+    """P agreed to the next read: its blocks are pinned until the read ends, or until P has not
+    heard from D for `pinned_ns` (P's silent-reader bound; 0: P did not say). `asked_ns` is D's
+    clock when it asked: P's bound started later, so the blocks are provably P's until
+    `asked_ns + pinned_ns` by D's clock."""
 
     request: str
     read: str
+    asked_ns: int = 0
+    pinned_ns: int = 0
 
 
 class ReadRefused(Event, tag="rx"):
@@ -194,11 +199,23 @@ class ReadRefused(Event, tag="rx"):
 
 
 class LoadReadFinished(Event, tag="lr"):
-    """D's transport finished a read into the destination blocks."""
+    """D's transport finished a read into the destination blocks; `in_pin`: every rank saw it end
+    before the read's pin deadline (`PostRead.pinned_until_ns`), so P held the blocks throughout."""
 
     request: str
     read: str
     ok: bool
+    in_pin: bool = True
+
+
+class ReadEndAnswered(Event, tag="rv"):
+    """P answered the end of a read D asked it to confirm (one that ended past its pin deadline):
+    `held`, P still held the read's blocks then, so they were P's throughout."""
+
+    request: str
+    read: str
+    held: bool
+    reason: str = ""  # not held: P's reason
 
 
 class RequestPreempted(Event, tag="rp"):
@@ -298,6 +315,7 @@ AnyEvent = Union[
     ReadGranted,
     ReadRefused,
     LoadReadFinished,
+    ReadEndAnswered,
     RequestPreempted,
     RequestAborted,
     HistoryObserved,

@@ -30,8 +30,9 @@ SECOND_NS = 1_000_000_000
 # Bump when the snapshot that `state_hash` digests changes shape, or when the ledger answers the
 # same events with another state: replay then still re-checks old logs' invariants but no longer
 # compares their recorded hashes.
-STATE_HASH_VERSION = 6  # 6 (log schema 2): a load keeps what its request holds and what P
-# granted (engine, blocks), and decides itself whether a grant may be read
+STATE_HASH_VERSION = 7  # 6 (log schema 2): a load keeps what its request holds and what P
+# granted (engine, blocks), and decides itself whether a grant may be read; 7: and until when the
+# read in flight is provably pinned on P
 
 
 class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +119,7 @@ class Ledger:
             ev.ReadGranted: ld.read_granted,
             ev.ReadRefused: ld.read_refused,
             ev.LoadReadFinished: ld.read_finished,
+            ev.ReadEndAnswered: ld.read_end_answered,
             ev.RequestPreempted: ld.cancelled,
             ev.RequestAborted: ld.cancelled,
             ev.HistoryObserved: self._observed,

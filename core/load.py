@@ -15,6 +15,8 @@ unanswered one is a miss and the request recomputes locally (a miss, not an erro
         MISSED                   CANCELLED                 ▼                      ▼ last read
                                                          FAILED ◀── read failed ── DONE
     LOADING ──abort/preempt──▶ DRAINING ──read ends──▶ CANCELLED
+    LOADING ──read ok, past its pin──▶ CONFIRMING ──P held it──▶ ALLOCATED / DONE
+                                           │ P had let it go, no answer: FAILED; abort/preempt: CANCELLED
     AWAITING_CLAIM ──allocated──▶ ALLOCATED_EARLY ──granted──▶ ALLOCATED (first read asked)
                                         │ refused/timeout: MISSED; abort/preempt: CANCELLED
 
@@ -27,6 +29,13 @@ unanswered one is a miss and the request recomputes locally (a miss, not an erro
   consumed and recomputes; it never reads a ticket twice.
 * Every read asks P first (`SendReadStart`), so P pins its blocks for exactly the read's duration
   and a ticket that expired between reads refuses instead of letting D read reused memory.
+* P keeps a granted read's blocks until the read ends or its reader has been silent for P's bound
+  (`ReadGranted.pinned_ns`, counted from after D asked). A read that ends within half that bound
+  of D's asking (`PostRead.pinned_until_ns`, by D's clock: half leaves room for clocks that run at
+  slightly different rates) was P's throughout and counts at once; the worker reports the request
+  received in the same step. One that ends later is CONFIRMING: it counts only when P answers that
+  it still held the read when the read's end reached it; otherwise, or without an answer, its
+  blocks are invalid. D never reports a read that P may have let go of as received.
 * FAILED reports the destination blocks as invalid; vLLM recomputes them.
 """
 
@@ -53,6 +62,7 @@ from .events import (
     LoadAllocated,
     LoadReadFinished,
     LoadRequested,
+    ReadEndAnswered,
     ReadGranted,
     ReadRefused,
     RequestAborted,
@@ -67,6 +77,7 @@ ALLOCATED = "ALLOCATED"
 ALLOCATED_EARLY = "ALLOCATED_EARLY"
 LOADING = "LOADING"
 DRAINING = "DRAINING"
+CONFIRMING = "CONFIRMING"
 DONE = "DONE"
 MISSED = "MISSED"
 FAILED = "FAILED"
@@ -77,8 +88,8 @@ AWAITING_ANSWER = frozenset({AWAITING_CLAIM, ALLOCATED_EARLY})
 
 SPEC = MachineSpec(
     "load",
-    states=[AWAITING_CLAIM, ALLOCATED_EARLY, CLAIMED, ALLOCATED, LOADING, DRAINING, DONE, MISSED, FAILED,
-            CANCELLED],
+    states=[AWAITING_CLAIM, ALLOCATED_EARLY, CLAIMED, ALLOCATED, LOADING, DRAINING, CONFIRMING, DONE, MISSED,
+            FAILED, CANCELLED],
     initial=AWAITING_CLAIM,
     terminal=[DONE, MISSED, FAILED, CANCELLED],
     transitions=[
@@ -97,6 +108,12 @@ SPEC = MachineSpec(
         {"trigger": "read_done", "source": LOADING, "dest": ALLOCATED},
         {"trigger": "read_done", "source": LOADING, "dest": DONE},
         {"trigger": "read_failed", "source": LOADING, "dest": FAILED},
+        {"trigger": "read_done_late", "source": LOADING, "dest": CONFIRMING},
+        {"trigger": "confirmed", "source": CONFIRMING, "dest": ALLOCATED},
+        {"trigger": "confirmed", "source": CONFIRMING, "dest": DONE},
+        {"trigger": "unconfirmed", "source": CONFIRMING, "dest": FAILED},
+        {"trigger": "cancel", "source": CONFIRMING, "dest": CANCELLED},
+        {"trigger": "expire", "source": CONFIRMING, "dest": FAILED},
         {"trigger": "read_done", "source": DRAINING, "dest": CANCELLED},
         {"trigger": "read_failed", "source": DRAINING, "dest": CANCELLED},
         {"trigger": "cancel", "source": [AWAITING_CLAIM, CLAIMED, ALLOCATED], "dest": CANCELLED},
@@ -132,6 +149,8 @@ class Load(msgspec.Struct):
     granted: tuple[int, ...] = ()
     first: int = 0
     reads: int = 0  # how many reads the allocation asked for (the blocks split evenly)
+    # The read in flight counts at once if it ends by then (D's clock; see ReadGranted).
+    pinned_until_ns: int = 0
 
     def is_last_read(self, read: str) -> bool:
         """`read` is the read in flight and the last this load makes."""
@@ -169,7 +188,7 @@ class LoadBook(Book):
     noun = "load"
     key = "request"
     kind = KIND_LOAD
-    timed = frozenset({AWAITING_CLAIM, ALLOCATED_EARLY, CLAIMED, ALLOCATED})
+    timed = frozenset({AWAITING_CLAIM, ALLOCATED_EARLY, CLAIMED, ALLOCATED, CONFIRMING})
     untimed = frozenset({LOADING, DRAINING})
 
     def __init__(self, config, deadlines: Deadlines, counters: Counters) -> None:
@@ -187,8 +206,14 @@ class LoadBook(Book):
     def _release(self, ld: Load) -> SendRelease:
         return SendRelease(ld.request, ld.ticket, ld.source, ld.epoch)
 
-    def _read_end(self, ld: Load, read: str, ok: bool, release: bool) -> SendReadEnd:
-        return SendReadEnd(ld.request, ld.ticket, ld.source, ld.epoch, read, ok, release)
+    def _release_unless_sent(self, ld: Load) -> list[Effect]:
+        """A confirming load's release: the last read's end carried it already."""
+
+        return [self._release(ld)] if ld.reads_left > 0 else []
+
+    def _read_end(self, ld: Load, read: str, ok: bool, release: bool, confirm: bool = False,
+                  counted: bool = False) -> SendReadEnd:
+        return SendReadEnd(ld.request, ld.ticket, ld.source, ld.epoch, read, ok, release, confirm, counted)
 
     def _next_read(self, ld: Load, now: int) -> SendReadStart:
         ld.read = f"{ld.request}/{ld.reads_done}"
@@ -202,7 +227,8 @@ class LoadBook(Book):
         index, count = ld.reads_done, max(1, ld.reads)
         lo, hi = len(ld.blocks) * index // count, len(ld.blocks) * (index + 1) // count
         return PostRead(ld.request, ld.ticket, ld.source, ld.read, ld.engine,
-                        ld.granted[ld.first + lo:ld.first + hi], ld.blocks[lo:hi], index == count - 1)
+                        ld.granted[ld.first + lo:ld.first + hi], ld.blocks[lo:hi], index == count - 1,
+                        ld.pinned_until_ns)
 
     # -- handlers --------------------------------------------------------------------------------
 
@@ -333,6 +359,8 @@ class LoadBook(Book):
             return out
         self._move(ld, "read_granted", LOADING)
         ld.deadline_ns = NEVER
+        # Half P's bound: see the module's theory of operation. P that names no bound: confirm.
+        ld.pinned_until_ns = min(NEVER, e.asked_ns + e.pinned_ns // 2) if e.pinned_ns > 0 else 0
         return [self._post(ld)]
 
     def read_refused(self, e: ReadRefused, now: int) -> list[Effect]:
@@ -347,8 +375,8 @@ class LoadBook(Book):
         return out
 
     def read_finished(self, e: LoadReadFinished, now: int) -> list[Effect]:
-        """The read in flight ended: LOADING → ALLOCATED (next read), DONE or FAILED; DRAINING →
-        CANCELLED; else Rejected(NO_READ_IN_FLIGHT)."""
+        """The read in flight ended: LOADING → ALLOCATED (next read), DONE or FAILED, or CONFIRMING
+        (ok, past its pin: P is asked); DRAINING → CANCELLED; else Rejected(NO_READ_IN_FLIGHT)."""
 
         ld = self.loads.get(e.request)
         if ld is None or ld.state not in (LOADING, DRAINING) or ld.read != e.read:
@@ -364,18 +392,43 @@ class LoadBook(Book):
             out = [self._read_end(ld, e.read, False, True), ReportInvalidBlocks(ld.request, ld.blocks)]
             self._end(ld, "read_failed", FAILED, LoadOutcome.TRANSPORT_ERROR, out)
             return out
+        if not e.in_pin:  # ended past its pin: P may have let the blocks go meanwhile; ask it
+            self._move(ld, "read_done_late", CONFIRMING)
+            self._set_deadline(ld, now + self.config.read_grant_wait_ns)
+            self.counters.add("loads.reads_confirmed")
+            return [self._read_end(ld, e.read, True, ld.reads_left == 0, confirm=True)]
+        return self._read_counted(ld, "read_done", now, [self._read_end(ld, e.read, True, ld.reads_left == 0,
+                                                                          counted=True)])
+
+    def _read_counted(self, ld: Load, trigger: str, now: int, out: list[Effect]) -> list[Effect]:
+        """The read in flight is good (its end already told to P in `out`): the next read, or DONE."""
+
         if ld.reads_left > 0:
-            self._move(ld, "read_done", ALLOCATED)
-            return [self._read_end(ld, e.read, True, False), self._next_read(ld, now)]
+            self._move(ld, trigger, ALLOCATED)
+            return out + [self._next_read(ld, now)]
         self.counters.add("loads.blocks", len(ld.blocks))
-        out = [self._read_end(ld, e.read, True, True)]
-        self._end(ld, "read_done", DONE, LoadOutcome.LOADED, out)
+        self._end(ld, trigger, DONE, LoadOutcome.LOADED, out)
+        return out
+
+    def read_end_answered(self, e: ReadEndAnswered, now: int) -> list[Effect]:
+        """From CONFIRMING, for the read in question: P held it → as a read that ended in its pin
+        (ALLOCATED with the next read asked, or DONE); P had let it go → FAILED, blocks invalid,
+        ticket released. Else Rejected(NO_READ_IN_FLIGHT)."""
+
+        ld = self.loads.get(e.request)
+        if ld is None or ld.state != CONFIRMING or ld.read != e.read:
+            return [reject(self.counters, "rv", e.request, Reason.NO_READ_IN_FLIGHT)]
+        if e.held:
+            return self._read_counted(ld, "confirmed", now, [])
+        self.counters.add("loads.reads_unpinned")
+        out: list[Effect] = [ReportInvalidBlocks(ld.request, ld.blocks), *self._release_unless_sent(ld)]
+        self._end(ld, "unconfirmed", FAILED, LoadOutcome.READ_UNPINNED.detail(e.reason or "no answer"), out)
         return out
 
     def cancelled(self, e: RequestPreempted | RequestAborted, now: int) -> list[Effect]:
-        """From AWAITING_CLAIM, ALLOCATED_EARLY (a preempted one's blocks invalid), CLAIMED or
-        ALLOCATED → CANCELLED, ticket released; LOADING → DRAINING; else Rejected(UNKNOWN_LOAD |
-        CONSUMED)."""
+        """From AWAITING_CLAIM, ALLOCATED_EARLY (a preempted one's blocks invalid), CLAIMED,
+        ALLOCATED or CONFIRMING → CANCELLED, ticket released; LOADING → DRAINING; else
+        Rejected(UNKNOWN_LOAD | CONSUMED)."""
 
         ld = self.loads.get(e.request)
         tag = "rp" if isinstance(e, RequestPreempted) else "ra"
@@ -386,6 +439,10 @@ class LoadBook(Book):
         if ld.state == LOADING:
             self._move(ld, "cancel", DRAINING)
             return []
+        if ld.state == CONFIRMING:  # the read end went out already; its answer no longer matters
+            out = self._release_unless_sent(ld)
+            self._end(ld, "cancel", CANCELLED, LoadOutcome.CANCELLED_WHILE_LOADING, out)
+            return out
         reason = LoadOutcome.PREEMPTED if tag == "rp" else LoadOutcome.ABORTED
         out: list[Effect] = [self._release(ld)]
         if ld.state in (AWAITING_CLAIM, ALLOCATED_EARLY):
@@ -397,7 +454,7 @@ class LoadBook(Book):
 
     def expire_due(self, ident: str, deadline_ns: int, now: int, out: list[Effect]) -> None:
         """Deadline passed: AWAITING_CLAIM → MISSED; ALLOCATED_EARLY → MISSED (blocks invalid); CLAIMED
-        → CANCELLED; ALLOCATED → FAILED (blocks invalid); each releases the ticket."""
+        → CANCELLED; ALLOCATED or CONFIRMING → FAILED (blocks invalid); each releases the ticket."""
 
         ld = self.records.get(ident)
         if ld is None or ld.deadline_ns != deadline_ns:
@@ -415,12 +472,16 @@ class LoadBook(Book):
             out.append(ReportInvalidBlocks(ld.request, ld.blocks))
             out.append(self._release(ld))
             self._end(ld, "expire", FAILED, LoadOutcome.READ_GRANT_UNANSWERED, out)
+        elif ld.state == CONFIRMING:
+            out.append(ReportInvalidBlocks(ld.request, ld.blocks))
+            out.extend(self._release_unless_sent(ld))
+            self._end(ld, "expire", FAILED, LoadOutcome.READ_UNPINNED.detail("no answer"), out)
 
     # -- invariants ------------------------------------------------------------------------------
 
     def _check(self, ld: Load, where: str, found: list[str]) -> None:
         super()._check(ld, where, found)
-        if ld.state in (ALLOCATED, LOADING, DRAINING) and not ld.blocks:
+        if ld.state in (ALLOCATED, LOADING, DRAINING, CONFIRMING) and not ld.blocks:
             found.append(f"{where}: no destination blocks")
         if ld.state in (AWAITING_CLAIM, CLAIMED) and ld.blocks:
             found.append(f"{where}: blocks before allocation")

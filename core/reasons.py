@@ -98,6 +98,7 @@ class LoadOutcome(StrEnum):
     READ_GRANT_UNANSWERED = "read grant unanswered"
     GRANT_REFUSED = "grant refused"  # with detail: why D would not read what P granted
     TRANSPORT_ERROR = "transport error"
+    READ_UNPINNED = "read unpinned"  # with detail: P did not confirm a read that ended past its pin
     CANCELLED_WHILE_LOADING = "cancelled while loading"
     PREEMPTED = "preempted"
     ABORTED = "aborted"

@@ -26,6 +26,9 @@ connector reports as `finished_sending`), exactly once, when it closes: each acc
   silent (`reader_silence_ns` without a word from the claimer on this ticket): its reads then end
   as failed, as if it had said so. Between reads the ticket is CLAIMED again and its idle lease
   runs, so a decode engine that dies is noticed.
+* A granted read names that bound (`ReplyRead.pinned_ns`), and every read's end is answered
+  whether P still held it (`ReplyReadEnd`): the reader keeps a read that ended past the bound
+  only when P says it held the blocks until then (core/load.py).
 * The router may abandon only an unclaimed ticket: once claimed it belongs to the decode engine.
   Abandoning takes the router's capability (P minted it with the ticket; the event carries the
   digest of what the caller presented), and so does keeping an unclaimed ticket alive, which the
@@ -39,7 +42,7 @@ from __future__ import annotations
 import msgspec
 
 from .common import NEVER, Counters, Deadlines, reject
-from .effects import Effect, FreeEngineBlocks, ReplyClaim, ReplyRead, StageHistory
+from .effects import Effect, FreeEngineBlocks, ReplyClaim, ReplyRead, ReplyReadEnd, StageHistory
 from .events import (
     AbandonRequested,
     ClaimRequested,
@@ -306,21 +309,26 @@ class TicketBook(Book):
         self._move(t, "read_start", READING)
         self._heard(t, now)
         self.counters.add("reads.started")
-        return [ReplyRead(e.ticket, e.claimer, e.read, True)]
+        return [ReplyRead(e.ticket, e.claimer, e.read, True, pinned_ns=self.config.reader_silence_ns or NEVER)]
 
     def read_end(self, e: ReadFinished, now: int) -> list[Effect]:
         """A read in flight, ended by its claimer: READING → READING (reads left) or CLAIMED (lease
-        restarts); DRAINING → DRAINING, RETAINING or CLOSED; else Rejected(UNKNOWN_READ | NOT_CLAIMER)."""
+        restarts); DRAINING → DRAINING, RETAINING or CLOSED; answered held. Else Rejected(UNKNOWN_READ
+        | NOT_CLAIMER), answered not held: P had ended the read (its reader silent) or never had it."""
 
         t = self.tickets.get(e.ticket)
+        reason = ""
         if t is None or e.read not in t.reads:
-            return [reject(self.counters, "rf", e.ticket, Reason.UNKNOWN_READ)]
-        if e.claimer != t.claimer or e.epoch != t.epoch:
-            return [reject(self.counters, "rf", e.ticket, Reason.NOT_CLAIMER)]
+            reason = Reason.UNKNOWN_READ
+        elif e.claimer != t.claimer or e.epoch != t.epoch:
+            reason = Reason.NOT_CLAIMER
+        if reason:
+            return [reject(self.counters, "rf", e.ticket, reason),
+                    ReplyReadEnd(e.ticket, e.claimer, e.read, False, reason)]
         t.reads.remove(e.read)
         t.done_reads.append(e.read)
         self.counters.add("reads.finished.ok" if e.ok else "reads.finished.failed")
-        out: list[Effect] = []
+        out: list[Effect] = [ReplyReadEnd(e.ticket, e.claimer, e.read, True)]
         if t.reads:
             self._move(t, "read_end", t.state)
             self._heard(t, now)

@@ -287,7 +287,7 @@ def _what(e: ev.Event) -> str:
             parts.append(f"{name}={len(value)}")
         elif isinstance(value, str) and len(value) > 16:
             parts.append(f"{name}={value[:8]}…")
-        elif value not in ("", None, 0, False) or name in ("ok", "hit"):
+        elif value not in ("", None, 0, False) or name in ("ok", "hit", "held", "in_pin"):
             parts.append(f"{name}={value}")
     return " ".join(parts)
 

@@ -20,15 +20,17 @@ and a sequence replays exactly from its seed.
 Oracles: the auditor on every ledger after every event, the core's invariants every few events;
 after every sequence and its drain (virtual time run on until every deadline passed), the
 invariants again; nothing open; P's blocks each returned once; every request vLLM parked for a load
-or a restore told it was received exactly once; every restore copying only resident, pinned slots;
+or a restore told it was received exactly once; no request run on a read that ended after P let
+its blocks go (unless those blocks were reported invalid); every restore copying only resident, pinned slots;
 no shell task left running; every decode request finished and forgotten by its scheduler side
 (no slot, no reader, no connector error); and in a sequence without faults, every handoff read and released (no
 ticket closed by its lease, no load missed).
 
 `--break` runs a deliberately broken shell, which these oracles must catch: `dropped_release`
 (the sidecar forgets to release a ticket), `endless_claim_retry` (a claim retry that forgets its
-deadline and whether its load still waits) and `lost_finished_recving` (an ended load or restore
-never tells vLLM its parked request was received).
+deadline and whether its load still waits), `lost_finished_recving` (an ended load or restore
+never tells vLLM its parked request was received) and `unpinned_reads` (reads posted without their
+pin deadline: a read that ended after P let its blocks go is counted).
 """
 
 from __future__ import annotations
@@ -53,14 +55,21 @@ from ..control.sidecar import Sidecar
 from ..core import effects as fx
 from ..core import events as ev
 from ..core.audit import Auditor
+from ..core.common import NEVER
 from ..core.ledger import SECOND_NS, LedgerConfig
 from ..core.machine import InternalError
 
 MS = SECOND_NS // 1000
 BLOCK_SIZE = 16
 LAYOUT = "sim-layout"
-BREAKS = ("dropped_release", "endless_claim_retry", "lost_finished_recving")
-SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "decode_death", "prefill_death", "copy_failure", "restore_abort")
+BREAKS = ("dropped_release", "endless_claim_retry", "lost_finished_recving", "unpinned_reads")
+SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "decode_death", "prefill_death",
+                "copy_failure", "restore_abort", "slow_read")
+# Rare paths the faults should reach, counted by the decode engines' ledgers (loads.<name>).
+OUTCOMES = ("reads_confirmed", "reads_unpinned")
+# A slow read takes this long (virtual seconds): past D's pin on it (half P's silent-reader bound),
+# and when D's control path is cut meanwhile, past P's bound itself.
+SLOW_READ_S = (1.2, 5.0)
 DOCUMENTS = 6  # prompts come from a few documents, so they return and history has something to restore
 WEIGHTS = "sim-weights"
 KV_HEADS = 4  # heads split over 1 or 2 ranks: engines of either size read each other's
@@ -156,10 +165,11 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
 class FakeRef:
     """A peer's sidecar as the network shows it: latency both ways, calls and answers that get
-    lost (the caller's bound ends them), and a dead or absent host that refuses at once."""
+    lost (the caller's bound ends them), a caller whose control path is cut for a while (its calls
+    are lost; its worker's transfers go on), and a dead or absent host that refuses at once."""
 
-    def __init__(self, world: World, address: str) -> None:
-        self.world, self.address = world, address
+    def __init__(self, world: World, address: str, caller: str = "") -> None:
+        self.world, self.address, self.caller = world, address, caller
 
     async def call(self, payload: bytes) -> bytes:
         world = self.world
@@ -167,7 +177,7 @@ class FakeRef:
         target = world.by_address.get(self.address)
         if target is None or not target.alive:
             raise ConnectionRefusedError(f"nobody listens at {self.address}")
-        if world.fault("lost_call"):
+        if world.fault("lost_call") or world.clock.now_ns < world.cut_until.get(self.caller, 0):
             await asyncio.sleep(3600)
         answer = target.sidecar.server.answer_frame(payload)
         await asyncio.sleep(world.latency())
@@ -216,7 +226,7 @@ class SimIo:
         asyncio.get_running_loop().call_soon(self.engine.receive, dest, decoded, rank)
 
     async def connect(self, address: str) -> FakeRef:
-        return FakeRef(self.engine.world, address)
+        return FakeRef(self.engine.world, address, self.engine.name)
 
     async def disconnect(self, address: str) -> None:
         pass
@@ -278,8 +288,18 @@ class LostFinishedRecving(Sidecar):
         super().carry(effect)
 
 
+class UnpinnedReads(Sidecar):
+    """Broken on purpose: reads are posted without their pin deadline, so the worker counts every
+    read that succeeds, even one that ended after P let its blocks go."""
+
+    def carry(self, effect: fx.Effect) -> None:
+        if type(effect) is fx.PostRead:
+            effect = msgspec.structs.replace(effect, pinned_until_ns=NEVER)
+        super().carry(effect)
+
+
 SIDECAR_CLASSES = {"": Sidecar, "dropped_release": DroppedRelease, "endless_claim_retry": EndlessClaimRetry,
-                   "lost_finished_recving": LostFinishedRecving}
+                   "lost_finished_recving": LostFinishedRecving, "unpinned_reads": UnpinnedReads}
 
 
 @dataclass
@@ -301,6 +321,8 @@ class DecodeRequest:
     parked: bool = False  # blocks allocated for the load: vLLM waits for one finished_recving per rank
     received: Counter = field(default_factory=Counter)  # rank -> finished_recving reports
     aborted: bool = False
+    tainted: bool = False  # a read of it ended after P had let its blocks go
+    invalid: bool = False  # some of its blocks were reported invalid (vLLM recomputes them)
     request: object = None  # D: the request as vLLM's scheduler hands it to the connector
 
 
@@ -400,11 +422,16 @@ class Engine:
             self.sidecar.on_message(msg, rank)
 
     def each_rank(self, delay: tuple[float, float], reply, rank: int | None = None) -> None:
-        """Every worker rank (or only `rank`) answers with `reply(rank)`, each after its own delay."""
+        """Every worker rank (or only `rank`) answers with `reply(rank)`, each after its own delay
+        (`reply` runs then: what it reports is the world as the rank finds it at its end)."""
 
         world = self.world
         for r in range(self.ranks) if rank is None else (rank,):
-            world.later(world.rng.uniform(*delay), self.send, reply(r), r)
+            world.later(world.rng.uniform(*delay), self.reply, reply, r)
+
+    def reply(self, reply, rank: int) -> None:
+        if self.alive:
+            self.send(reply(rank), rank)
 
     def received(self, request: str, rank: int) -> None:
         """A worker rank tells vLLM that `request`'s blocks arrived: vLLM must have parked it, and
@@ -419,6 +446,9 @@ class Engine:
             self.world.violation(self, f"request {request}: finished_recving twice from rank {rank}")
         if r.request is not None and all(r.received[k] for k in range(self.ranks)) \
                 and r.request.status == RequestStatus().WAITING_FOR_REMOTE_KVS:
+            if r.tainted and not r.invalid:
+                self.world.violation(self, f"request {request}: runs on a read that ended after P let its "
+                                           f"blocks go, without its blocks reported invalid")
             r.request.status = RequestStatus().RUNNING  # its blocks are in: it runs, then ends
             self.world.later(self.world.rng.uniform(0.001, 0.05), self.finish, request)
 
@@ -593,28 +623,46 @@ class Engine:
 
     def read(self, msg: m.PostRead, rank: int | None = None) -> None:
         """The worker's read of P's blocks (every rank's, or `rank`'s when the sidecar addressed
-        one): P must hold them for this ticket while it runs."""
+        one): P must hold them for this ticket when it starts. A read that ends after P let the
+        blocks go may have read reused memory: it taints its request, which must then not run on
+        those blocks (they are reported invalid before it is received)."""
 
         world = self.world
         r = self.requests.get(msg.request)
         alive = r is not None and r.handoff.source.alive
-        if r is not None and r.handoff.source.alive:
-            p = r.handoff.source
-            ticket = p.sidecar.ledger.tickets.tickets.get(r.handoff.ticket)
-            held = p.tickets.get(r.handoff.ticket, ("", ()))[1]
-            if ticket is None or ticket.state != "READING" or p.freed[r.handoff.request] \
-                    or not set(msg.src_blocks) <= set(held):
-                world.violation(self, f"read {msg.read} of {msg.request}: P does not hold blocks "
-                                      f"{msg.src_blocks} for the ticket ({ticket.state if ticket else 'none'})")
+        if alive and not self.source_holds(r, msg):
+            ticket = r.handoff.source.sidecar.ledger.tickets.tickets.get(r.handoff.ticket)
+            world.violation(self, f"read {msg.read} of {msg.request}: P does not hold blocks "
+                                  f"{msg.src_blocks} for the ticket ({ticket.state if ticket else 'none'})")
         nbytes = len(msg.dst_blocks) * 4096
+        delay = (0.0005, 0.02)
+        if world.fault("slow_read"):
+            seconds = world.rng.uniform(*SLOW_READ_S)
+            delay = (seconds, seconds + 0.01)
+            if world.rng.random() < 0.5:  # and this engine's control path is cut meanwhile
+                world.cut_until[self.name] = max(world.cut_until.get(self.name, 0),
+                                                 world.clock.now_ns + int(seconds * SECOND_NS))
 
         def done(rank: int) -> m.ReadDone:
             ok = alive and not world.fault("transport_error")
-            if ok and msg.last:  # the worker tells vLLM itself, in the step its last read ends
+            if ok and not self.source_holds(r, msg):
+                r.tainted = True
+            in_pin = world.clock.now_ns <= msg.pinned_until_ns
+            if ok and msg.last and in_pin:  # the worker tells vLLM itself, in the step its last read ends
                 self.received(msg.request, rank)
-            return m.ReadDone(msg.request, msg.read, ok, "" if ok else "simulated transport error", nbytes, 0.001)
+            return m.ReadDone(msg.request, msg.read, ok, "" if ok else "simulated transport error", nbytes, 0.001,
+                              in_pin=in_pin)
 
-        self.each_rank((0.0005, 0.02), done, rank)
+        self.each_rank(delay, done, rank)
+
+    def source_holds(self, r, msg: m.PostRead) -> bool:
+        """P (alive) still holds the read's blocks for its ticket, with the read in flight."""
+
+        p = r.handoff.source
+        ticket = p.sidecar.ledger.tickets.tickets.get(r.handoff.ticket)
+        held = p.tickets.get(r.handoff.ticket, ("", ()))[1]
+        return (ticket is not None and ticket.state in ("READING", "DRAINING") and msg.read in ticket.reads
+                and not p.freed[r.handoff.request] and set(msg.src_blocks) <= set(held))
 
     # -- what the sidecar tells the engine ---------------------------------------------------------
 
@@ -641,6 +689,10 @@ class Engine:
         elif kind is m.FinishedRecving:
             for r in range(self.ranks) if rank is None else (rank,):
                 self.received(msg.request, r)
+        elif kind is m.InvalidBlocks:
+            r = self.requests.get(msg.request)
+            if r is not None:
+                r.invalid = True
 
 
 @dataclass
@@ -649,6 +701,7 @@ class ShellResult:
     events: int = 0
     violations: list[str] = field(default_factory=list)
     faults: Counter = field(default_factory=Counter)
+    outcomes: Counter = field(default_factory=Counter)  # OUTCOMES, over every engine
 
 
 class World:
@@ -658,6 +711,7 @@ class World:
         self.clock = Clock()
         self.loop = VirtualLoop(self.clock)
         self.result = ShellResult(seed)
+        self.cut_until: dict[str, int] = {}  # engine -> until when its calls to peers are lost
         self.events = 0
         self.invariant_every = 16
         self.requests = requests
@@ -750,6 +804,8 @@ class World:
             self.loop.run_until_complete(self.main())
             self.check_drained()
             for engine in self.engines:
+                for name in OUTCOMES:
+                    self.result.outcomes[name] += engine.sidecar.ledger.counters.get(f"loads.{name}", 0)
                 engine.kill()
             self.loop.run_until_complete(asyncio.sleep(0))
         except Stalled as exc:
@@ -824,12 +880,14 @@ def run_shell_fuzz(seed: int = 1, sequences: int = 100, broken: str = "", stop_a
 
 
 def _run(seed: int, sequences: int, broken: str, stop_after_failures: int, progress) -> dict:
-    report = {"sequences": 0, "events": 0, "violations": 0, "faults": Counter(), "failures": []}
+    report = {"sequences": 0, "events": 0, "violations": 0, "faults": Counter(), "outcomes": Counter(),
+              "failures": []}
     for index in range(sequences):
         result = World(seed * 1_000_003 + index, broken=broken).run()
         report["sequences"] += 1
         report["events"] += result.events
         report["faults"].update(result.faults)
+        report["outcomes"].update(result.outcomes)
         if result.violations:
             report["violations"] += 1
             report["failures"].append({"seed": result.seed, "index": index, "first": result.violations[:3]})
@@ -838,4 +896,5 @@ def _run(seed: int, sequences: int, broken: str, stop_after_failures: int, progr
         if progress is not None:
             progress(1)
     report["faults"] = {name: report["faults"].get(name, 0) for name in SHELL_FAULTS}
+    report["outcomes"] = {name: report["outcomes"].get(name, 0) for name in OUTCOMES}
     return report

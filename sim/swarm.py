@@ -53,6 +53,7 @@ FAULTS = (
     "lost_read_end",
     "allocate_before_grant",
     "mismatched_grant",
+    "slow_read",
 )
 
 MS = 1_000_000
@@ -63,6 +64,7 @@ D_NAMES = ("D0", "D1")
 MESSAGE_TYPES = (
     ev.ClaimRequested, ev.HeartbeatReceived, ev.ReadStarted, ev.ReadFinished, ev.ReleaseRequested,
     ev.AbandonRequested, ev.ClaimGranted, ev.ClaimRefused, ev.ReadGranted, ev.ReadRefused,
+    ev.ReadEndAnswered,
 )
 
 
@@ -163,6 +165,9 @@ class Swarm:
         self.ticket_request: dict[str, str] = {}
         self.ticket_blocks: dict[str, tuple[int, ...]] = {}
         self.read_epoch: dict[tuple[str, str], int] = {}
+        self.read_asked: dict[tuple[str, str], int] = {}  # (D, read) -> when D asked P for it
+        self.confirming: dict[tuple[str, str], str] = {}  # (D, read) -> request awaiting P's word
+        self.tainted: set[tuple[str, str]] = set()  # (D, request): a read ended after P let go
         self.restore_blocks: dict[str, tuple[int, ...]] = {}
         self.lease_requests: dict[str, str] = {}
         self.next_id = 0
@@ -277,10 +282,20 @@ class Swarm:
             if request is None:
                 return
             if effect.granted:
-                self.send(effect.claimer, ev.ReadGranted, request=request, read=effect.read)
+                self.send(effect.claimer, ev.ReadGranted, request=request, read=effect.read,
+                          asked_ns=self.read_asked.get((effect.claimer, effect.read), 0), pinned_ns=effect.pinned_ns)
             else:
                 self.send(effect.claimer, ev.ReadRefused, request=request, read=effect.read,
                           reason=effect.reason)
+        elif kind is fx.ReplyReadEnd:
+            request = self.confirming.pop((effect.claimer, effect.read), None)
+            if request is None:
+                return
+            if effect.held and (effect.claimer, request) in self.tainted:
+                self.fail(node, [f"P0: read {effect.read} answered held, but it ended on {effect.claimer} after "
+                                 f"P had let its blocks go"])
+            self.send(effect.claimer, ev.ReadEndAnswered, request=request, read=effect.read, held=effect.held,
+                      reason=effect.reason)
         elif kind is fx.StageHistory:
             ok = not self.fault("copy_failure")
             self.at(self.delay(0.5, 30), self.local, node, ev.HistoryPublished, {"ticket": effect.ticket, "ok": ok})
@@ -362,6 +377,7 @@ class Swarm:
             self.reads[(node.name, effect.read)] = effect.request
             self.read_ticket[(node.name, effect.read)] = (effect.ticket, self.ticket_request.get(effect.ticket, ""))
             self.read_epoch[(node.name, effect.read)] = effect.epoch
+            self.read_asked[(node.name, effect.read)] = self.now
             if self.fault("expiry_between_reads"):
                 self.clock_jump(self.config.claim_lease_ns + MS)
             self.send(P_NAME, ev.ReadStarted, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch,
@@ -372,8 +388,13 @@ class Swarm:
                 self.clock_jump(max(self.config.claim_lease_ns, self.config.unclaimed_ttl_ns) + MS)
             if self.fault("abort_while_loading"):
                 self.at(self.delay(0.05, 2), self.local, node, ev.RequestAborted, {"request": effect.request})
+            if self.fault("slow_read"):
+                # The read outlasts its pin (P still holds it), or P's silent-reader bound too.
+                self.clock_jump(self.rng.choice([self.config.reader_silence_ns // 2,
+                                                 self.config.reader_silence_ns]) + MS)
             ok = not self.fault("transport_error")
-            self.at(self.delay(0.2, 10), self.finish_read, node, effect.request, effect.read, ok)
+            self.at(self.delay(0.2, 10), self.finish_read, node, effect.request, effect.read, ok,
+                    effect.pinned_until_ns)
             death = self.profile["decode_death"]
             if death and not self.draining and self.rng.random() < death * 0.2 \
                     and sum(d.alive for d in self.ds.values()) > 1:
@@ -383,6 +404,10 @@ class Swarm:
         elif kind is fx.SendReadEnd:
             # A lost read end is never retried: P's silent-reader rule must end that read (D has
             # nothing more to say on the ticket once it released it).
+            if effect.confirm:
+                self.confirming[(node.name, effect.read)] = effect.request
+                if self.fault("abort_while_loading"):  # before P's answer comes back
+                    self.at(self.delay(0.01, 1), self.local, node, ev.RequestAborted, {"request": effect.request})
             if not self.fault("lost_read_end"):
                 self.send(P_NAME, ev.ReadFinished, ticket=effect.ticket, read=effect.read, ok=effect.ok,
                           claimer=node.name, epoch=effect.epoch)
@@ -391,6 +416,9 @@ class Swarm:
         elif kind is fx.SendRelease:
             self.send(P_NAME, ev.ReleaseRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
         elif kind is fx.LoadFinished:
+            if effect.ok and (node.name, effect.request) in self.tainted:
+                self.fail(node, [f"{node.name}: load {effect.request} counted a read that ended after P let "
+                                 f"its blocks go"])
             for block, owner in list(node.owner.items()):
                 if owner == effect.request:
                     del node.owner[block]
@@ -420,14 +448,28 @@ class Swarm:
         self.local(node, ev.LoadAllocated, {"request": request, "blocks": () if local_hit else blocks,
                                             "reads": self.rng.randint(1, 3)})
 
-    def finish_read(self, node: Node, request: str, read: str, ok: bool) -> None:
+    def finish_read(self, node: Node, request: str, read: str, ok: bool, pinned_until_ns: int = 0) -> None:
         if not node.alive:
             return
-        self.check_source_held(node, read, "at read end")
-        self.local(node, ev.LoadReadFinished, {"request": request, "read": read, "ok": ok})
+        in_pin = self.now <= pinned_until_ns
+        if in_pin:
+            self.check_source_held(node, read, "at read end")
+        elif not self.source_held(node, read):
+            self.tainted.add((node.name, request))  # D must not count it: P is asked first
+        self.local(node, ev.LoadReadFinished, {"request": request, "read": read, "ok": ok, "in_pin": in_pin})
+
+    def source_held(self, node: Node, read: str) -> bool:
+        """P still has the read in flight, and the ticket's blocks still belong to its request."""
+
+        ticket, request = self.read_ticket.get((node.name, read), ("", ""))
+        record = self.p.ledger.tickets.tickets.get(ticket)
+        if record is None or read not in record.reads:
+            return False
+        return all(self.p.owner.get(block) == request for block in record.blocks)
 
     def check_source_held(self, node: Node, read: str, when: str) -> None:
-        """The model's oracle: P's blocks must still belong to the ticket's request while D reads."""
+        """The model's oracle: P's blocks must still belong to the ticket's request while D reads
+        (to its end, when it ends within its pin)."""
 
         ticket, request = self.read_ticket.get((node.name, read), ("", ""))
         record = self.p.ledger.tickets.tickets.get(ticket)

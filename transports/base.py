@@ -53,9 +53,7 @@ class ReadResult(msgspec.Struct, frozen=True):
         from the post's return until the last progress check that still saw the read in flight,
         0 when none did). The first five add up to `seconds`; collect comes after it. NIXL saw
         the read end after settle_busy (when that is not 0) and by settle: settle depends on how
-        often the caller polls (once or twice per engine step on D). (Before 2026-12-01's fifth
-        session describe and initialize were one phase, "prepare"; settle_busy came in its
-        seventh.)
+        often the caller polls (once or twice per engine step on D).
     """
 
     read_id: str

@@ -88,15 +88,15 @@ class SchedulerSide:
         self.handoff_key = handoff_key(secret)  # P signs the sections it hands out; D checks them
         self.router_key = router_key(secret)  # P: what the router proves it asked for a handoff with
         self.trusted = parse_peer_networks(s.peer_networks)
-        if s.claim_lease_s <= s.peer_timeout_s + pc.FRESH_WINDOW_NS / 1e9:
-            # P ends a read whose reader has been silent for the claim lease; D's transport gives
-            # a read up after the peer timeout (plus its size at a floor rate). Only with the
-            # lease well above that (and the clocks' disagreement) can P never free blocks under
-            # a read D is still making, even when D's sidecar stops answering mid-read.
-            logger.warning("kvbaton: claim_lease_s (%g s) should exceed peer_timeout_s (%g s) by more than %g s: "
-                           "a decode engine whose sidecar goes silent mid-read could otherwise read blocks "
-                           "P has freed (counted as read_unpinned)", s.claim_lease_s, s.peer_timeout_s,
-                           pc.FRESH_WINDOW_NS / 1e9)
+        if s.claim_lease_s <= 2 * s.peer_timeout_s:
+            # P ends a read whose reader has been silent for the claim lease; D uses a read that
+            # ended past half of that only once P confirms it still held it. D's transport gives
+            # a read up after the peer timeout, so with the lease above twice that a read never
+            # needs P's word, and a decode engine whose sidecar goes quiet mid-read loses nothing.
+            logger.warning("kvbaton: claim_lease_s (%g s) should exceed twice peer_timeout_s (%g s): a read "
+                           "that outlasts half the lease is used only after P confirms it still held it, and "
+                           "recomputed when P, not hearing from the decode engine, let it go (counted as "
+                           "read_unpinned)", s.claim_lease_s, s.peer_timeout_s)
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self._books(plan, kv_cache_config)
         logger.info("kvbaton: engine %s (%s), control on %s (port %s), num_blocks %d, event log %s, "

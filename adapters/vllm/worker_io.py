@@ -38,9 +38,9 @@ class WorkerIo:
         self.bad_peers = bad_peers
         self.link = Link(ipc_dir, "worker", rank)  # this thread's own sockets (zmq sockets are per thread)
         self.inbox: collections.deque[m.Msg] = collections.deque()  # for the engine thread
-        # transport read id -> (request, last read of its load, the sidecar's read id): the engine
-        # thread polls these (pump)
-        self.reads: dict[str, tuple[str, bool, str]] = {}
+        # transport read id -> (request, last read of its load, the sidecar's read id, its pin
+        # deadline): the engine thread polls these (pump)
+        self.reads: dict[str, tuple[str, bool, str, int]] = {}
         # A read split over several source ranks: read id -> [reads out, all ok, bytes, slowest
         # seconds, descriptors, first error, slowest phases] (updated from this thread and the
         # engine thread).
@@ -107,7 +107,7 @@ class WorkerIo:
             if problem is None:
                 # Booked before posting: a read can end inside start_read (CPU copies do), and the
                 # engine thread may poll it before start_read returns.
-                self.reads[read_id] = (msg.request, msg.last, msg.read)
+                self.reads[read_id] = (msg.request, msg.last, msg.read, msg.pinned_until_ns)
                 try:
                     self.transport.start_read(read_id, peer, list(msg.src_blocks), list(msg.dst_blocks), None)
                     continue

@@ -9,7 +9,10 @@ import signal
 import logging
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from ...control import messages as m
 from ...control.client import Link
@@ -201,7 +204,7 @@ class WorkerSide:
                     self.recving.add(request)
         if self.io.reads:
             for result in self.transport.poll():
-                request, last, read = self.io.reads.pop(result.read_id, ("", False, ""))
+                request, last, read, pinned_until_ns = self.io.reads.pop(result.read_id, ("", False, "", 0))
                 if not request:
                     continue
                 logger.debug("kvbaton worker: read done %s", result)
@@ -209,10 +212,16 @@ class WorkerSide:
                                          result.seconds, result.descriptors, result.landed, tuple(result.phases))
                 if done is None:  # reads from this rank's other sources are still out
                     continue
+                # Seen now, so it ended no later: by the pin deadline, P held the blocks throughout.
+                in_pin = time.monotonic_ns() <= pinned_until_ns
+                if not in_pin:
+                    done = msgspec.structs.replace(done, in_pin=False)
                 self.link.send(done)
-                if done.ok and last:
-                    # The bytes are in place: vLLM may schedule the request next step. The
-                    # sidecar, told by `done`, sends this rank no FinishedRecving for it.
+                if done.ok and last and in_pin:
+                    # The bytes are in place and were P's throughout: vLLM may schedule the
+                    # request next step. The sidecar, told by `done`, sends this rank no
+                    # FinishedRecving for it. (Past its pin the sidecar reports it once P
+                    # confirmed the read, or with its blocks invalid.)
                     self.recving.add(request)
 
     def _restore(self, msg: m.RestoreCopies) -> None:

@@ -245,6 +245,47 @@ def test_ticket_expires_between_reads(pd):
     assert_nothing_held(pd)
 
 
+def test_a_read_that_ends_past_its_pin_is_used_once_p_confirms_it(pd):
+    """P keeps a read's blocks for CLAIM_LEASE_S of its reader's silence; D counts a read at once
+    only within half of that. A read held past it (D heartbeating meanwhile) is confirmed with P,
+    which still held it: the request uses what it read."""
+
+    pd.d.call_connector("debug_set", "hold_post_s", CLAIM_LEASE_S / 2 + 0.5)
+    try:
+        prompt = tiny_prompt(280, seed=48)
+        before = counters(pd.d)
+        assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
+        after = counters(pd.d)
+    finally:
+        pd.d.call_connector("debug_set", "hold_post_s", 0)
+    assert delta(before, after, "loads.reads_confirmed") == 1 and delta(before, after, "loads.done") == 1
+    assert delta(before, after, "loads.reads_unpinned") == 0
+    assert delta(before, after, "peers.refused.read_unpinned") == 0
+    assert_nothing_held(pd)
+
+
+def test_a_read_p_let_go_of_while_it_landed_is_recomputed(pd):
+    """D's sidecar falls silent (no heartbeats) while its worker holds a read past P's bound: P
+    ends the read; D's read still succeeds, but P does not confirm it, so D reports its blocks
+    invalid and recomputes them, and the output is still one engine's."""
+
+    pd.d.call_connector("debug_set", "heartbeat_interval_s", 30)
+    pd.d.call_connector("debug_set", "hold_post_s", CLAIM_LEASE_S + 1.5)
+    time.sleep(1.5)  # let the heartbeat loop pick up the long interval
+    try:
+        prompt = tiny_prompt(290, seed=49)
+        before, p_before = counters(pd.d), counters(pd.p)
+        assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
+        after, p_after = counters(pd.d), counters(pd.p)
+    finally:
+        pd.d.call_connector("debug_set", "hold_post_s", 0)
+        pd.d.call_connector("debug_set", "heartbeat_interval_s", 1)
+    assert delta(p_before, p_after, "reads.ended.reader_silent") == 1
+    assert delta(before, after, "loads.reads_unpinned") == 1 and delta(before, after, "loads.failed") == 1
+    assert delta(before, after, "peers.refused.read_unpinned") == 1
+    assert_nothing_held(pd)
+
+
 def test_transport_error_mid_read_recomputes(pd):
     pd.d.call_connector("debug_set", "fail_next_reads", 1)
     prompt = tiny_prompt(300, seed=17)

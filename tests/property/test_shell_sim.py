@@ -16,6 +16,9 @@ def test_the_real_shell_survives_every_fault_and_leaves_nothing_behind():
     assert report["failures"] == [] and report["sequences"] == 300
     # Every fault the world can inject was injected, or the run proved little.
     assert all(count > 0 for count in report["faults"].values()), report["faults"]
+    # Reads that ended past their pin were confirmed with P: some P still held, some it had let go.
+    outcomes = report["outcomes"]
+    assert outcomes["reads_confirmed"] > outcomes["reads_unpinned"] > 0, outcomes
 
 
 @pytest.mark.parametrize("broken", BREAKS)

@@ -5,6 +5,8 @@ import pytest
 from kvbaton.core import effects as fx
 from kvbaton.core import events as ev
 from kvbaton.core.ledger import SECOND_NS, Ledger, LedgerConfig
+from kvbaton.core.common import NEVER
+from kvbaton.core.reasons import Reason
 
 
 def kinds(effects):
@@ -65,9 +67,10 @@ def test_reading_ticket_never_expires_and_release_drains():
     assert p.apply(ev.ReadStarted(2, "t1", "D", 1, "x"))[0].granted
     assert p.apply(ev.Tick(10**15)) == []
     assert p.apply(ev.ReleaseRequested(10**15, "t1", "D", 1)) == []  # DRAINING
-    assert kinds(p.apply(ev.ReadFinished(10**15 + 1, "t1", "x", True, "E", 1))) == ["Rejected"]  # not the claimer
+    not_claimer = p.apply(ev.ReadFinished(10**15 + 1, "t1", "x", True, "E", 1))
+    assert kinds(not_claimer) == ["Rejected", "ReplyReadEnd"] and not not_claimer[1].held
     out = p.apply(ev.ReadFinished(10**15 + 1, "t1", "x", True, "D", 1))
-    assert kinds(out) == ["FreeEngineBlocks"]
+    assert kinds(out) == ["ReplyReadEnd", "FreeEngineBlocks"] and out[0].held
 
 
 def test_only_the_current_claimer_reads_or_releases():
@@ -122,6 +125,74 @@ def test_ticket_expired_between_reads_gives_invalid_blocks():
     out = d.apply(ev.ReadRefused(5, "r", "r/1", "closed: expired"))
     assert kinds(out) == ["ReportInvalidBlocks", "SendRelease", "LoadFinished"]
     assert out[0].blocks == (7, 8)
+
+
+def loading(reads=1, pinned_ns=2 * SECOND_NS):
+    d = Ledger(LedgerConfig(read_grant_wait_ns=SECOND_NS))
+    d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2))
+    d.apply(ev.ClaimGranted(1, "r", "t", 1, "P", "", (3, 4)))
+    d.apply(ev.LoadAllocated(2, "r", (7, 8), reads=reads))
+    (post,) = d.apply(ev.ReadGranted(3, "r", "r/0", asked_ns=2, pinned_ns=pinned_ns))
+    return d, post
+
+
+def test_a_read_is_posted_with_its_pin_half_of_ps_bound_from_when_d_asked():
+    assert loading()[1].pinned_until_ns == 2 + SECOND_NS
+    assert loading(pinned_ns=0)[1].pinned_until_ns == 0  # P said nothing: every read is confirmed
+    assert loading(pinned_ns=NEVER)[1].pinned_until_ns == NEVER // 2 + 2
+
+
+def test_a_read_past_its_pin_waits_for_ps_word():
+    d, _ = loading()
+    out = d.apply(ev.LoadReadFinished(4, "r", "r/0", True, in_pin=False))
+    assert kinds(out) == ["SendReadEnd"] and out[0].confirm and out[0].release and not out[0].counted
+    assert d.loads.loads["r"].state == "CONFIRMING"
+    out = d.apply(ev.ReadEndAnswered(5, "r", "r/0", True))
+    assert kinds(out) == ["LoadFinished"] and out[0].ok and d.counters["loads.blocks"] == 2
+    assert kinds(d.apply(ev.ReadEndAnswered(6, "r", "r/0", True))) == ["Rejected"]  # a duplicate
+
+
+def test_a_read_within_its_pin_counts_at_once():
+    d, _ = loading()
+    out = d.apply(ev.LoadReadFinished(4, "r", "r/0", True))
+    assert kinds(out) == ["SendReadEnd", "LoadFinished"] and out[0].counted and not out[0].confirm
+
+
+def test_an_unconfirmed_read_recomputes_and_a_confirmed_one_goes_on_to_the_next():
+    d, _ = loading(reads=2)
+    d.apply(ev.LoadReadFinished(4, "r", "r/0", True, in_pin=False))
+    out = d.apply(ev.ReadEndAnswered(5, "r", "r/0", True))
+    assert kinds(out) == ["SendReadStart"] and d.loads.loads["r"].state == "ALLOCATED"
+    d.apply(ev.ReadGranted(6, "r", "r/1", asked_ns=5, pinned_ns=2 * SECOND_NS))
+    out = d.apply(ev.LoadReadFinished(7, "r", "r/1", True, in_pin=False))
+    assert out[0].confirm and out[0].release  # the last read's end releases the ticket
+    out = d.apply(ev.ReadEndAnswered(8, "r", "r/1", False, "unknown read"))
+    # Released with the read's end already: no second release.
+    assert kinds(out) == ["ReportInvalidBlocks", "LoadFinished"] and out[0].blocks == (7, 8)
+    assert out[1].reason == "read unpinned: unknown read" and d.counters["loads.reads_unpinned"] == 1
+
+
+def test_a_first_read_unconfirmed_releases_the_ticket_itself():
+    d, _ = loading(reads=2)
+    d.apply(ev.LoadReadFinished(4, "r", "r/0", True, in_pin=False))
+    out = d.apply(ev.ReadEndAnswered(5, "r", "r/0", False))
+    assert kinds(out) == ["ReportInvalidBlocks", "SendRelease", "LoadFinished"]
+    assert out[2].reason == "read unpinned: no answer"
+
+
+@pytest.mark.parametrize("how", ["abort", "expire"])
+def test_a_confirming_load_cancelled_or_unanswered_ends_once(how):
+    d, _ = loading(reads=2)
+    d.apply(ev.LoadReadFinished(4, "r", "r/0", True, in_pin=False))
+    if how == "abort":
+        out = d.apply(ev.RequestAborted(5, "r"))
+        assert kinds(out) == ["SendRelease", "LoadFinished"] and not out[1].ok
+    else:
+        assert d.apply(ev.Tick(4 + SECOND_NS - 1)) == []
+        out = d.apply(ev.Tick(4 + SECOND_NS))
+        assert kinds(out) == ["ReportInvalidBlocks", "SendRelease", "LoadFinished"]
+    assert kinds(d.apply(ev.ReadEndAnswered(10 * SECOND_NS, "r", "r/0", True))) == ["Rejected"]
+    assert d.check_invariants() == []
 
 
 def history_ledger(gpu_blocks, cpu_blocks, **kw):
@@ -298,7 +369,8 @@ def reading(silence=SILENCE):
     p = Ledger(LedgerConfig(reader_silence_ns=silence, claim_lease_ns=100 * SECOND_NS))
     issue(p)
     assert p.apply(ev.ClaimRequested(1, "t1", "D", 1))[0].granted
-    assert p.apply(ev.ReadStarted(2, "t1", "D", 1, "x"))[0].granted
+    grant = p.apply(ev.ReadStarted(2, "t1", "D", 1, "x"))[0]
+    assert grant.granted and grant.pinned_ns == (silence or NEVER)  # how long a silent reader keeps it
     return p
 
 
@@ -312,7 +384,8 @@ def test_a_reader_silent_on_its_ticket_loses_its_reads_and_then_its_claim():
     assert p.counters["reads.ended.reader_silent"] == 1 and p.counters["reads.finished.failed"] == 1
     # Its word arriving late changes nothing: the read is over.
     late = p.apply(ev.ReadFinished(2 + SILENCE + 5, "t1", "x", True, "D", 1))
-    assert kinds(late) == ["Rejected"]
+    assert kinds(late) == ["Rejected", "ReplyReadEnd"]
+    assert not late[1].held and late[1].reason == Reason.UNKNOWN_READ  # D must not count what it read
     assert kinds(p.apply(ev.ReadStarted(2 + SILENCE + 6, "t1", "D", 1, "x"))) == ["ReplyRead", "Rejected"]
     out = p.apply(ev.Tick(2 + SILENCE + 100 * SECOND_NS))
     assert kinds(out) == ["FreeEngineBlocks"] and out[0].reason == "expired"
@@ -327,7 +400,7 @@ def test_heartbeats_and_other_reads_keep_a_reader_heard():
     assert p.tickets.tickets["t1"].reads == ["x"]
     # A second read's start and end also count as the reader's word.
     assert p.apply(ev.ReadStarted(400 * SECOND_NS, "t1", "D", 1, "y"))[0].granted
-    assert p.apply(ev.ReadFinished(440 * SECOND_NS, "t1", "y", True, "D", 1)) == []
+    assert kinds(p.apply(ev.ReadFinished(440 * SECOND_NS, "t1", "y", True, "D", 1))) == ["ReplyReadEnd"]
     assert p.apply(ev.Tick(440 * SECOND_NS + SILENCE - 1)) == []
     assert p.tickets.tickets["t1"].reads == ["x"]
 

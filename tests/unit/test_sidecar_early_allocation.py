@@ -148,9 +148,10 @@ def test_with_two_ranks_only_the_rank_that_did_not_report_is_told(tmp_path):
     assert told == [("worker", "InvalidBlocks"), ("worker.1", "FinishedRecving")]
 
 
-def test_a_read_p_no_longer_held_when_it_ended_is_counted(tmp_path):
-    """P answers a read's end with whether it still held the read: one it had ended (its reader
-    silent past the claim lease) while the transfer went on here is counted and logged."""
+def test_a_read_counted_within_its_pin_that_p_had_ended_is_an_error(tmp_path):
+    """A read that ended within its pin was P's throughout: P answering its end with "unknown
+    read" means broken clocks or bounds, counted and logged. The same answer to a failed read,
+    or one D did not count on its pin, means nothing."""
 
     import asyncio
 
@@ -159,6 +160,87 @@ def test_a_read_p_no_longer_held_when_it_ended_is_counted(tmp_path):
     d = listed_sidecar(tmp_path, "D", "consumer")
     answers = {"r1/0": pc.Answer(False, "unknown read"), "r2/0": pc.Answer(True)}
     d.io.peers["127.0.0.1:2"] = ScriptedPeer(lambda call: answers[call.read])
-    for request, ok in (("r1", True), ("r2", True), ("r1", False)):
-        asyncio.run(d.client.read_end(fx.SendReadEnd(request, "t1", "127.0.0.1:2", 1, f"{request}/0", ok, True)))
-    assert d.refused["read_unpinned"] == 1  # only the successful read P had ended
+    for request, ok, counted in (("r1", True, True), ("r2", True, True), ("r1", False, False), ("r1", True, False)):
+        asyncio.run(d.client.read_end(fx.SendReadEnd(request, "t1", "127.0.0.1:2", 1, f"{request}/0", ok, True,
+                                                     counted=counted)))
+    assert d.refused["read_unpinned"] == 1  # only the counted read P had ended
+
+
+def pinned_read(a, asked_ns: int, pinned_ns: int) -> m.PostRead:
+    """A load granted and allocated, its (last) read granted by P at `asked_ns` with `pinned_ns`:
+    the read the worker was told to post."""
+
+    import asyncio
+
+    a.io.peers["127.0.0.1:2"] = ScriptedPeer(lambda call: pc.Answer(True, "", pinned_ns))
+    requested(a)
+    allocated(a, (10, 11))
+    granted(a)
+    a.io.clock_ns = asked_ns
+    a.io.keep_spawned = True
+    from kvbaton.core import effects as fx
+
+    asyncio.run(a.client.read_start(fx.SendReadStart("r1", "t1", "127.0.0.1:2", 1, "r1/0")))
+    assert a.ledger.loads.loads["r1"].state == "LOADING"
+    (post,) = [e for e in a.io.spawned if e.cr_code.co_name == "post_read"]
+    asyncio.run(post)
+    a.io.spawned.clear()
+    return [msg for sock, msg in a.io.sent if type(msg) is m.PostRead][-1]
+
+
+def test_a_read_is_posted_with_half_of_ps_pin_from_before_d_asked(sidecar):
+    post = pinned_read(sidecar, asked_ns=5_000_000_000, pinned_ns=2_000_000_000)
+    assert post.pinned_until_ns == 6_000_000_000 and post.last
+
+
+def test_a_p_that_names_no_pin_has_every_read_confirmed(sidecar):
+    assert pinned_read(sidecar, asked_ns=5_000_000_000, pinned_ns=0).pinned_until_ns == 0
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_read_that_ended_past_its_pin_counts_only_once_p_confirms_it(tmp_path, held):
+    """Past its pin P may have let the blocks go (its reader silent) while the transfer went on:
+    the worker did not report the request received, the sidecar asks P, and the request is
+    received with its blocks valid only when P says it still held the read."""
+
+    import asyncio
+
+    a = listed_sidecar(tmp_path, "D", "consumer")
+    pinned_read(a, asked_ns=5_000_000_000, pinned_ns=2_000_000_000)
+    a.io.clock_ns = 7_000_000_000
+    a.io.peers["127.0.0.1:2"] = p = ScriptedPeer(
+        lambda call: pc.Answer(True) if held else pc.Answer(False, "unknown read"))
+    a.client.peer_refs.clear()  # the next call dials this P
+    a.on_message(m.ReadDone("r1", "r1/0", True, "", 4096, 0.001, in_pin=False), 0)
+    assert a.ledger.loads.loads["r1"].state == "CONFIRMING"
+    assert to_worker(a) == [("PostRead", ())] and a.reported == {}  # nothing reported yet
+    asyncio.run(run_spawned(a.io))
+    assert [type(c).__name__ for c in p.calls] == ["ReadEnd"] and p.calls[0].release
+    load = a.ledger.loads.loads["r1"]
+    if held:
+        assert load.state == "DONE" and a.refused["read_unpinned"] == 0
+        assert to_worker(a)[1:] == [("FinishedRecving", ())]
+    else:
+        assert load.state == "FAILED" and load.outcome == "read unpinned: unknown read"
+        assert a.refused["read_unpinned"] == 1
+        assert to_worker(a)[1:] == [("InvalidBlocks", (10, 11)), ("FinishedRecving", ())]
+
+
+def test_with_two_ranks_a_read_is_confirmed_when_any_rank_saw_it_past_its_pin(tmp_path):
+    """Rank 0 saw the read end in its pin (and told vLLM), rank 1 past it: the read is confirmed
+    with P, and only rank 1 is then told the request was received."""
+
+    import asyncio
+
+    a = listed_sidecar(tmp_path, "D", "consumer", ranks=2)
+    pinned_read(a, asked_ns=5_000_000_000, pinned_ns=2_000_000_000)
+    a.io.peers["127.0.0.1:2"] = ScriptedPeer(lambda call: pc.Answer(True))
+    a.client.peer_refs.clear()  # the next call dials this P
+    a.on_message(m.ReadDone("r1", "r1/0", True, "", 4096, 0.001, in_pin=True), 0)
+    a.on_message(m.ReadDone("r1", "r1/0", True, "", 4096, 0.001, in_pin=False), 1)
+    assert a.ledger.loads.loads["r1"].state == "CONFIRMING"
+    asyncio.run(run_spawned(a.io))
+    assert a.ledger.loads.loads["r1"].state == "DONE"
+    told = [(sock, type(msg).__name__) for sock, msg in a.io.sent if sock.startswith("worker") and
+            type(msg) is not m.PostRead]
+    assert told == [("worker.1", "FinishedRecving")]

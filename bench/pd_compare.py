@@ -254,6 +254,11 @@ def build_systems(timed: bool, history_bytes: int, cap_blocks: int, block_bytes:
         "kvbaton": System("kvbaton", "kvbaton", timed=timed),
         # D computes the first token too (the router's --first-token decode, vLLM's own flow).
         "kvbaton-decode": System("kvbaton-decode", "kvbaton", first_token="decode", timed=timed),
+        # History restores whatever it holds (the restore gate off), and no history at all: what
+        # the gate chooses between.
+        "kvbaton-gateoff": System("kvbaton-gateoff", "kvbaton", settings={"history_gate": "off"}, timed=timed),
+        "kvbaton-nohistory": System("kvbaton-nohistory", "kvbaton", settings={"gpu_history_bytes": 0},
+                                    timed=timed),
     }
     for name in list(systems):
         systems[name + "-b"] = replace(systems[name], name=name + "-b")

@@ -64,8 +64,9 @@ class ReadDone(Msg, tag="rdone"):
     descriptors: int = 0  # as the transport posted it (0: not reported)
     landed: bool = False  # through D's landing area (see transports/landing.py)
     phases: tuple[float, ...] = ()  # where `seconds` went (transports/base.py ReadResult.phases)
-    # The rank saw it end by the read's pin deadline (`PostRead.pinned_until_ns`).
-    in_pin: bool = True
+    # The rank saw it end by the read's pin deadline (`PostRead.pinned_until_ns`); unsaid: it
+    # did not (the read is then confirmed with P before it counts).
+    in_pin: bool = False
 
 
 # --- history copier (a thread of P's worker) and P's worker -> sidecar -------------------------
@@ -157,12 +158,29 @@ class RestoreReply(Msg, tag="rreply"):
 
 
 class LeaseEnded(Msg, tag="lended"):
-    """P: the lease is over (restored, failed, expired or released)."""
+    """P: the lease is over (restored, failed, expired or released); a restore says what its copy
+    took (the restore gate's measurements)."""
 
     lease: str
     request: str
     ok: bool
     reason: str = ""
+    copy_seconds: float = 0.0
+    gpu_blocks: int = 0
+    cpu_blocks: int = 0
+
+
+class GateStats(Msg, tag="hgate"):
+    """P's scheduler side: the restore gate's measurements and how often it chose each way
+    (core/gate.py), for the engine's metrics."""
+
+    decisions: dict[str, int]  # "restore.<reason>" / "recompute.<reason>" -> count
+    step_fixed_s: float = 0.0
+    step_per_token_s: float = 0.0
+    steps: int = 0
+    restore_fixed_s: float = 0.0
+    restore_per_block_s: dict[str, float] = {}
+    restores: int = 0
 
 
 # --- sidecar -> worker -------------------------------------------------------------------------
@@ -261,7 +279,7 @@ AnyMsg = Union[
     Apply, HandoffRefused, WorkerReady, ReadDone, Ready, Resolved, LoadEnded,
     AddPeer, PostRead, InvalidBlocks, FinishedRecving, FinishedSending, Stop, Debug,
     StageDone, DemotesDone, RestoreDone,
-    SlotStats, RestoreReply, LeaseEnded, StageCopies, DemoteCopies, DropSlot, RestoreCopies,
+    SlotStats, RestoreReply, LeaseEnded, GateStats, StageCopies, DemoteCopies, DropSlot, RestoreCopies,
 ]
 
 ENCODER = msgspec.msgpack.Encoder()

@@ -148,6 +148,21 @@ def families(snap: dict) -> list:
             labels=("outcome",), rows=[((o,), counters.get(f"leases.{o}", 0)) for o in LEASE_OUTCOMES])
     gauge("kvbaton_leases", "Open history restore leases (P), by state", ("state",),
           by_state("leases", LEASE_STATES))
+    gate = snap.get("gate", {}) or {}
+    counter("kvbaton_history_gate", "The restore gate's choices for prefixes history holds (P): restore "
+            "or recompute, and why (unmeasured, faster, slower, explore)", labels=("choice", "reason"),
+            rows=[(tuple(key.split(".", 1)), n) for key, n in sorted((gate.get("decisions") or {}).items())
+                  if "." in key])
+    gauge("kvbaton_history_gate_step_seconds", "The restore gate's fit of this engine's steps (P): "
+          "seconds = fixed + per_token x scheduled tokens", ("part",),
+          [(("fixed",), gate.get("step_fixed_s", 0.0)), (("per_token",), gate.get("step_per_token_s", 0.0))])
+    gauge("kvbaton_history_gate_restore_seconds", "The restore gate's fit of a restore's wait (P), from "
+          "asking history to the step that schedules the request: fixed part, and copy seconds per "
+          "block by tier", ("part",),
+          [(("fixed",), gate.get("restore_fixed_s", 0.0))] +
+          [((f"per_block_{t}",), (gate.get("restore_per_block_s") or {}).get(t, 0.0)) for t in TIERS])
+    gauge("kvbaton_history_gate_samples", "Measurements behind the restore gate's fits (P)", ("kind",),
+          [(("steps",), gate.get("steps", 0)), (("restores",), gate.get("restores", 0))])
     history = snap.get("history", {}) or {}
     gauge("kvbaton_history_used_bytes", "Bytes history holds (P), by tier", ("tier",),
           [((t,), history.get(f"{t}_used_bytes", 0)) for t in TIERS])

@@ -128,7 +128,7 @@ class Residency(PeerCall, tag="residency"):
 AnyPeerCall = Union[Claim, ReadStart, ReadEnd, Release, Heartbeat, Abandon, Metadata, State, Residency]
 
 
-class Answer(msgspec.Struct, frozen=True):
+class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
     ok: bool
     reason: str = ""
     # A granted read: how long P keeps its blocks pinned for a reader it does not hear from

@@ -30,6 +30,7 @@ UNKNOWN_TICKET_RETRY_S = 8.0
 # far more than a deployment has.
 MAX_PEERS = 256
 HEARTBEAT_RECHECK_S = 1.0
+MIN_HEARTBEAT_NS = 10_000_000
 
 
 class PeerClient:
@@ -90,21 +91,26 @@ class PeerClient:
         ended within its pin was P's throughout, so P answering otherwise means a broken clock
         or bound: logged as an error naming the request."""
 
+        issuer = self.issuer(effect.ticket, effect.request)
         answer = await self.call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id, effect.epoch,
-                                                           effect.read, effect.ok, effect.release),
-                                 self.issuer(effect.ticket, effect.request))
+                                                           effect.read, effect.ok, effect.release), issuer)
+        if answer is None and effect.release:
+            # The release rode on the failed call: send it alone (idempotent at P), or P keeps the
+            # ticket until its reader's silence ends it.
+            self.io.spawn(self.call(effect.source, pc.Release(effect.ticket, self.cfg.engine_id, effect.epoch), issuer))
         held = answer is not None and answer.ok
         if effect.confirm:
             reason = "" if held else (answer.reason if answer is not None else Reason.SOURCE_UNREACHABLE)
-            if not held:
+            effects = self.sidecar.apply(ev.ReadEndAnswered(self.io.now_ns(), effect.request, effect.read, held,
+                                                            reason))
+            if not held and any(type(e) is fx.LoadFinished for e in effects):  # not for a load already over
                 self.sidecar.refused["read_unpinned"] += 1
                 self.sidecar.refusal_log.warning(
                     "read_unpinned", "request %s: read %s ended past its pin and P at %s did not confirm "
-                    "it still held the blocks (%s); the request recomputes them", effect.request, effect.read,
+                    "it still held the blocks (%s); they are recomputed", effect.request, effect.read,
                     effect.source, reason)
-            self.sidecar.apply(ev.ReadEndAnswered(self.io.now_ns(), effect.request, effect.read, held, reason))
         elif effect.counted and answer is not None and not held and answer.reason == Reason.UNKNOWN_READ:
-            self.sidecar.refused["read_unpinned"] += 1
+            self.sidecar.refused["pin_violated"] += 1
             logger.error("request %s: P at %s no longer held read %s, which ended here within its pin: the "
                          "engines' clocks or P's silent-reader bound are broken; its KV may be wrong",
                          effect.request, effect.source, effect.read)
@@ -114,7 +120,8 @@ class PeerClient:
         while True:
             # The interval is read afresh at least every HEARTBEAT_RECHECK_S: a changed test hook
             # takes effect within that, not after a long interval already begun.
-            interval_ns = int((self.sidecar.hooks.heartbeat_interval_s or self.cfg.heartbeat_interval_s) * 1e9)
+            interval_ns = max(MIN_HEARTBEAT_NS, int((self.sidecar.hooks.heartbeat_interval_s
+                                                      or self.cfg.heartbeat_interval_s) * 1e9))
             left_ns = last + interval_ns - self.io.now_ns()
             if left_ns > 0:
                 await self.io.sleep(min(left_ns / 1e9, HEARTBEAT_RECHECK_S))

@@ -112,6 +112,10 @@ class Sidecar:
                            "restore_seconds": 0.0, "restores_failed": 0, "restored_gpu_blocks": 0,
                            "restored_cpu_blocks": 0}
         self.slot_stats: dict = {}
+        # P: each restore's copy (seconds, GPU blocks, CPU blocks) until its lease ends, and the
+        # scheduler's restore gate as it last reported (m.GateStats).
+        self.restore_copies: dict[str, tuple[float, int, int]] = {}
+        self.gate_stats: dict = {}
         # Events that follow from carrying an effect (a restore posted: its read has started) are
         # applied after the effects of the event that caused them, in order.
         self.followups: collections.deque = collections.deque()
@@ -252,7 +256,9 @@ class Sidecar:
                 # vLLM parked the request in WAITING_FOR_REMOTE_KVS: report it received exactly
                 # once (any invalid blocks went to the worker just before, in the same order).
                 self.report_received(effect.request, reported)
-            self.io.send(SCHEDULER, m.LeaseEnded(effect.lease, effect.request, effect.ok, effect.reason))
+            seconds, gpu, cpu = self.restore_copies.pop(effect.lease, (0.0, 0, 0))
+            self.io.send(SCHEDULER, m.LeaseEnded(effect.lease, effect.request, effect.ok, effect.reason,
+                                                 seconds, gpu, cpu))
         elif kind is fx.Rejected:
             logger.debug("rejected %s %s: %s", effect.event, pc.short(effect.subject), effect.reason)
 
@@ -266,6 +272,8 @@ class Sidecar:
         if kind is m.Apply:
             for event in msg.events:
                 self.scheduler_event(now, event, msg.keepalive)
+        elif kind is m.GateStats:
+            self.gate_stats = msgspec.structs.asdict(msg)
         elif kind is m.HandoffRefused:
             if len(self.handoffs_refused) < 32 or msg.reason in self.handoffs_refused:
                 self.handoffs_refused[msg.reason[:32]] += 1
@@ -421,6 +429,8 @@ class Sidecar:
     def restore_done(self, now: int, msg: m.RestoreDone) -> None:
         io = self.history_io
         io["restores"] += 1
+        # What the copy took goes back to the scheduler with the lease's end (its restore gate).
+        self.restore_copies[msg.lease] = (msg.seconds, msg.gpu_blocks, msg.cpu_blocks)
         if msg.ok:
             io["restore_bytes"] += msg.nbytes
             io["restore_seconds"] += msg.seconds
@@ -455,7 +465,7 @@ class Sidecar:
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "layout": self.cfg.layout, "ranks": self.cfg.ranks,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
-                "transfer": dict(self.transfer), "history": self.history_state()}
+                "transfer": dict(self.transfer), "history": self.history_state(), "gate": dict(self.gate_stats)}
 
     def metrics_snapshot(self) -> dict:
         """What the Prometheus endpoint shows (control/metrics.py): counts only, no ids. Cheaper
@@ -480,6 +490,7 @@ class Sidecar:
             "handoffs_refused": dict(self.handoffs_refused),
             "transfer": dict(self.transfer),
             "history_io": dict(self.history_io),
+            "gate": dict(self.gate_stats),
             "history": {"gpu_used_bytes": history.gpu_used, "cpu_used_bytes": history.cpu_used,
                         "gpu_budget_bytes": cfg.gpu_history_bytes if history.enabled else 0,
                         "cpu_budget_bytes": cfg.cpu_history_bytes if history.enabled else 0,

@@ -473,6 +473,7 @@ class LoadBook(Book):
             out.append(self._release(ld))
             self._end(ld, "expire", FAILED, LoadOutcome.READ_GRANT_UNANSWERED, out)
         elif ld.state == CONFIRMING:
+            self.counters.add("loads.reads_unpinned")
             out.append(ReportInvalidBlocks(ld.request, ld.blocks))
             out.extend(self._release_unless_sent(ld))
             self._end(ld, "expire", FAILED, LoadOutcome.READ_UNPINNED.detail("no answer"), out)

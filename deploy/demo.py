@@ -281,6 +281,12 @@ def run_demo(args) -> int:
         found = phases.get(name)
         return f"{found['p50_ms']:.1f} / {found['p90_ms']:.1f} ms" if found else "-"
 
+    decisions: dict[str, int] = {}
+    for state in p_states.values():
+        for key, n in ((state.get("gate") or {}).get("decisions") or {}).items():
+            decisions[key] = decisions.get(key, 0) + n
+    restored_by_gate = sum(n for key, n in decisions.items() if key.startswith("restore."))
+    recomputed_by_gate = sum(n for key, n in decisions.items() if key.startswith("recompute."))
     rows = [
         ("requests", f"{requests} ({len(failures)} failed)"),
         ("latency p50 / p95 (non-streamed)", f"{_percentile(latencies, 0.5) * 1e3:.0f} / {_percentile(latencies, 0.95) * 1e3:.0f} ms"),
@@ -292,6 +298,7 @@ def run_demo(args) -> int:
                                                  f"{total(d_states, 'loads.failed')}"),
         ("handoff blocks / bytes", f"{total(d_states, 'loads.blocks')} / {transfer_bytes / 2**20:.1f} MiB"),
         ("history hits GPU tier / CPU tier", f"{hits_gpu} / {hits_cpu}"),
+        ("restore gate: restore / recompute", f"{restored_by_gate} / {recomputed_by_gate}"),
         ("first tokens from P / served by D alone", f"{routed.get('first_from_p', 0)} / {routed.get('d_alone', 0)}"),
         ("P ticket -> D asks, p50 / p90", phase("pd.ticket_to_load")),
         ("D load asked -> read end, p50 / p90", phase("d.request_to_read_end")),

@@ -644,7 +644,7 @@ class Engine:
                                                  world.clock.now_ns + int(seconds * SECOND_NS))
 
         def done(rank: int) -> m.ReadDone:
-            ok = alive and not world.fault("transport_error")
+            ok = r is not None and r.handoff.source.alive and not world.fault("transport_error")
             if ok and not self.source_holds(r, msg):
                 r.tainted = True
             in_pin = world.clock.now_ns <= msg.pinned_until_ns
@@ -659,6 +659,8 @@ class Engine:
         """P (alive) still holds the read's blocks for its ticket, with the read in flight."""
 
         p = r.handoff.source
+        if not p.alive:
+            return False
         ticket = p.sidecar.ledger.tickets.tickets.get(r.handoff.ticket)
         held = p.tickets.get(r.handoff.ticket, ("", ()))[1]
         return (ticket is not None and ticket.state in ("READING", "DRAINING") and msg.read in ticket.reads

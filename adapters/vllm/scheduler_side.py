@@ -23,6 +23,7 @@ from ...control.hooks import SidecarHooks, hooks_enabled
 from ...control.router_door import handoff_capability_problem, router_key
 from ...control.guard import RateLimitedLog, capability_digest, install_frame_key, mint_capability, resolve_secret
 from ...core import events as ev
+from ...core import gate
 from ...core.reasons import LoadOutcome
 from .handoff import PARAMS_VERSION, HandoffError, handoff_key, parse_handoff, prompt_digest, sign_handoff
 from .settings import EVENT_LOG_HASH_EVERY, parse_peer_networks
@@ -91,14 +92,15 @@ class SchedulerSide:
         if s.claim_lease_s <= 2 * s.peer_timeout_s:
             # P ends a read whose reader has been silent for the claim lease; D uses a read that
             # ended past half of that only once P confirms it still held it. D's transport gives
-            # a read up after the peer timeout, so with the lease above twice that a read never
-            # needs P's word, and a decode engine whose sidecar goes quiet mid-read loses nothing.
+            # a read up after the peer timeout, so with the lease above twice that a read rarely
+            # needs P's word, and a decode engine whose sidecar goes quiet mid-read rarely loses it.
             logger.warning("kvbaton: claim_lease_s (%g s) should exceed twice peer_timeout_s (%g s): a read "
                            "that outlasts half the lease is used only after P confirms it still held it, and "
                            "recomputed when P, not hearing from the decode engine, let it go (counted as "
                            "read_unpinned)", s.claim_lease_s, s.peer_timeout_s)
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self._books(plan, kv_cache_config)
+        self.step_budget = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
         logger.info("kvbaton: engine %s (%s), control on %s (port %s), num_blocks %d, event log %s, "
                     "metrics %s", conn.engine_id, role, s.control_host, s.control_port or "chosen at bind",
                     num_blocks, log_path or "off",
@@ -136,6 +138,16 @@ class SchedulerSide:
         self.new_id = lambda: uuid.uuid4().hex
         self.mint = mint_capability
         self.clock = time.monotonic
+        # The restore gate (P, core/gate.py): the engine's steps and restores as measured here.
+        self.step_budget = 0
+        self.steps = gate.StepFit()
+        self.restores = gate.RestoreFit()
+        self.declined = 0  # restores the gate declined since it last restored
+        self.gate_decisions: collections.Counter = collections.Counter()
+        self.last_step: tuple[float, int] | None = None  # (when it was scheduled, its tokens)
+        # Restores being measured, by request: [asked at, scheduled again at, copy (seconds, GPU
+        # blocks, CPU blocks)], until both ends are known.
+        self.measuring: dict[str, list] = {}
 
     @classmethod
     def attached(cls, conn, sidecar, *, handoff_key: bytes, trusted, router_key: bytes = b"",
@@ -205,6 +217,13 @@ class SchedulerSide:
                     slot.blocks, slot.cpu_blocks = msg.blocks, msg.cpu_blocks
                     slot.state = SlotState.RESERVED if msg.blocks > 0 else SlotState.DONE
             elif kind is m.LeaseEnded:
+                measuring = self.measuring.get(msg.request)
+                if measuring is not None:
+                    if msg.ok:
+                        measuring[2] = (msg.copy_seconds, msg.gpu_blocks, msg.cpu_blocks)
+                        self._measured(msg.request)
+                    else:  # a failed restore's wait says nothing about a good one's
+                        del self.measuring[msg.request]
                 slot = self.slots.get(msg.request)
                 if slot is not None and slot.lease == msg.lease and slot.state != SlotState.DONE:
                     if slot.state != SlotState.RESTORING and not msg.ok:
@@ -331,6 +350,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> None:
         self.drain()
+        if self.history_on and self.gate_on:
+            self._measure_step(scheduler_output)
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             slot = self.slots.get(rid)
             if slot is not None and slot.ticket:
@@ -342,6 +363,12 @@ class SchedulerSide:
         if slot is not None and (slot.ticket or slot.lease):
             self.drain()  # the end of its load or lease may have been reported in this step
         slot = self.slots.pop(rid, None) or Slot()
+        self.measuring.pop(rid, None)
+        if self.last_step is not None:
+            # vLLM finishes requests once the step that ended them ran: that step took until now
+            # (the engine may idle next, so the gap to the next step would not be its time).
+            self.steps.add(self.last_step[1], self.clock() - self.last_step[0])
+            self.last_step = None
         if slot.ticket and self.readers.get(slot.ticket) is request:
             del self.readers[slot.ticket]
         from vllm.v1.request import RequestStatus
@@ -356,7 +383,7 @@ class SchedulerSide:
         remote_decode = self.conn.is_producer and bool(params.get("do_remote_decode"))
         # P: a request that asked history says where its prompt came from (its own cache, history's
         # tiers, recomputed and why).
-        report = (None if not slot.lease or aborted else
+        report = (None if not (slot.lease or slot.gated) or aborted else
                   {"kvbaton_prompt": slot.restore_report(len(request.prompt_token_ids or ()), self.conn.block_size)})
         if not remote_decode:
             if self.history_on and not aborted and block_ids and self.usable():
@@ -510,6 +537,11 @@ class SchedulerSide:
             keys = self._keys(request, slot)
             if first >= len(keys) or keys[first] not in self.offered or not self.usable():
                 return 0, False
+            # At best every key left comes back from the GPU tier: not worth even that, not asked.
+            slot.first = first
+            if not self._gate(request, slot, gpu_blocks=len(keys) - first, cpu_blocks=0):
+                slot.state = SlotState.DONE
+                return 0, False
             slot.state, slot.lease, slot.epoch = SlotState.ASKED, self.new_id(), next(self.epochs)
             slot.first, slot.asked_at = first, self.clock()
             self.send(ev.RestoreRequested(0, slot.lease, rid, slot.epoch, tuple(keys[first:])))
@@ -521,8 +553,69 @@ class SchedulerSide:
                 return 0, False
             return None, False
         if slot.state == SlotState.RESERVED:
+            if not self._gate(request, slot, gpu_blocks=slot.blocks - slot.cpu_blocks, cpu_blocks=slot.cpu_blocks):
+                self._release(rid, slot)  # recomputed instead: the lease goes back unused
+                return 0, False
             return slot.blocks * bs, True
         return 0, False  # restoring or done: one restore per request
+
+    @property
+    def gate_on(self) -> bool:
+        """The restore gate decides (`history_gate`, read per request: a test may change it)."""
+
+        return getattr(getattr(self.conn, "settings", None), "history_gate", "off") == "auto"
+
+    def _gate(self, request, slot: Slot, gpu_blocks: int, cpu_blocks: int) -> bool:
+        """Ask the restore gate (core/gate.py) whether restoring these blocks beats computing
+        them; a decline is counted and gives the slot its reason (the caller ends the slot)."""
+
+        if not self.gate_on:
+            return True
+        bs = self.conn.block_size
+        blocks = gpu_blocks + cpu_blocks
+        prompt = len(request.prompt_token_ids or ())
+        choice = gate.choose(self.steps, self.restores, self.declined, tokens=blocks * bs,
+                             gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
+                             rest_tokens=max(1, prompt - (slot.first + blocks) * bs), budget=self.step_budget)
+        self.gate_decisions[f"{'restore' if choice.restore else 'recompute'}.{choice.reason}"] += 1
+        if choice.restore:
+            self.declined = 0
+        else:
+            self.declined += 1
+            slot.reason, slot.gated = f"gate: {choice.detail()}", True
+            logger.debug("kvbaton: request %s recomputes %d history blocks: %s", request.request_id, blocks,
+                         choice.detail())
+        self._report_gate()
+        return choice.restore
+
+    def _report_gate(self) -> None:
+        a, b = self.steps.line()
+        self.sidecar.send(m.GateStats(dict(self.gate_decisions), a, b, self.steps.steps, self.restores.fixed_s,
+                                      dict(self.restores.per_block_s), self.restores.restores))
+
+    def _measure_step(self, scheduler_output) -> None:
+        """A step is being scheduled: the gap since the one before is that one's time (unless a
+        request finished in between: then the step was measured up to that)."""
+
+        now = self.clock()
+        if self.last_step is not None:
+            self.steps.add(self.last_step[1], now - self.last_step[0])
+        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        self.last_step = (now, tokens) if tokens > 0 else None
+        if self.measuring:
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            for rid, measuring in list(self.measuring.items()):
+                if measuring[1] is None and rid in scheduled:
+                    measuring[1] = now  # its blocks are in: vLLM scheduled it again
+                    self._measured(rid)
+
+    def _measured(self, rid: str) -> None:
+        asked_at, resumed_at, copy = self.measuring[rid]
+        if resumed_at is None or copy is None:
+            return
+        del self.measuring[rid]
+        self.restores.add(resumed_at - asked_at, *copy)
+        self._report_gate()
 
     def _restore_allocated(self, request, slot: Slot, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -536,6 +629,8 @@ class SchedulerSide:
         dst = tuple(block_ids[slot.first: slot.first + math.ceil(num_external_tokens / bs)])
         slot.state = SlotState.RESTORING
         self.send(ev.LeaseAllocated(0, slot.lease, dst, rid))
+        if self.gate_on:
+            self.measuring[rid] = [slot.asked_at, None, None]
 
     def _release(self, rid: str, slot: Slot) -> None:
         if slot.state in LEASED:

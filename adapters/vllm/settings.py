@@ -133,6 +133,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cpu_history_bytes: Annotated[int, _doc(
         "P's CPU history tier, in bytes (pinned host memory). -1: the engine's KV cache size; 0: no "
         "CPU tier.", ge=-1)] = -1
+    history_gate: Annotated[Literal["auto", "off"], _doc(
+        'P: "auto" restores a returning prefix from history only when the engine\'s own measurements '
+        '(its steps\' seconds per scheduled token, its restores\' waits) say that is faster than '
+        'computing it (`kvbaton_history_gate`); "off" restores whatever history holds.')] = "auto"
     history_scope: Annotated[Literal["handoff", "all"], _doc(
         'Which finished P requests leave their prompt in history: "handoff" (requests handed to a '
         'decode engine) or "all" (plain requests on P too).')] = "handoff"

@@ -214,8 +214,7 @@ class WorkerSide:
                     continue
                 # Seen now, so it ended no later: by the pin deadline, P held the blocks throughout.
                 in_pin = time.monotonic_ns() <= pinned_until_ns
-                if not in_pin:
-                    done = msgspec.structs.replace(done, in_pin=False)
+                done = msgspec.structs.replace(done, in_pin=in_pin)
                 self.link.send(done)
                 if done.ok and last and in_pin:
                     # The bytes are in place and were P's throughout: vLLM may schedule the

@@ -60,6 +60,8 @@ def hist(tmp_path_factory):
     p = EngineProcess("P", model, cpu_core=0, log_dir=root, kv_cache_memory_bytes=small_cache,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
                           "event_log_dir": str(events), "gpu_history_bytes": GPU_SLOTS * BLOCK_BYTES,
+                          # These tests prove restores; the gate's own choice is tested apart.
+                          "history_gate": "off",
                           "cpu_history_bytes": CPU_SLOTS * BLOCK_BYTES,
                           "test_hooks": {"history_lease_s": LEASE_S,
                                          "history_retention_deadline_s": RETENTION_DEADLINE_S}}})
@@ -361,6 +363,45 @@ def test_full_tiers_need_probation_to_displace(hist):
     assert decode(hist, newcomer, out["kv_transfer_params"]) == reference(hist, newcomer)
     full = settle_history(p)
     assert full["gpu_used_bytes"] == full["gpu_budget_bytes"] and full["cpu_used_bytes"] == full["cpu_budget_bytes"]
+    assert_nothing_held(hist)
+
+
+def test_the_restore_gate_chooses_by_what_this_engine_measured(hist):
+    """With the gate on, P measures its own steps and restores and restores a returning prefix
+    only when that is predicted faster than computing it: every revisit either restored or says
+    it recomputed because of the gate (with both predictions), the choices and the fits are in
+    P's state, and outputs equal one engine's either way."""
+
+    p = hist.p
+    old = p.run_in_engine(engine_hooks.set_connector_setting, "history_gate", "auto")
+    try:
+        docs = [tiny_prompt(465, seed=900 + i) for i in range(4)]
+        refs = [reference(hist, doc) for doc in docs]
+        for doc, ref in zip(docs, refs):
+            assert decode(hist, doc, prefill(p, doc)["kv_transfer_params"]) == ref
+        settle_history(p)
+        reports = []
+        for _ in range(3):
+            flush(p)
+            for doc, ref in zip(docs, refs):
+                out = prefill(p, doc)
+                reports.append(out["kv_transfer_params"].get("kvbaton_prompt"))
+                assert decode(hist, doc, out["kv_transfer_params"]) == ref
+            settle_history(p)
+        gate = state(p)["gate"]
+    finally:
+        p.run_in_engine(engine_hooks.set_connector_setting, "history_gate", old)
+    decisions = gate["decisions"]
+    assert sum(decisions.values()) >= len(reports), gate
+    assert gate["steps"] >= 16 and gate["step_fixed_s"] + gate["step_per_token_s"] > 0, gate
+    restored = [r for r in reports if r and r["history_gpu"] + r["history_cpu"] > 0]
+    gated = [r for r in reports if r and str(r.get("recomputed_because", "")).startswith("gate: ")]
+    assert len(restored) + len(gated) >= len(reports) - 2, reports  # the rest were still in P's own cache
+    assert restored and decisions.get("restore.unmeasured", 0) > 0  # it restored to measure first
+    for report in gated:
+        assert report["recomputed_because"].startswith(("gate: slower: restore ~", "gate: explore")), report
+    if gated:  # it declined only once it had measured restores
+        assert gate["restores"] >= 3 and decisions.get("recompute.slower", 0) >= len(gated), gate
     assert_nothing_held(hist)
 
 

@@ -35,7 +35,8 @@ MODEL = "tiny"
 BLOCK = 32
 BLOCK_BYTES = 16384  # the tiny model: 2 layers x 2 KV heads x 32 tokens x 2 x 64 x bf16
 P_BLOCKS = 96  # P's own prefix cache: three flush prompts push a document out
-HISTORY = {"gpu_history_bytes": 16 * BLOCK_BYTES, "cpu_history_bytes": 128 * BLOCK_BYTES}
+# Routing is what these tests measure: history restores whatever it holds (the gate off).
+HISTORY = {"gpu_history_bytes": 16 * BLOCK_BYTES, "cpu_history_bytes": 128 * BLOCK_BYTES, "history_gate": "off"}
 DOCS, DOC_TOKENS, MAX_TOKENS = 6, 300, 4
 
 

@@ -57,6 +57,8 @@ def tp(tmp_path_factory):
                       kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK_BYTES,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
                           "event_log_dir": str(events), "gpu_history_bytes": GPU_SLOTS * BLOCK_BYTES,
+                          # These tests prove restores; the gate's own choice is tested apart.
+                          "history_gate": "off",
                           "cpu_history_bytes": CPU_SLOTS * BLOCK_BYTES, "unclaimed_ttl_s": 20}})
     d = EngineProcess("D", model, log_dir=root, env=both_cores, dtype="float32", extra_engine_args=tensor_parallel(2, weights=True),
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {

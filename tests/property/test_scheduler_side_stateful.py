@@ -76,6 +76,7 @@ class P:
         self.refuse: set[str] = set()
         self.granted: set[str] = set()
         self.given_back: set[str] = set()
+        self.let_go: set[tuple[str, str]] = set()  # (request, read) P ended (its reader silent): their end is not confirmed
 
     async def call(self, payload: bytes) -> bytes:
         call = pc.decode_call(payload).call
@@ -94,7 +95,8 @@ class P:
         else:
             if kind is pc.Release or (kind is pc.ReadEnd and call.release):
                 self.given_back.add(call.ticket)
-            answer = pc.Answer(True)
+            held = not (kind is pc.ReadEnd and any(read == call.read for _, read in self.let_go))
+            answer = pc.Answer(True) if held else pc.Answer(False, "unknown read")
         return pc.ENCODER.encode(answer)
 
 
@@ -229,14 +231,19 @@ class DecodeEngine(RuleBasedStateMachine):
         self.deliver_worker_messages()
 
     @precondition(lambda self: self.reads)
-    @rule(ok=st.sampled_from([True, True, True, False]), index=st.integers(min_value=0, max_value=100))
-    def read_ends(self, ok, index):
-        """The worker's read ends; on success of its last read it tells vLLM itself."""
+    @rule(ok=st.sampled_from([True, True, True, False]), index=st.integers(min_value=0, max_value=100),
+          in_pin=st.sampled_from([True, True, False]), let_go=st.booleans())
+    def read_ends(self, ok, index, in_pin, let_go):
+        """The worker's read ends; on success of its last read within its pin it tells vLLM itself.
+        Past its pin the sidecar asks P, which may have let the read go (`let_go`)."""
 
         msg = self.reads.pop(index % len(self.reads))
-        if ok and msg.last and msg.request in self.parked:
+        if ok and msg.last and in_pin and msg.request in self.parked:
             self.received(msg.request)
-        self.sidecar.on_message(m.ReadDone(msg.request, msg.read, ok, "" if ok else "injected", 4096, 0.001), 0)
+        if not in_pin and let_go:
+            self.p.let_go.add((msg.request, msg.read))
+        self.sidecar.on_message(m.ReadDone(msg.request, msg.read, ok, "" if ok else "injected", 4096, 0.001,
+                                           in_pin=in_pin), 0)
         self.deliver_worker_messages()
 
     @precondition(lambda self: any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and self.told.get(rid)
@@ -300,7 +307,7 @@ class DecodeEngine(RuleBasedStateMachine):
                 msg = self.reads.pop(0)
                 if msg.last and msg.request in self.parked:
                     self.received(msg.request)
-                self.sidecar.on_message(m.ReadDone(msg.request, msg.read, True, "", 4096, 0.001), 0)
+                self.sidecar.on_message(m.ReadDone(msg.request, msg.read, True, "", 4096, 0.001, in_pin=True), 0)
                 self.deliver_worker_messages()
         for rid, request in self.requests.items():
             if not request.status.name.startswith("FINISHED"):

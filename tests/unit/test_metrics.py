@@ -278,3 +278,15 @@ def test_routing_metrics_count_every_choice_under_one_name():
     assert sample(text, "kvbaton_router_routed_total", prefill="load", disaggregated="true") == 1
     assert sample(text, "kvbaton_router_routed_total", prefill="none", disaggregated="false") == 1
     assert sample(text, "kvbaton_router_routed_total", prefill="fallback", disaggregated="true") == 0
+
+
+def test_the_restore_gate_shows_its_choices_and_what_it_chose_from(tmp_path):
+    a = listed_sidecar(tmp_path, "P0", "producer")
+    a.on_message(m.GateStats({"restore.unmeasured": 3, "recompute.slower": 5, "restore.explore": 1}, 0.012, 1.5e-6,
+                             40, 0.018, {"gpu": 2e-5, "cpu": 9e-5}, 4))
+    text = metrics.render(a.metrics_snapshot()).decode()
+    assert sample(text, "kvbaton_history_gate_total", choice="recompute", reason="slower") == 5
+    assert sample(text, "kvbaton_history_gate_total", choice="restore", reason="explore") == 1
+    assert sample(text, "kvbaton_history_gate_step_seconds", part="per_token") == 1.5e-6
+    assert sample(text, "kvbaton_history_gate_restore_seconds", part="per_block_cpu") == 9e-5
+    assert sample(text, "kvbaton_history_gate_samples", kind="restores") == 4

@@ -28,7 +28,7 @@ def test_unknown_keys_are_named():
                                             r"\(did you mean gpu_history_bytes\?\)"):
         parse_settings({"gpu_histroy_bytes": 1})
     with pytest.raises(SettingsError, match=r"unknown kv_connector_extra_config key 'history_plain_requests' "
-                                            r"\(did you mean history_scope\?\)"):
+                                            r"\(did you mean history_gate, history_scope\?\)"):
         parse_settings({"history_plain_requests": True})
     with pytest.raises(SettingsError, match="unknown kv_connector_extra_config key 'landing_bytes'$"):
         parse_settings({"landing_bytes": 0})  # a test hook, not a setting

@@ -125,7 +125,7 @@ def test_a_parked_load_is_reported_received_by_one_path(sidecar, ok):
     granted(a)
     a.apply(ev.ReadGranted(a.io.now_ns(), "r1", "r1/0"))  # the read is posted (its last)
     assert a.ledger.loads.loads["r1"].is_last_read("r1/0")
-    a.on_message(m.ReadDone("r1", "r1/0", ok, "" if ok else "transport error", 4096, 0.001), 0)
+    a.on_message(m.ReadDone("r1", "r1/0", ok, "" if ok else "transport error", 4096, 0.001, in_pin=True), 0)
     assert a.ledger.loads.loads["r1"].state == ("DONE" if ok else "FAILED")
     assert to_worker(a) == ([] if ok else [("InvalidBlocks", (10, 11)), ("FinishedRecving", ())])
     assert a.reported == {}
@@ -141,7 +141,7 @@ def test_with_two_ranks_only_the_rank_that_did_not_report_is_told(tmp_path):
     allocated(a, (10, 11))
     granted(a)
     a.apply(ev.ReadGranted(a.io.now_ns(), "r1", "r1/0"))
-    a.on_message(m.ReadDone("r1", "r1/0", True, "", 4096, 0.001), 0)
+    a.on_message(m.ReadDone("r1", "r1/0", True, "", 4096, 0.001, in_pin=True), 0)
     a.on_message(m.ReadDone("r1", "r1/0", False, "transport error", 0, 0.0), 1)
     assert a.ledger.loads.loads["r1"].state == "FAILED"
     told = [(sock, type(msg).__name__) for sock, msg in a.io.sent if sock.startswith("worker")]
@@ -163,7 +163,7 @@ def test_a_read_counted_within_its_pin_that_p_had_ended_is_an_error(tmp_path):
     for request, ok, counted in (("r1", True, True), ("r2", True, True), ("r1", False, False), ("r1", True, False)):
         asyncio.run(d.client.read_end(fx.SendReadEnd(request, "t1", "127.0.0.1:2", 1, f"{request}/0", ok, True,
                                                      counted=counted)))
-    assert d.refused["read_unpinned"] == 1  # only the counted read P had ended
+    assert d.refused["pin_violated"] == 1 and d.refused["read_unpinned"] == 0  # only the counted read P had ended
 
 
 def pinned_read(a, asked_ns: int, pinned_ns: int) -> m.PostRead:
@@ -244,3 +244,27 @@ def test_with_two_ranks_a_read_is_confirmed_when_any_rank_saw_it_past_its_pin(tm
     told = [(sock, type(msg).__name__) for sock, msg in a.io.sent if sock.startswith("worker") and
             type(msg) is not m.PostRead]
     assert told == [("worker.1", "FinishedRecving")]
+
+
+def test_a_confirmation_that_gets_no_answer_recomputes_and_still_releases_the_ticket(tmp_path):
+    """The last read's release rides on its end: when that call fails, the ticket is released
+    on its own, so P does not keep it until its reader's silence ends it."""
+
+    import asyncio
+
+    a = listed_sidecar(tmp_path, "D", "consumer")
+    pinned_read(a, asked_ns=5_000_000_000, pinned_ns=2_000_000_000)
+
+    def answer(call):
+        if type(call) is pc.ReadEnd:
+            raise ConnectionResetError("P went away mid-answer")
+        return pc.Answer(True)
+
+    a.io.peers["127.0.0.1:2"] = p = ScriptedPeer(answer)
+    a.client.peer_refs.clear()
+    a.on_message(m.ReadDone("r1", "r1/0", True, "", 4096, 0.001, in_pin=False), 0)
+    asyncio.run(run_spawned(a.io))
+    load = a.ledger.loads.loads["r1"]
+    assert load.state == "FAILED" and load.outcome == "read unpinned: source unreachable"
+    assert a.refused["read_unpinned"] == 1
+    assert pc.Release("t1", "D", 1) in p.calls

@@ -396,8 +396,10 @@ def test_the_restore_gate_chooses_by_what_this_engine_measured(hist):
     assert gate["steps"] >= 16 and gate["step_fixed_s"] + gate["step_per_token_s"] > 0, gate
     restored = [r for r in reports if r and r["history_gpu"] + r["history_cpu"] > 0]
     gated = [r for r in reports if r and str(r.get("recomputed_because", "")).startswith("gate: ")]
-    assert len(restored) + len(gated) >= len(reports) - 2, reports  # the rest were still in P's own cache
-    assert restored and decisions.get("restore.unmeasured", 0) > 0  # it restored to measure first
+    assert restored and decisions.get("restore.unmeasured", 0) > 0, reports  # it restored to measure first
+    # Every other revisit found nothing to restore (history let it go) or P's own cache held it.
+    others = [r for r in reports if r not in restored and r not in gated]
+    assert all(r is None or r["recomputed_because"] in ("miss", "tail") for r in others), others
     for report in gated:
         assert report["recomputed_because"].startswith(("gate: slower: restore ~", "gate: explore")), report
     if gated:  # it declined only once it had measured restores

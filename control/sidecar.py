@@ -429,8 +429,11 @@ class Sidecar:
     def restore_done(self, now: int, msg: m.RestoreDone) -> None:
         io = self.history_io
         io["restores"] += 1
-        # What the copy took goes back to the scheduler with the lease's end (its restore gate).
-        self.restore_copies[msg.lease] = (msg.seconds, msg.gpu_blocks, msg.cpu_blocks)
+        # What the copy took goes back to the scheduler with the lease's end (its restore gate);
+        # a copy that ends after its lease did has nobody to tell.
+        lease = self.ledger.leases.leases.get(msg.lease)
+        if lease is not None and lease.state not in leases.SPEC.terminal:
+            self.restore_copies[msg.lease] = (msg.seconds, msg.gpu_blocks, msg.cpu_blocks)
         if msg.ok:
             io["restore_bytes"] += msg.nbytes
             io["restore_seconds"] += msg.seconds

@@ -42,7 +42,7 @@ TIERS = ("gpu", "cpu")
 
 
 class GateReason(StrEnum):
-    """Why the gate chose as it did (`kvbaton_history_gate_total{choice}`)."""
+    """Why the gate chose as it did (`kvbaton_history_gate_total{choice,reason}`)."""
 
     UNMEASURED = "unmeasured"  # too few measurements yet: restore
     FASTER = "faster"  # restoring is predicted faster: restore
@@ -136,26 +136,28 @@ class GateChoice(msgspec.Struct, frozen=True):
 
 def recompute_seconds(steps: StepFit, tokens: int, rest_tokens: int, budget: int) -> float:
     """What computing `tokens` more prompt tokens costs a request whose prefill has `rest_tokens`
-    left anyway, with `budget` tokens per step (0: unbounded)."""
+    left anyway, with `budget` tokens per step (0: unbounded): each token's share, plus the fixed
+    part of every extra step the tokens take."""
 
     a, b = steps.line()
     extra_chunks = 0
     if budget > 0:
         extra_chunks = math.ceil((tokens + rest_tokens) / budget) - math.ceil(max(rest_tokens, 1) / budget)
-    return b * tokens + max(0, extra_chunks) * (a + b * budget)
+    return b * tokens + max(0, extra_chunks) * a
 
 
 def choose(steps: StepFit, restores: RestoreFit, declined: int, *, tokens: int, gpu_blocks: int,
-           cpu_blocks: int, rest_tokens: int, budget: int) -> GateChoice:
+           cpu_blocks: int, rest_tokens: int, budget: int, waited_s: float = 0.0) -> GateChoice:
     """Restore `gpu_blocks` + `cpu_blocks` blocks (`tokens` prompt tokens) from history, or compute
-    them? `declined`: how many restores the gate declined since it last restored."""
+    them? `declined`: how many restores the gate declined since it last restored; `waited_s`: how
+    long the request has waited for history already (that part of a restore's wait is spent)."""
 
     if steps.steps < MIN_STEPS or restores.restores < MIN_RESTORES:
         return GateChoice(True, GateReason.UNMEASURED)
-    restore_s = restores.wait(gpu_blocks, cpu_blocks)
+    restore_s = max(0.0, restores.wait(gpu_blocks, cpu_blocks) - max(0.0, waited_s))
     recompute_s = recompute_seconds(steps, tokens, rest_tokens, budget)
     if restore_s < recompute_s:
         return GateChoice(True, GateReason.FASTER, restore_s, recompute_s)
-    if declined + 1 >= EXPLORE_EVERY:
+    if declined >= EXPLORE_EVERY:
         return GateChoice(True, GateReason.EXPLORE, restore_s, recompute_s)
     return GateChoice(False, GateReason.SLOWER, restore_s, recompute_s)

@@ -218,7 +218,7 @@ class SchedulerSide:
                     slot.state = SlotState.RESERVED if msg.blocks > 0 else SlotState.DONE
             elif kind is m.LeaseEnded:
                 measuring = self.measuring.get(msg.request)
-                if measuring is not None:
+                if measuring is not None and measuring[3] == msg.lease:
                     if msg.ok:
                         measuring[2] = (msg.copy_seconds, msg.gpu_blocks, msg.cpu_blocks)
                         self._measured(msg.request)
@@ -539,7 +539,7 @@ class SchedulerSide:
                 return 0, False
             # At best every key left comes back from the GPU tier: not worth even that, not asked.
             slot.first = first
-            if not self._gate(request, slot, gpu_blocks=len(keys) - first, cpu_blocks=0):
+            if not self._gate(request, slot, gpu_blocks=len(keys) - first, cpu_blocks=0, answered=False):
                 slot.state = SlotState.DONE
                 return 0, False
             slot.state, slot.lease, slot.epoch = SlotState.ASKED, self.new_id(), next(self.epochs)
@@ -553,7 +553,8 @@ class SchedulerSide:
                 return 0, False
             return None, False
         if slot.state == SlotState.RESERVED:
-            if not self._gate(request, slot, gpu_blocks=slot.blocks - slot.cpu_blocks, cpu_blocks=slot.cpu_blocks):
+            if not self._gate(request, slot, gpu_blocks=slot.blocks - slot.cpu_blocks, cpu_blocks=slot.cpu_blocks,
+                              answered=True):
                 self._release(rid, slot)  # recomputed instead: the lease goes back unused
                 return 0, False
             return slot.blocks * bs, True
@@ -565,28 +566,38 @@ class SchedulerSide:
 
         return getattr(getattr(self.conn, "settings", None), "history_gate", "off") == "auto"
 
-    def _gate(self, request, slot: Slot, gpu_blocks: int, cpu_blocks: int) -> bool:
+    def _gate(self, request, slot: Slot, gpu_blocks: int, cpu_blocks: int, answered: bool) -> bool:
         """Ask the restore gate (core/gate.py) whether restoring these blocks beats computing
-        them; a decline is counted and gives the slot its reason (the caller ends the slot)."""
+        them: before history is asked (at best all from the GPU tier), and with its answer
+        (`answered`: what the request waited for it is spent). A restore the gate chose to
+        measure (unmeasured, explore) is not asked again. Each request's final choice is counted
+        once; a decline gives the slot its reason (the caller ends the slot)."""
 
         if not self.gate_on:
+            return True
+        if answered and slot.gate_reason in (gate.GateReason.UNMEASURED, gate.GateReason.EXPLORE):
+            self._decided(True, slot.gate_reason)
             return True
         bs = self.conn.block_size
         blocks = gpu_blocks + cpu_blocks
         prompt = len(request.prompt_token_ids or ())
         choice = gate.choose(self.steps, self.restores, self.declined, tokens=blocks * bs,
                              gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
-                             rest_tokens=max(1, prompt - (slot.first + blocks) * bs), budget=self.step_budget)
-        self.gate_decisions[f"{'restore' if choice.restore else 'recompute'}.{choice.reason}"] += 1
-        if choice.restore:
-            self.declined = 0
-        else:
-            self.declined += 1
+                             rest_tokens=max(1, prompt - (slot.first + blocks) * bs), budget=self.step_budget,
+                             waited_s=self.clock() - slot.asked_at if answered else 0.0)
+        slot.gate_reason = choice.reason
+        if not choice.restore:
             slot.reason, slot.gated = f"gate: {choice.detail()}", True
             logger.debug("kvbaton: request %s recomputes %d history blocks: %s", request.request_id, blocks,
                          choice.detail())
-        self._report_gate()
+        if answered or not choice.restore:
+            self._decided(choice.restore, choice.reason)
         return choice.restore
+
+    def _decided(self, restore: bool, reason: str) -> None:
+        self.gate_decisions[f"{'restore' if restore else 'recompute'}.{reason}"] += 1
+        self.declined = 0 if restore else self.declined + 1
+        self._report_gate()
 
     def _report_gate(self) -> None:
         a, b = self.steps.line()
@@ -610,7 +621,7 @@ class SchedulerSide:
                     self._measured(rid)
 
     def _measured(self, rid: str) -> None:
-        asked_at, resumed_at, copy = self.measuring[rid]
+        asked_at, resumed_at, copy, _lease = self.measuring[rid]
         if resumed_at is None or copy is None:
             return
         del self.measuring[rid]
@@ -630,7 +641,7 @@ class SchedulerSide:
         slot.state = SlotState.RESTORING
         self.send(ev.LeaseAllocated(0, slot.lease, dst, rid))
         if self.gate_on:
-            self.measuring[rid] = [slot.asked_at, None, None]
+            self.measuring[rid] = [slot.asked_at, None, None, slot.lease]
 
     def _release(self, rid: str, slot: Slot) -> None:
         if slot.state in LEASED:

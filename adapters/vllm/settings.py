@@ -136,7 +136,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     history_gate: Annotated[Literal["auto", "off"], _doc(
         'P: "auto" restores a returning prefix from history only when the engine\'s own measurements '
         '(its steps\' seconds per scheduled token, its restores\' waits) say that is faster than '
-        'computing it (`kvbaton_history_gate`); "off" restores whatever history holds.')] = "auto"
+        'computing it (`kvbaton_history_gate_total`); "off" restores whatever history holds.')] = "auto"
     history_scope: Annotated[Literal["handoff", "all"], _doc(
         'Which finished P requests leave their prompt in history: "handoff" (requests handed to a '
         'decode engine) or "all" (plain requests on P too).')] = "handoff"

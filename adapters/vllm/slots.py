@@ -61,6 +61,7 @@ class Slot:
     cpu_blocks: int = 0  # of them, in the CPU tier
     loaded: bool = False  # DONE: the handoff or restore delivered its tokens
     gated: bool = False  # P: the restore gate chose to recompute what history holds (`reason`)
+    gate_reason: str = ""  # P: why the restore gate chose as it did when history was asked
 
     def restore_report(self, prompt_tokens: int, block_size: int) -> dict:
         """Where P's prompt tokens came from: its own prefix cache, the history tiers, or

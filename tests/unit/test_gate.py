@@ -72,14 +72,22 @@ def test_tokens_past_the_step_budget_cost_whole_steps():
     inside = gate.recompute_seconds(steps, 512, 16, budget=2048)
     past = gate.recompute_seconds(steps, 4096, 16, budget=2048)
     assert inside == pytest.approx(512e-6, rel=1e-3)
-    assert past > 2 * 0.010  # two more steps of 2048 tokens
+    assert past == pytest.approx(4096e-6 + 2 * 0.010, rel=1e-3)  # two more steps' fixed part
+
+
+def test_what_a_request_already_waited_for_history_is_spent():
+    steps, restores = fitted_steps(0.010, 2e-5), fitted_restores(0.020, 0.002, 32)
+    args = dict(tokens=512, gpu_blocks=32, cpu_blocks=0, rest_tokens=16, budget=0)
+    assert not choose(steps, restores, 0, **args).restore  # 20 ms against 10.2 ms
+    late = choose(steps, restores, 0, waited_s=0.015, **args)  # 5 ms left of it
+    assert late.restore and late.restore_s == pytest.approx(0.005)
 
 
 def test_after_enough_declines_one_restore_measures_again():
     steps, restores = fitted_steps(0.010, 1e-6), fitted_restores(0.020, 0.002, 32)
     args = dict(tokens=512, gpu_blocks=32, cpu_blocks=0, rest_tokens=16, budget=0)
-    assert not choose(steps, restores, gate.EXPLORE_EVERY - 2, **args).restore
-    explore = choose(steps, restores, gate.EXPLORE_EVERY - 1, **args)
+    assert not choose(steps, restores, gate.EXPLORE_EVERY - 1, **args).restore
+    explore = choose(steps, restores, gate.EXPLORE_EVERY, **args)
     assert explore.restore and explore.reason == GateReason.EXPLORE
 
 

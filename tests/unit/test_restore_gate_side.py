@@ -129,7 +129,7 @@ def test_an_engine_that_restores_faster_asks_measures_and_restores():
     link.inbox.append(m.RestoreReply(asked.lease, "r2", 10, 0))
     assert side.get_num_new_matched_tokens(req, 0) == (160, True)
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(range(11)),)), 160)
-    assert side.gate_decisions == {"restore.faster": 2}  # before asking, and with the answer
+    assert side.gate_decisions == {"restore.faster": 1}  # the request's final choice, once
     # The copy ends, vLLM hears it, and the request is scheduled again 12 ms after the ask.
     link.inbox.append(m.LeaseEnded(asked.lease, "r2", True, "", 0.002, 10, 0))
     clock.now += 0.012
@@ -150,3 +150,70 @@ def test_with_the_gate_off_history_is_always_asked():
     offered(side, req)
     assert side.get_num_new_matched_tokens(req, 0) == (None, False)
     assert len(link.events(ev.RestoreRequested)) == 1 and side.gate_decisions == {}
+
+
+def declining_side(clock: Clock, link: Link) -> c.SchedulerSide:
+    """A P whose restores wait 20 ms for prefixes it recomputes in well under 1 ms."""
+
+    side = p_side(clock, link)
+    run_steps(side, clock, 0.010, 1e-6)
+    for _ in range(gate.MIN_RESTORES):
+        side.restores.add(0.020, 0.001, 10, 0)
+    return side
+
+
+def test_after_enough_declines_a_restore_is_made_whole_to_measure_again():
+    clock, link = Clock(), Link()
+    side = declining_side(clock, link)
+    for i in range(gate.EXPLORE_EVERY):
+        req = request(f"d{i}")
+        offered(side, req)
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    req = request("explorer")
+    offered(side, req)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # asked: exploring
+    (asked,) = link.events(ev.RestoreRequested)
+    link.inbox.append(m.RestoreReply(asked.lease, "explorer", 10, 0))
+    clock.now += 0.050  # history's answer came late: an explore restores anyway
+    assert side.get_num_new_matched_tokens(req, 0) == (160, True)
+    assert link.events(ev.LeaseReleased) == []
+    assert side.gate_decisions == {"recompute.slower": gate.EXPLORE_EVERY, "restore.explore": 1}
+    assert side.declined == 0
+
+
+def test_a_decline_with_historys_answer_gives_the_lease_back_once():
+    """The pre-ask check saw only GPU blocks; history holds them in the CPU tier, which costs more."""
+
+    clock, link = Clock(), Link()
+    side = p_side(clock, link)
+    run_steps(side, clock, 0.010, 1e-4)  # 160 tokens cost 16 ms
+    side.restores.add(0.005, 0.001, 10, 0)
+    side.restores.add(0.005, 0.001, 10, 0)
+    side.restores.add(0.022, 0.020, 0, 10)  # the CPU tier: 2 ms a block
+    req = request("r4")
+    offered(side, req)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    (asked,) = link.events(ev.RestoreRequested)
+    link.inbox.append(m.RestoreReply(asked.lease, "r4", 10, 10))  # every block in the CPU tier
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert [e.lease for e in link.events(ev.LeaseReleased)] == [asked.lease]
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: nothing more
+    assert len(link.events(ev.LeaseReleased)) == 1 and len(link.events(ev.RestoreRequested)) == 1
+    assert side.gate_decisions == {"recompute.slower": 1}
+    assert side.slots["r4"].reason.startswith("gate: slower")
+
+
+def test_a_step_ended_by_a_finished_request_is_measured_up_to_the_finish():
+    clock, link = Clock(), Link()
+    side = p_side(clock, link)
+    req = request("r5")
+    side.get_num_new_matched_tokens(req, 0)  # its slot
+    side.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=161, num_scheduled_tokens={"r5": 161},
+                                              preempted_req_ids=()))
+    clock.now += 0.012
+    req.status = RequestStatus.FINISHED_STOPPED
+    side.request_finished(req, ([1] * 11,))
+    clock.now += 5.0  # the engine idles: no step
+    side.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=16, num_scheduled_tokens={},
+                                              preempted_req_ids=()))
+    assert side.steps.steps == 1 and side.steps.sum_y == pytest.approx(0.012)

@@ -418,7 +418,7 @@ def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str],
 
 def main(argv: list[str] | None = None) -> int:
     # SIGTERM exits through the `finally`s: they stop the engines and the router, which run in
-    # sessions of their own and would not get the signal.
+    # process groups of their own (setsid) and would not get the signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "1gpu", "2gpu"), default="2gpu")

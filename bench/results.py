@@ -33,11 +33,12 @@ def spread(values: list[float]) -> dict:
 
 
 def verdict(ratio: dict, better: str) -> str:
-    """better/worse by the median's distance from 1.0, or parity when the rounds reach 1.0."""
+    """better/worse by the median's distance from 1.0, or parity when the rounds reach 1.0 or
+    the distance is inside the run's A/A noise (`noise`, where the run measured it)."""
 
     if ratio["n"] < 2:
         return "one round"
-    if ratio["min"] <= 1.0 <= ratio["max"]:
+    if ratio["min"] <= 1.0 <= ratio["max"] or abs(ratio["median"] - 1.0) <= ratio.get("noise", 0.0):
         return "parity"
     up = ratio["median"] > 1.0
     return "better" if up == (better == "higher") else "worse"
@@ -88,7 +89,7 @@ def load_figure(row: dict, runs: dict) -> tuple[dict, dict, str]:
     entry = data["summary"]["systems"][row["system"]][row["figure"]]
     if row.get("value"):
         return dict(entry["value"]), run, "value"
-    return {k: entry["ratio"][k] for k in ("median", "min", "max", "n")}, run, "ratio"
+    return {k: entry["ratio"][k] for k in ("median", "min", "max", "n", "noise") if k in entry["ratio"]}, run, "ratio"
 
 
 def number(x: float, kind: str = "value") -> str:

@@ -12,6 +12,7 @@ import math
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,17 @@ RESTORE_REPLY_WAIT_S = 5.0
 # what D's prefix cache lacks: the reader's load is bounded by the claim wait and the read bound
 # already, so this only matters if the scheduler never moves the reader on.
 SIBLING_WAIT_S = 120.0
+
+
+@dataclass
+class RestoreTiming:
+    """A restore's wait as the gate measures it: from the ask to the step that schedules the
+    request again, and what its copy took (seconds, GPU blocks, CPU blocks)."""
+
+    lease: str
+    asked_at: float
+    resumed_at: float | None = None
+    copy: tuple[float, int, int] | None = None
 
 
 class SchedulerSide:
@@ -145,9 +157,8 @@ class SchedulerSide:
         self.declined = 0  # restores the gate declined since it last restored
         self.gate_decisions: collections.Counter = collections.Counter()
         self.last_step: tuple[float, int] | None = None  # (when it was scheduled, its tokens)
-        # Restores being measured, by request: [asked at, scheduled again at, copy (seconds, GPU
-        # blocks, CPU blocks)], until both ends are known.
-        self.measuring: dict[str, list] = {}
+        # Restores being measured, by request, until both ends of their wait are known.
+        self.measuring: dict[str, RestoreTiming] = {}
 
     @classmethod
     def attached(cls, conn, sidecar, *, handoff_key: bytes, trusted, router_key: bytes = b"",
@@ -218,9 +229,9 @@ class SchedulerSide:
                     slot.state = SlotState.RESERVED if msg.blocks > 0 else SlotState.DONE
             elif kind is m.LeaseEnded:
                 measuring = self.measuring.get(msg.request)
-                if measuring is not None and measuring[3] == msg.lease:
+                if measuring is not None and measuring.lease == msg.lease:
                     if msg.ok:
-                        measuring[2] = (msg.copy_seconds, msg.gpu_blocks, msg.cpu_blocks)
+                        measuring.copy = (msg.copy_seconds, msg.gpu_blocks, msg.cpu_blocks)
                         self._measured(msg.request)
                     else:  # a failed restore's wait says nothing about a good one's
                         del self.measuring[msg.request]
@@ -616,16 +627,16 @@ class SchedulerSide:
         if self.measuring:
             scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
             for rid, measuring in list(self.measuring.items()):
-                if measuring[1] is None and rid in scheduled:
-                    measuring[1] = now  # its blocks are in: vLLM scheduled it again
+                if measuring.resumed_at is None and rid in scheduled:
+                    measuring.resumed_at = now  # its blocks are in: vLLM scheduled it again
                     self._measured(rid)
 
     def _measured(self, rid: str) -> None:
-        asked_at, resumed_at, copy, _lease = self.measuring[rid]
-        if resumed_at is None or copy is None:
+        timing = self.measuring[rid]
+        if timing.resumed_at is None or timing.copy is None:
             return
         del self.measuring[rid]
-        self.restores.add(resumed_at - asked_at, *copy)
+        self.restores.add(timing.resumed_at - timing.asked_at, *timing.copy)
         self._report_gate()
 
     def _restore_allocated(self, request, slot: Slot, blocks, num_external_tokens: int) -> None:
@@ -641,7 +652,7 @@ class SchedulerSide:
         slot.state = SlotState.RESTORING
         self.send(ev.LeaseAllocated(0, slot.lease, dst, rid))
         if self.gate_on:
-            self.measuring[rid] = [slot.asked_at, None, None, slot.lease]
+            self.measuring[rid] = RestoreTiming(slot.lease, slot.asked_at)
 
     def _release(self, rid: str, slot: Slot) -> None:
         if slot.state in LEASED:

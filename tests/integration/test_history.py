@@ -399,9 +399,6 @@ def test_the_restore_gate_chooses_by_what_this_engine_measured(hist):
     # Each request's final choice is counted once: every gated prompt, and every restore made.
     assert sum(n for key, n in decisions.items() if key.startswith("recompute.")) == len(gated), gate
     assert sum(n for key, n in decisions.items() if key.startswith("restore.")) >= len(restored), gate
-    # Every other revisit found nothing to restore (history let it go) or P's own cache held it.
-    others = [r for r in reports if r not in restored and r not in gated]
-    assert all(r is None or r["recomputed_because"] in ("miss", "tail") for r in others), others
     for report in gated:  # an explore restores: a gated prompt was judged slower to restore
         assert report["recomputed_because"].startswith("gate: slower: restore ~"), report
     if gated:  # it declined only once it had measured restores

@@ -88,6 +88,13 @@ class DemoteHistory(Effect, tag="dem"):
     key: str
 
 
+class PromoteHistory(Effect, tag="prm"):
+    """Copy history blocks from the CPU tier back to the GPU tier (a session's prefetch), in order
+    after every earlier history write, then report `HistoryPromoted` for each key."""
+
+    keys: tuple[str, ...]
+
+
 class DropHistory(Effect, tag="drp"):
     """Forget one history block's data in `tier` ("gpu" or "cpu")."""
 
@@ -239,6 +246,7 @@ AnyEffect = (
     | ReplyReadEnd
     | StageHistory
     | DemoteHistory
+    | PromoteHistory
     | DropHistory
     | ReplyRestore
     | RestoreBlocks

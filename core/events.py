@@ -253,6 +253,38 @@ class HistoryDemoted(Event, tag="hd"):
     ok: bool
 
 
+class HistoryPromoted(Event, tag="hm"):
+    """A CPU→GPU promotion copy (a session's prefetch) finished (ok) or failed."""
+
+    key: str
+    ok: bool
+
+
+# --- P side: agent sessions --------------------------------------------------------------------
+
+
+class SessionKept(Event, tag="sk"):
+    """A turn of `session` finished on P: keep its prompt's chained `keys` in history for `keep_ns`
+    from now (the session's next turn, or the client's word, refreshes it)."""
+
+    session: str
+    keys: tuple[str, ...]
+    keep_ns: int
+
+
+class SessionPrefetchRequested(Event, tag="sf"):
+    """The session's next turn is coming (it arrived, or its client said a tool call is done):
+    bring its CPU-tier blocks back to the GPU tier, and keep it for its keep time from now."""
+
+    session: str
+
+
+class SessionClosed(Event, tag="sc"):
+    """The client is done with `session`: history keeps its blocks no longer."""
+
+    session: str
+
+
 class RestoreRequested(Event, tag="rq"):
     """A request on P could restore the prefix `keys` from history; lease `lease` if anything is."""
 
@@ -321,6 +353,10 @@ AnyEvent = Union[
     HistoryObserved,
     HistoryPublished,
     HistoryDemoted,
+    HistoryPromoted,
+    SessionKept,
+    SessionPrefetchRequested,
+    SessionClosed,
     RestoreRequested,
     LeaseAllocated,
     LeaseReadStarted,

@@ -10,9 +10,11 @@ dtype, block size and KV layout), so a key names a whole prefix and `parent` is 
 One record per resident key:
 
     (seen) PROBATION ──stage──▶ STAGING ──published──▶ GPU ──demote──▶ DEMOTING ──demoted──▶ CPU
-                                   │ copy failed / deadline         │ (pinned: never)        │
-                                   ▼                                ▼ evict (leaf, LRU)      ▼ evict
-                                EVICTED ◀───────────────────────────┴────────────────────────┘
+                                   │ copy failed / deadline     ▲   │ (pinned: never)        │  │
+                                   ▼                            │   ▼ evict (leaf, LRU)      ▼  │
+                                EVICTED ◀───────────────────────┼───┴────────────────────────┘  │
+                                            promoted            └──── PROMOTING ◀──promote──────┘
+                                            (a failed promotion goes back to CPU: its data is there)
 
 Policy, all deterministic:
 * Admission is prefix-closed: walk a released ticket's keys in order; stop at the first key that is
@@ -23,15 +25,21 @@ Policy, all deterministic:
   requires the new key to have been seen before (probation); demoting into free CPU room does not.
 * A touch refreshes a chain tail first, so prefix heads stay newer than their tails.
 * At most `retention_writers_max` retentions copy at once (the copier runs them in order); one
-  that arrives while that many copy is dropped as busy. A retention copies at most
+  that arrives while that many copy is dropped as busy, unless it copies a session's keys: those
+  have `session_writers_max` more places, so a busy P still keeps what its agents asked for. A retention copies at most
   `candidate_bytes_max`, and only keys whose parent is no other retention's staging key (so a
   failed copy never orphans another chain); a staged copy that does not finish by the ticket's
   soft deadline is dropped. Every key not kept is counted by reason.
 * Pinned blocks (a restore lease holds them) are never demoted or evicted.
+* Kept blocks (an agent session keeps them, `session.py`) are never evicted and are demoted only
+  when no other block can be; keeping a key needs no probation. Once no session keeps a block it
+  goes to the old end of its tier's LRU: the first to leave. A session's prefetch promotes its
+  CPU-tier blocks back to the GPU tier (head first), making room only by demoting blocks no session
+  keeps; a promoting block is still restorable from its CPU slot.
 
 Byte accounting: STAGING and GPU blocks use the GPU budget; DEMOTING and CPU blocks use the CPU
 budget (a demotion frees its GPU slot at once: the shell orders the demotion copy before any later
-copy into that slot, see `StageHistory`).
+copy into that slot, see `StageHistory`). A PROMOTING block uses both until its copy ends.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from collections import OrderedDict
 import msgspec
 
 from .common import Counters
-from .effects import DemoteHistory, DropHistory, Effect
+from .effects import DemoteHistory, DropHistory, Effect, PromoteHistory
 from .machine import Book, MachineSpec
 from .reasons import Dropped, Reason
 
@@ -50,11 +58,12 @@ STAGING = "STAGING"
 GPU = "GPU"
 DEMOTING = "DEMOTING"
 CPU = "CPU"
+PROMOTING = "PROMOTING"
 EVICTED = "EVICTED"
 
 SPEC = MachineSpec(
     "history_block",
-    states=[PROBATION, STAGING, GPU, DEMOTING, CPU, EVICTED],
+    states=[PROBATION, STAGING, GPU, DEMOTING, CPU, PROMOTING, EVICTED],
     initial=PROBATION,
     terminal=[EVICTED],
     transitions=[
@@ -64,13 +73,20 @@ SPEC = MachineSpec(
         {"trigger": "demote", "source": GPU, "dest": DEMOTING},
         {"trigger": "demoted", "source": DEMOTING, "dest": CPU},
         {"trigger": "demote_failed", "source": DEMOTING, "dest": EVICTED},
-        {"trigger": "evict", "source": [GPU, CPU], "dest": EVICTED},
+        {"trigger": "promote", "source": CPU, "dest": PROMOTING},
+        {"trigger": "promoted", "source": PROMOTING, "dest": GPU},
+        {"trigger": "promote_failed", "source": PROMOTING, "dest": CPU},
+        # Evicting a promoting block happens only with its subtree, when an ancestor's demotion
+        # failed (the LRUs never name one).
+        {"trigger": "evict", "source": [GPU, CPU, PROMOTING], "dest": EVICTED},
         {"trigger": "seen_again", "source": EVICTED, "dest": PROBATION},
     ],
 )
 
-RESIDENT = frozenset({STAGING, GPU, DEMOTING, CPU})
-RESTORABLE = {GPU: "gpu", CPU: "cpu"}
+RESIDENT = frozenset({STAGING, GPU, DEMOTING, CPU, PROMOTING})
+# A promoting block is read from its CPU slot until its copy ends (the shell looks a key up where
+# it is when the restore starts, and holds the slot it reads).
+RESTORABLE = {GPU: "gpu", CPU: "cpu", PROMOTING: "cpu"}
 
 
 class HistoryBlock(msgspec.Struct):
@@ -102,6 +118,9 @@ class HistoryStore(Book):
         self.gpu_used = 0
         self.cpu_used = 0
         self.writers: list[str] = []  # the tickets whose retentions are copying, oldest first
+        # key -> how many open sessions keep it (kept by `session.py` only; a key may be kept
+        # before it is resident: its retention is then admitted without probation)
+        self.kept: dict[str, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -118,10 +137,10 @@ class HistoryStore(Book):
 
     def _remove(self, blk: HistoryBlock, trigger: str, reason: Dropped, out: list[Effect]) -> None:
         bb = self.config.block_bytes
-        tier = "cpu" if blk.state in (DEMOTING, CPU) else "gpu"
-        if tier == "gpu":
+        tier = "cpu" if blk.state in (DEMOTING, CPU, PROMOTING) else "gpu"
+        if tier == "gpu" or blk.state == PROMOTING:
             self.gpu_used -= bb
-        else:
+        if tier == "cpu":
             self.cpu_used -= bb
         self.gpu_lru.pop(blk.key, None)
         self.cpu_lru.pop(blk.key, None)
@@ -135,14 +154,20 @@ class HistoryStore(Book):
         self.counters.add("history.removed." + reason)
         out.append(DropHistory(blk.key, tier, reason))
 
-    def _lru_victim(self, lru: OrderedDict, protect: set, leaf_only: bool) -> HistoryBlock | None:
-        blocks = self.blocks
+    def _lru_victim(self, lru: OrderedDict, protect: set, leaf_only: bool,
+                    kept_too: bool = False) -> HistoryBlock | None:
+        blocks, kept = self.blocks, self.kept
         for key in lru:
             blk = blocks[key]
-            if blk.pins or key in protect or (leaf_only and blk.children):
+            if blk.pins or key in protect or (leaf_only and blk.children) or (key in kept and not kept_too):
                 continue
             return blk
         return None
+
+    def _seen(self, key: str) -> bool:
+        """Whether `key` may displace retained content: seen before, or kept by a session."""
+
+        return key in self.probation or key in self.kept
 
     def _cpu_room(self, key: str, protect: set, out: list[Effect]) -> Dropped | str:
         """Make room for one block in the CPU tier: "" when there is room, else why not."""
@@ -150,7 +175,7 @@ class HistoryStore(Book):
         cfg = self.config
         if self.cpu_used + cfg.block_bytes <= cfg.cpu_history_bytes:
             return ""
-        if key not in self.probation:
+        if not self._seen(key):
             return Dropped.PROBATION
         victim = self._lru_victim(self.cpu_lru, protect, leaf_only=True)
         if victim is None:
@@ -165,25 +190,31 @@ class HistoryStore(Book):
         bb = cfg.block_bytes
         if self.gpu_used + bb <= cfg.gpu_history_bytes:
             return ""
-        victim = self._lru_victim(self.gpu_lru, protect, leaf_only=False)
+        # A block no session keeps goes first; a kept one may go down a tier (never out).
+        victim = (self._lru_victim(self.gpu_lru, protect, leaf_only=False)
+                  or self._lru_victim(self.gpu_lru, protect, leaf_only=False, kept_too=True))
         if victim is not None and cfg.cpu_history_bytes >= bb:
             reason = self._cpu_room(key, protect, out)
             if not reason:
-                self._move(victim, "demote", DEMOTING)
-                del self.gpu_lru[victim.key]
-                self.gpu_used -= bb
-                self.cpu_used += bb
-                self.counters.add("history.demotions")
-                out.append(DemoteHistory(victim.key))
+                self._demote(victim, out)
                 return ""
         # No room to demote into: displace a GPU leaf, which needs a key seen before.
-        if key not in self.probation:
+        if not self._seen(key):
             return Dropped.PROBATION
         leaf = self._lru_victim(self.gpu_lru, protect, leaf_only=True)
         if leaf is None:
             return Dropped.CAPACITY
         self._remove(leaf, "evict", Dropped.CAPACITY, out)
         return ""
+
+    def _demote(self, victim: HistoryBlock, out: list[Effect]) -> None:
+        bb = self.config.block_bytes
+        self._move(victim, "demote", DEMOTING)
+        del self.gpu_lru[victim.key]
+        self.gpu_used -= bb
+        self.cpu_used += bb
+        self.counters.add("history.demotions")
+        out.append(DemoteHistory(victim.key))
 
     def touch(self, keys) -> None:
         """Mark a chain recently used, tail first, so heads end newest."""
@@ -214,7 +245,7 @@ class HistoryStore(Book):
 
         if not self.enabled or not keys:
             return []
-        if len(self.writers) >= self.config.retention_writers_max:
+        if not self._may_write(keys):
             # As many retentions as may are copying. The leading keys already
             # resident were just used again: refresh them, as an admitted retention would, or a
             # prefix that stays hot in the engine's own cache under load ages out of history.
@@ -274,6 +305,18 @@ class HistoryStore(Book):
             self.counters.add("history.staged", len(copies))
         return copies
 
+    def _may_write(self, keys) -> bool:
+        """Whether a retention of `keys` may copy now: a place among `retention_writers_max`, or,
+        when the first key it would copy is kept by a session, among the sessions' extra places."""
+
+        cfg, writing = self.config, len(self.writers)
+        if writing < cfg.retention_writers_max:
+            return True
+        if writing >= cfg.retention_writers_max + cfg.session_writers_max:
+            return False
+        resident = self._resident_prefix(keys)
+        return resident < len(keys) and keys[resident] in self.kept
+
     def _resident_prefix(self, keys) -> int:
         """How many leading keys are resident as this chain (each under the key before it)."""
 
@@ -319,8 +362,7 @@ class HistoryStore(Book):
         # The data is gone from both tiers: drop it and every descendant, leaves first.
         doomed = self._subtree(key)
         for victim in reversed(doomed):
-            trigger = "demote_failed" if victim.state == DEMOTING else (
-                "stage_failed" if victim.state == STAGING else "evict")
+            trigger = {DEMOTING: "demote_failed", STAGING: "stage_failed"}.get(victim.state, "evict")
             self._remove(victim, trigger, Dropped.DEMOTION_FAILED, out)
         return ""
 
@@ -362,6 +404,86 @@ class HistoryStore(Book):
             chain.append(blk.key)
         return chain
 
+    # -- sessions (see session.py) ---------------------------------------------------------------
+
+    def keep(self, keys) -> None:
+        kept = self.kept
+        for key in keys:
+            kept[key] = kept.get(key, 0) + 1
+
+    def unkeep(self, keys) -> None:
+        """Keys a session no longer keeps; a resident one no session keeps goes to the old end of
+        its tier's LRU (head first, so the chain's tail leaves first)."""
+
+        kept = self.kept
+        for key in keys:
+            count = kept.get(key, 0)
+            if count <= 0:
+                self._internal_error(f"history {key}: unkept more than kept")
+                continue
+            if count > 1:
+                kept[key] = count - 1
+                continue
+            del kept[key]
+            blk = self.blocks.get(key)
+            if blk is None:
+                continue
+            if blk.state == GPU:
+                self.gpu_lru.move_to_end(key, last=False)
+            elif blk.state == CPU:
+                self.cpu_lru.move_to_end(key, last=False)
+
+    def promote(self, keys, out: list[Effect]) -> tuple[int, Dropped | str]:
+        """Move the CPU-tier blocks of the chain `keys` back to the GPU tier, head first: each →
+        PROMOTING (one `PromoteHistory` for them all). Room is made only by demoting blocks no
+        session keeps. Returns (blocks promoting, "" or why the rest stays in the CPU tier)."""
+
+        if not self.enabled:
+            return 0, ""
+        cfg, bb = self.config, self.config.block_bytes
+        protect = set(keys)
+        moving: list[str] = []
+        why: Dropped | str = ""
+        for index, key in enumerate(keys):
+            blk = self.blocks.get(key)
+            if blk is None or blk.parent != (keys[index - 1] if index else ""):
+                break  # the chain ends here in history
+            if blk.state != CPU:
+                continue
+            if self.gpu_used + bb > cfg.gpu_history_bytes:
+                victim = self._lru_victim(self.gpu_lru, protect, leaf_only=False)
+                if victim is None or self._cpu_room(key, protect, out):
+                    why = Dropped.CAPACITY
+                    break
+                self._demote(victim, out)
+            self._move(blk, "promote", PROMOTING)
+            del self.cpu_lru[key]
+            self.gpu_used += bb
+            moving.append(key)
+        if moving:
+            self.counters.add("history.promotions", len(moving))
+            out.append(PromoteHistory(tuple(moving)))
+        return len(moving), why
+
+    def promoted(self, key: str, ok: bool) -> Reason | str:
+        """From PROMOTING → GPU (its CPU slot freed) when `ok`, else back → CPU (its data is still
+        there); returns "" or, when the block is not promoting, Reason.NOT_PROMOTING."""
+
+        blk = self.blocks.get(key)
+        if blk is None or blk.state != PROMOTING:
+            return Reason.NOT_PROMOTING
+        bb = self.config.block_bytes
+        if ok:
+            self._move(blk, "promoted", GPU)
+            self.cpu_used -= bb
+            self.gpu_lru[key] = None
+        else:
+            self._move(blk, "promote_failed", CPU)
+            self.gpu_used -= bb
+            self.cpu_lru[key] = None
+            self.counters.add("history.promotions_failed")
+        return ""
+
     def pin(self, keys) -> None:
         for key in keys:
             self.blocks[key].pins += 1
@@ -389,9 +511,9 @@ class HistoryStore(Book):
                 if blk.parent not in self.blocks:
                     found.append(f"{where}: parent {blk.parent} absent (not prefix-closed)")
                 children[blk.parent] = children.get(blk.parent, 0) + 1
-            if blk.state in (STAGING, GPU):
+            if blk.state in (STAGING, GPU, PROMOTING):
                 gpu += cfg.block_bytes
-            else:
+            if blk.state in (DEMOTING, CPU, PROMOTING):
                 cpu += cfg.block_bytes
             if blk.pins and blk.state not in RESTORABLE:
                 found.append(f"{where}: pinned but not restorable")

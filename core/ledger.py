@@ -23,6 +23,8 @@ from .lease import KIND_LEASE, LeaseBook
 from .lease import SPEC as lease_spec
 from .load import KIND_LOAD, LoadBook
 from .load import SPEC as load_spec
+from .session import KIND_SESSION, SessionBook
+from .session import SPEC as session_spec
 from .ticket import CLOSED, KIND_TICKET, RETAINING, TicketBook
 from .ticket import SPEC as ticket_spec
 
@@ -30,9 +32,9 @@ SECOND_NS = 1_000_000_000
 # Bump when the snapshot that `state_hash` digests changes shape, or when the ledger answers the
 # same events with another state: replay then still re-checks old logs' invariants but no longer
 # compares their recorded hashes.
-STATE_HASH_VERSION = 7  # 6 (log schema 2): a load keeps what its request holds and what P
+STATE_HASH_VERSION = 8  # 6 (log schema 2): a load keeps what its request holds and what P
 # granted (engine, blocks), and decides itself whether a grant may be read; 7: and until when the
-# read in flight is provably pinned on P
+# read in flight is provably pinned on P; 8: agent sessions and the keys they keep
 
 
 class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,6 +67,14 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Each holds its ticket's engine blocks until its copy ends or its soft deadline passes.
     retention_writers_max: int = 1
     probation_max: int = 65536
+    # Agent sessions (session.py): how long one is kept at most per turn or prefetch, how many
+    # bytes of blocks one keeps and all keep together (distinct blocks), how many may be open,
+    # and how many session retentions may copy beside `retention_writers_max`.
+    session_keep_max_ns: int = 600 * SECOND_NS
+    session_bytes_max: int = 1 << 30
+    sessions_bytes_max: int = 2 << 30
+    sessions_max: int = 4096
+    session_writers_max: int = 1
     # A closed ticket, finished load or ended lease is kept this long (late answers, retries and
     # operators' `replay --ticket` still find it), then dropped: a long-running engine's ledger
     # stays bounded by its request rate times this, not by its uptime.
@@ -77,7 +87,7 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
                 found.append(f"{name} must not be negative (got {getattr(self, name)})")
         for name in ("unclaimed_ttl_ns", "claim_lease_ns", "claim_wait_ns", "read_grant_wait_ns",
                      "history_lease_ns", "retention_deadline_ns", "probation_max", "closed_retention_ns",
-                     "retention_writers_max"):
+                     "retention_writers_max", "session_keep_max_ns", "sessions_max"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive (got {getattr(self, name)})")
         return found
@@ -99,9 +109,10 @@ class Ledger:
         self.tickets = TicketBook(self.config, self.deadlines, self.counters, self.history)
         self.loads = LoadBook(self.config, self.deadlines, self.counters)
         self.leases = LeaseBook(self.config, self.deadlines, self.counters, self.history)
+        self.sessions = SessionBook(self.config, self.deadlines, self.counters, self.history)
         if strict:
             self.make_strict()
-        t, ld, ls = self.tickets, self.loads, self.leases
+        t, ld, ls, ss = self.tickets, self.loads, self.leases, self.sessions
         self._handlers = {
             ev.TicketIssued: t.issued,
             ev.RetainRequested: t.retain,
@@ -124,6 +135,10 @@ class Ledger:
             ev.RequestAborted: ld.cancelled,
             ev.HistoryObserved: self._observed,
             ev.HistoryDemoted: self._demoted,
+            ev.HistoryPromoted: self._promoted,
+            ev.SessionKept: ss.kept,
+            ev.SessionPrefetchRequested: ss.prefetched,
+            ev.SessionClosed: ss.closed,
             ev.RestoreRequested: ls.requested,
             ev.LeaseAllocated: ls.allocated,
             ev.LeaseReadStarted: ls.read_started,
@@ -131,18 +146,21 @@ class Ledger:
             ev.LeaseReleased: ls.released,
             ev.Tick: self._tick,
         }
-        self._expirers = {KIND_TICKET: t.expire_due, KIND_LOAD: ld.expire_due, KIND_LEASE: ls.expire_due}
+        self._expirers = {KIND_TICKET: t.expire_due, KIND_LOAD: ld.expire_due, KIND_LEASE: ls.expire_due,
+                          KIND_SESSION: ss.expire_due}
         # (closed at, kind, id) in closing order: what `_prune` drops once it is old enough.
         self._closed: collections.deque[tuple[int, int, str]] = collections.deque()
-        self._books = {KIND_TICKET: t.tickets, KIND_LOAD: ld.loads, KIND_LEASE: ls.leases}
+        self._books = {KIND_TICKET: t.tickets, KIND_LOAD: ld.loads, KIND_LEASE: ls.leases,
+                       KIND_SESSION: ss.sessions}
         self._terminal = {KIND_TICKET: ticket_spec.terminal, KIND_LOAD: load_spec.terminal,
-                          KIND_LEASE: lease_spec.terminal}
+                          KIND_LEASE: lease_spec.terminal, KIND_SESSION: session_spec.terminal}
         # A grant that arrives for a load already pruned is answered by the shell, which knows the
         # call it made (control/sidecar.py `_forgotten`): it releases the ticket or ends the read,
         # or P would keep that ticket reading for good (the fuzzer found this with stale messages).
         t.on_closed = lambda ident: self._record_closed(KIND_TICKET, ident)
         ld.on_closed = lambda ident: self._record_closed(KIND_LOAD, ident)
         ls.on_closed = lambda ident: self._record_closed(KIND_LEASE, ident)
+        ss.on_closed = lambda ident: self._record_closed(KIND_SESSION, ident)
 
     def apply(self, event: ev.Event) -> list[Effect]:
         # Time only moves forward inside the core: a late-stamped event is applied at `now_ns`.
@@ -201,13 +219,29 @@ class Ledger:
             return [reject(self.counters, "hd", event.key, reason)]
         return out
 
+    def _promoted(self, event: ev.HistoryPromoted, now: int) -> list[Effect]:
+        """From PROMOTING → GPU, or back to CPU when the copy failed; else Rejected(NOT_PROMOTING)."""
+
+        reason = self.history.promoted(event.key, event.ok)
+        if reason:
+            return [reject(self.counters, "hm", event.key, reason)]
+        return []
+
     # -- checks ----------------------------------------------------------------------------------
 
     def check_invariants(self) -> list[str]:
         """Every broken invariant, as readable sentences (empty when all hold)."""
 
         found = self.tickets.violations() + self.loads.violations() + self.leases.violations()
-        found += self.history.violations()
+        found += self.sessions.violations() + self.history.violations()
+        kept = self.sessions.kept_by_key()
+        if kept != self.history.kept:
+            wrong = sorted(k for k in set(kept) | set(self.history.kept) if kept.get(k) != self.history.kept.get(k))
+            found.append(f"history: keep counts of {wrong[:3]} differ from the open sessions' keys")
+        if self.config.block_bytes and len(kept) * self.config.block_bytes > self.config.sessions_bytes_max:
+            found.append(f"sessions: {len(kept)} kept blocks, over sessions_bytes_max")
+        if self.sessions.open != self.sessions.open_count():
+            found.append(f"sessions: {self.sessions.open} counted open, {self.sessions.open_count()} are")
         pins = self.leases.pins_by_key()
         for key, blk in self.history.blocks.items():
             if blk.pins != pins.get(key, 0):
@@ -219,9 +253,9 @@ class Ledger:
         for blk in self.history.blocks.values():
             if blk.state == STAGING and blk.writer not in retaining:
                 found.append(f"history {blk.key}: staging for {blk.writer!r}, which is not retaining")
-        if len(retaining) > self.config.retention_writers_max:
-            found.append(f"history: {len(retaining)} writers {sorted(retaining)}, more than "
-                         f"{self.config.retention_writers_max}")
+        writers_max = self.config.retention_writers_max + self.config.session_writers_max
+        if len(retaining) > writers_max:
+            found.append(f"history: {len(retaining)} writers {sorted(retaining)}, more than {writers_max}")
         if sorted(retaining) != sorted(self.history.writers):
             found.append(f"history: writers {self.history.writers} are not the retaining tickets "
                          f"{sorted(retaining)}")
@@ -234,9 +268,9 @@ class Ledger:
             book.strict = True
 
     def books(self) -> tuple:
-        """The four machines' books (ticket, load, lease, history block)."""
+        """The five machines' books (ticket, load, lease, session, history block)."""
 
-        return (self.tickets, self.loads, self.leases, self.history)
+        return (self.tickets, self.loads, self.leases, self.sessions, self.history)
 
     def track_moves(self, into: dict[str, collections.Counter] | None = None) -> dict[str, collections.Counter]:
         """Count every state move from now on, per machine: {machine: {(source, trigger, dest): n}}.
@@ -252,12 +286,14 @@ class Ledger:
             "tickets": self.tickets.open_count(),
             "loads": self.loads.open_count(),
             "leases": self.leases.open_count(),
+            "sessions": self.sessions.open_count(),
         }
 
     def earliest_deadline_ns(self) -> int | None:
         deadlines = [t.deadline_ns for t in self.tickets.tickets.values() if t.state != CLOSED]
         deadlines += [ld.deadline_ns for ld in self.loads.loads.values()]
         deadlines += [ls.deadline_ns for ls in self.leases.leases.values()]
+        deadlines += [se.deadline_ns for se in self.sessions.sessions.values()]
         finite = [d for d in deadlines if d < NEVER]
         return min(finite) if finite else None
 
@@ -270,6 +306,8 @@ class Ledger:
             "tickets": self.tickets.tickets,
             "loads": self.loads.loads,
             "leases": self.leases.leases,
+            "sessions": self.sessions.sessions,
+            "kept": history.kept,
             "history": history.blocks,
             "gpu_lru": list(history.gpu_lru),
             "cpu_lru": list(history.cpu_lru),
@@ -284,4 +322,5 @@ class Ledger:
 
 
 _HASH_ENCODER = msgspec.msgpack.Encoder(order="sorted")
-_PRUNED_COUNTER = {KIND_TICKET: "pruned.tickets", KIND_LOAD: "pruned.loads", KIND_LEASE: "pruned.leases"}
+_PRUNED_COUNTER = {KIND_TICKET: "pruned.tickets", KIND_LOAD: "pruned.loads", KIND_LEASE: "pruned.leases",
+                   KIND_SESSION: "pruned.sessions"}

@@ -62,6 +62,11 @@ class Reason(StrEnum):
     ENDED = "ended"
     # History (P).
     NOT_DEMOTING = "not demoting"
+    NOT_PROMOTING = "not promoting"
+    # Sessions (P).
+    NO_HISTORY = "no history"  # a session kept where history is off (or before it knows a block's size)
+    SESSIONS_FULL = "sessions full"  # `sessions_max` sessions are open
+    UNKNOWN_SESSION = "unknown session"  # not open (never kept, expired or closed)
 
     def detail(self, more: str) -> str:
         """This reason with detail after it, as the logs have always written it."""
@@ -114,6 +119,13 @@ class LeaseOutcome(StrEnum):
     COPY_FAILED = "copy failed"
     RELEASED_UNUSED = "released unused"
     EXPIRED = "expired"
+
+
+class SessionOutcome(StrEnum):
+    """How an agent session ended (`sessions.<value>`)."""
+
+    EXPIRED = "expired"
+    CLOSED = "closed"
 
 
 class Dropped(StrEnum):

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "reference" / "MACHINES.md"
 
-MACHINES = (("ticket", "P"), ("load", "D"), ("lease", "P"), ("history", "P"))
+MACHINES = (("ticket", "P"), ("load", "D"), ("lease", "P"), ("session", "P"), ("history", "P"))
 
 
 def first_paragraph(doc: str | None) -> str:

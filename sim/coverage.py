@@ -12,9 +12,9 @@ from collections import Counter
 
 import msgspec
 
-from ..core import history, lease, load, ticket
+from ..core import history, lease, load, session, ticket
 
-SPECS = {spec.name: spec for spec in (ticket.SPEC, load.SPEC, lease.SPEC, history.SPEC)}
+SPECS = {spec.name: spec for spec in (ticket.SPEC, load.SPEC, lease.SPEC, session.SPEC, history.SPEC)}
 
 # (machine, state, trigger) -> why no handler ever makes that move.
 UNREACHABLE: dict[tuple[str, str, str], str] = {

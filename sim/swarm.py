@@ -97,8 +97,12 @@ def sim_config(rng: random.Random, tier_full: bool) -> LedgerConfig:
         probation_max=rng.choice([4, 64]),
         retention_writers_max=rng.choice([1, 2, 4]),
     )    # A grace of half the TTL, derived (not drawn: older seeds' random streams stay the same): new
-    # tickets nobody claims or heartbeats close early.
-    return msgspec.structs.replace(config, unclaimed_grace_ns=config.unclaimed_ttl_ns // 2)
+    # tickets nobody claims or heartbeats close early. Sessions' bounds are derived too, small
+    # enough that their trims, refusals and clamps happen.
+    return msgspec.structs.replace(
+        config, unclaimed_grace_ns=config.unclaimed_ttl_ns // 2,
+        session_keep_max_ns=config.history_lease_ns * 3, session_bytes_max=4 * block_bytes,
+        sessions_bytes_max=6 * block_bytes, sessions_max=3)
 
 
 
@@ -147,6 +151,13 @@ class Swarm:
         # Swarm profile: each fault is either off or on with its own probability.
         self.profile = {f: (rng.uniform(0.02, 0.35) if rng.random() < 0.6 else 0.0) for f in FAULTS}
         config = sim_config(rng, tier_full=self.profile["history_tier_full"] > 0)
+        # Agent sessions draw from a stream of their own: older seeds' other draws stay the same.
+        self.session_rng = random.Random(seed * 7919 + 1)
+        if config.gpu_history_bytes and self.session_rng.random() < 0.3:
+            # A GPU tier smaller than what sessions keep, over a roomy CPU tier: kept blocks go
+            # down a tier and prefetches bring them back.
+            config = msgspec.structs.replace(config, gpu_history_bytes=2 * config.block_bytes,
+                                             cpu_history_bytes=max(config.cpu_history_bytes, 16 * config.block_bytes))
         if self.profile["history_tier_full"] > 0:
             self.result.faults["history_tier_full"] += 1
         self.config = self.result.config = config
@@ -301,7 +312,21 @@ class Swarm:
             self.at(self.delay(0.5, 30), self.local, node, ev.HistoryPublished, {"ticket": effect.ticket, "ok": ok})
         elif kind is fx.DemoteHistory:
             ok = not self.fault("copy_failure")
+            history = node.ledger.history
+            if any(b.parent == effect.key and b.state == "PROMOTING" for b in history.blocks.values()):
+                # The worst moment for a demotion to fail: a block below it is being promoted
+                # (the whole subtree leaves, the promotion's end must find nothing).
+                ok = ok and self.session_rng.random() > 0.5
             self.at(self.delay(0.5, 30), self.local, node, ev.HistoryDemoted, {"key": effect.key, "ok": ok})
+        elif kind is fx.PromoteHistory:
+            # Slower than other copies, so demotions and their failures meet promotions under way.
+            for key in effect.keys:
+                ok = self.session_rng.random() > 0.25
+                wait = int(self.session_rng.uniform(1, 80) * MS)
+                self.at(wait, self.local, node, ev.HistoryPromoted, {"key": key, "ok": ok})
+            if self.session_rng.random() < 0.5 and not self.draining:
+                # Other traffic while the promotion copies: the blocks above it may go down a tier.
+                self.at(self.delay(0.1, 1), self.other_traffic, self.session_rng)
         elif kind is fx.ReplyRestore:
             if not effect.keys:
                 return
@@ -499,6 +524,12 @@ class Swarm:
         n_blocks = self.rng.randint(1, 6)
         keys = tuple(f"{doc}.{j}" for j in range(n_blocks))
         p = self.p
+        srng = self.session_rng
+        if srng.random() < 0.4:
+            # A turn of an agent session over this document (keep times from invalid to clamped).
+            keep_ms = srng.choice([0, 20, 100, 400, 5000])
+            self.local(p, ev.SessionKept, {"session": f"s-{doc}", "keys": keys[: srng.randint(1, n_blocks)],
+                                           "keep_ns": keep_ms * MS})
         if self.rng.random() < 0.3:
             self.local(p, ev.HistoryObserved, {"keys": keys})
         if self.rng.random() < 0.4:
@@ -571,6 +602,17 @@ class Swarm:
         if self.fault("clock_jump"):
             self.clock_jump(self.rng.choice([self.config.unclaimed_ttl_ns, self.config.claim_lease_ns,
                                              self.config.history_lease_ns]) + MS)
+        srng = self.session_rng
+        if srng.random() < 0.15:
+            # An agent's tool call ended (its next turn is coming), or it is done with its session:
+            # mostly an open session's, at times one that ended or never was.
+            open_sessions = sorted(k for k, se in self.p.ledger.sessions.sessions.items() if se.state == "KEPT")
+            session = (srng.choice(open_sessions) if open_sessions and srng.random() < 0.8
+                       else f"s-{srng.choice(self.docs + ['unknown'])}")
+            event_type = ev.SessionPrefetchRequested if srng.random() < 0.7 else ev.SessionClosed
+            self.local(self.p, event_type, {"session": session})
+        if srng.random() < 0.08 and not self.draining:
+            self.other_traffic(srng)
         if self.fault("stale_message") and self.sent:
             to, event = self.rng.choice(self.sent)
             if isinstance(event, MESSAGE_TYPES):
@@ -582,6 +624,24 @@ class Swarm:
                 self.result.faults["decode_death"] += 1
                 self.kill(self.rng.choice(alive))
         self.at(self.delay(1, 40), self.chaos)
+
+    def other_traffic(self, srng: random.Random) -> None:
+        """A plain request of a prompt nobody returns to: history admits it, which pushes older
+        blocks down a tier (sessions' kept ones included, once nothing else can go) for a later
+        prefetch to bring back."""
+
+        self.next_id += 1
+        request, ticket = f"o{self.next_id}", f"to{self.next_id}"
+        n_blocks = srng.randint(1, 4)
+        blocks = self.p.allocate(request, n_blocks)
+        if blocks is None:
+            return
+        keys = tuple(f"other{self.next_id}.{j}" for j in range(n_blocks))
+        self.local(self.p, ev.RetainRequested, {"ticket": ticket, "request": request, "blocks": blocks, "keys": keys})
+        if self.p.ledger.tickets.tickets.get(ticket) is None:
+            for block in blocks:
+                self.p.owner.pop(block, None)
+                self.p.free.add(block)
 
     def kill(self, d: Node) -> None:
         """D dies: its messages stop. Its reads in flight on P end when P's core finds it silent

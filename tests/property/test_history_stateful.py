@@ -124,7 +124,7 @@ class HistoryPolicy(RuleBasedStateMachine):
                 self.apply(ev.LeaseReadFinished(self.now, lease, True))
         self.tick(10**9)
         assert not self.violations, self.violations[:3]
-        assert self.ledger.open_counts() == {"tickets": 0, "loads": 0, "leases": 0}
+        assert self.ledger.open_counts() == {"tickets": 0, "loads": 0, "leases": 0, "sessions": 0}
         assert all(block.pins == 0 for block in self.ledger.history.blocks.values())
         assert self.auditor.leaks() == []
 

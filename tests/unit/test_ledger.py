@@ -348,7 +348,7 @@ def test_closed_records_are_pruned_after_retention_and_late_answers_are_refused(
     assert "q" not in d.loads.loads and d.counters["pruned.loads"] == 1
     # A grant for it now is "unknown load": the shell (control/sidecar.py) releases it at P.
     assert d.apply(ev.ClaimGranted(3 + retention, "q", "t", 1))[0].reason == "unknown load"
-    assert d.open_counts() == {"tickets": 0, "loads": 0, "leases": 0}
+    assert d.open_counts() == {"tickets": 0, "loads": 0, "leases": 0, "sessions": 0}
 
 
 def test_an_open_ticket_is_never_pruned():

@@ -1,0 +1,171 @@
+"""Agent sessions in the core: what a session keeps, for how long, within which bounds, and how a
+prefetch brings its blocks back to the GPU tier."""
+
+from kvbaton.core import effects as fx
+from kvbaton.core import events as ev
+from kvbaton.core.ledger import SECOND_NS, Ledger, LedgerConfig
+
+MS = 1_000_000
+BB = 100  # bytes of one block in these ledgers
+
+
+def ledger(gpu_blocks=2, cpu_blocks=4, **kw) -> Ledger:
+    return Ledger(LedgerConfig(block_bytes=BB, gpu_history_bytes=gpu_blocks * BB,
+                               cpu_history_bytes=cpu_blocks * BB, **kw), strict=True)
+
+
+def retain(p, t, keys, at):
+    """A plain request's prompt goes to history and its copy ends."""
+
+    blocks = tuple(range(at * 10, at * 10 + len(keys)))
+    out = p.apply(ev.RetainRequested(at, t, "r" + t, blocks, keys))
+    if any(isinstance(e, fx.StageHistory) for e in out):
+        out += p.apply(ev.HistoryPublished(at, t, True))
+    return out
+
+
+def demoted(p, out, at, ok=True):
+    for e in out:
+        if isinstance(e, fx.DemoteHistory):
+            p.apply(ev.HistoryDemoted(at, e.key, ok))
+
+
+def state(p, key):
+    blk = p.history.blocks.get(key)
+    return blk.state if blk is not None else None
+
+
+def test_kept_blocks_outlive_other_traffic_and_leave_first_once_expired():
+    p = ledger(gpu_blocks=2, cpu_blocks=2, probation_max=64)
+    assert p.apply(ev.SessionKept(1, "s", ("a0", "a1"), 10 * SECOND_NS)) == []
+    demoted(p, retain(p, "a", ("a0", "a1"), 1), 1)
+    # Other prompts, each seen twice (so they may displace retained content), fill both tiers.
+    for i, at in enumerate(range(2, 8)):
+        keys = (f"o{i}",)
+        p.apply(ev.HistoryObserved(at, keys))
+        demoted(p, retain(p, f"o{i}", keys, at), at)
+        assert p.check_invariants() == []
+    # Kept blocks went down a tier only when nothing else could, and were never evicted.
+    assert state(p, "a0") in ("GPU", "CPU") and state(p, "a1") in ("GPU", "CPU")
+    assert p.counters.get("history.removed.capacity", 0) >= 1
+    # The session expires: its blocks are the first to leave.
+    p.apply(ev.Tick(11 * SECOND_NS))
+    assert p.sessions.sessions["s"].state == "EXPIRED" and p.counters["sessions.expired"] == 1
+    assert p.history.kept == {}
+    p.apply(ev.HistoryObserved(12 * SECOND_NS, ("n0", "n1", "n2", "n3")))
+    for i in range(4):
+        demoted(p, retain(p, f"n{i}", (f"n{i}",), 12 * SECOND_NS + i), 12 * SECOND_NS + i)
+    assert state(p, "a0") is None and state(p, "a1") is None
+    assert p.check_invariants() == []
+
+
+def test_without_a_session_the_same_traffic_evicts_the_prefix():
+    p = ledger(gpu_blocks=2, cpu_blocks=2, probation_max=64)
+    demoted(p, retain(p, "a", ("a0", "a1"), 1), 1)
+    for i, at in enumerate(range(2, 8)):
+        keys = (f"o{i}",)
+        p.apply(ev.HistoryObserved(at, keys))
+        demoted(p, retain(p, f"o{i}", keys, at), at)
+    assert state(p, "a1") is None  # evicted (and so is a0, or it stands alone as a root)
+
+
+def test_a_session_key_needs_no_probation_to_displace():
+    p = ledger(gpu_blocks=1, cpu_blocks=0)
+    retain(p, "x", ("x0",), 1)
+    out = retain(p, "a", ("a0",), 2)  # never seen: may not displace x0
+    assert state(p, "a0") is None and p.counters["history.dropped.probation"] == 1
+    p.apply(ev.SessionKept(3, "s", ("b0",), SECOND_NS))
+    out = retain(p, "b", ("b0",), 3)
+    assert [e.key for e in out if isinstance(e, fx.DropHistory)] == ["x0"]
+    assert state(p, "b0") == "GPU"
+    assert p.check_invariants() == []
+
+
+def test_bounds_trim_a_session_and_refuse_past_the_count():
+    p = ledger(gpu_blocks=8, cpu_blocks=8, session_bytes_max=3 * BB, sessions_bytes_max=4 * BB,
+               sessions_max=2, session_keep_max_ns=5 * SECOND_NS)
+    p.apply(ev.SessionKept(1, "s1", ("a0", "a1", "a2", "a3"), 60 * SECOND_NS))
+    assert p.sessions.sessions["s1"].keys == ("a0", "a1", "a2")  # its own bound
+    assert p.counters["sessions.trimmed.session"] == 1 and p.counters["sessions.keep_clamped"] == 1
+    assert p.sessions.sessions["s1"].deadline_ns == 1 + 5 * SECOND_NS
+    # A shared prefix costs nothing more; the total bound trims the rest.
+    p.apply(ev.SessionKept(2, "s2", ("a0", "b1", "b2"), SECOND_NS))
+    assert p.sessions.sessions["s2"].keys == ("a0", "b1")
+    assert p.counters["sessions.trimmed.total"] == 1
+    refused = p.apply(ev.SessionKept(3, "s3", ("c0",), SECOND_NS))
+    assert [e.reason for e in refused] == ["sessions full"]
+    assert [e.reason for e in p.apply(ev.SessionKept(3, "s4", ("c0",), 0))][0].startswith("invalid")
+    # A next turn replaces what the session keeps.
+    p.apply(ev.SessionKept(4, "s2", ("a0", "b1", "b2x"), SECOND_NS))
+    assert p.history.kept == {"a0": 2, "a1": 1, "a2": 1, "b1": 1}  # b2x: past the total
+    assert p.sessions.sessions["s2"].turns == 2
+    p.apply(ev.SessionClosed(5, "s1"))
+    assert p.history.kept == {"a0": 1, "b1": 1}
+    assert [e.reason for e in p.apply(ev.SessionClosed(6, "s1"))] == ["unknown session"]
+    assert p.check_invariants() == []
+
+
+def test_no_history_no_session():
+    p = ledger(gpu_blocks=0)
+    assert [e.reason for e in p.apply(ev.SessionKept(1, "s", ("a0",), SECOND_NS))] == ["no history"]
+
+
+def test_a_prefetch_promotes_cpu_blocks_head_first_and_refreshes_the_deadline():
+    p = ledger(gpu_blocks=2, cpu_blocks=4, probation_max=64)
+    p.apply(ev.SessionKept(1, "s", ("a0", "a1"), 10 * SECOND_NS))
+    retain(p, "a", ("a0", "a1"), 1)
+    # Another prompt as long as the GPU tier: only kept blocks are left to go down.
+    p.apply(ev.HistoryObserved(2, ("o0", "o1")))
+    demoted(p, retain(p, "o", ("o0", "o1"), 2), 2)
+    assert (state(p, "a0"), state(p, "a1")) == ("CPU", "CPU")
+    out = p.apply(ev.SessionPrefetchRequested(5 * SECOND_NS, "s"))
+    promotes = [e for e in out if isinstance(e, fx.PromoteHistory)]
+    assert promotes and promotes[0].keys == ("a0", "a1")
+    assert sorted(e.key for e in out if isinstance(e, fx.DemoteHistory)) == ["o0", "o1"]  # unkept made room
+    assert p.sessions.sessions["s"].deadline_ns == 15 * SECOND_NS
+    # While promoting, a restore still finds them (from the CPU slots).
+    assert p.apply(ev.RestoreRequested(5 * SECOND_NS, "L", "q", 0, ("a0", "a1")))[0].keys == ("a0", "a1")
+    assert p.check_invariants() == []
+    p.apply(ev.HistoryPromoted(5 * SECOND_NS, "a0", True))
+    p.apply(ev.HistoryPromoted(5 * SECOND_NS, "a1", False))  # failed: back in the CPU tier, data intact
+    assert (state(p, "a0"), state(p, "a1")) == ("GPU", "CPU")
+    assert p.counters["history.promotions"] == 2 and p.counters["history.promotions_failed"] == 1
+    assert [e.reason for e in p.apply(ev.HistoryPromoted(6 * SECOND_NS, "a0", True))] == ["not promoting"]
+    assert [e.reason for e in p.apply(ev.SessionPrefetchRequested(6, "nobody"))] == ["unknown session"]
+    assert p.check_invariants() == []
+
+
+def test_a_failed_demotion_above_a_promoting_block_drops_both():
+    p = ledger(gpu_blocks=2, cpu_blocks=4, probation_max=64)
+    p.apply(ev.SessionKept(1, "s", ("a0", "a1"), 10 * SECOND_NS))
+    retain(p, "a", ("a0", "a1"), 1)
+    p.apply(ev.HistoryObserved(2, ("o0",)))
+    demoted(p, retain(p, "o0", ("o0",), 2), 2)  # a1 (the tail) went down
+    assert (state(p, "a0"), state(p, "a1")) == ("GPU", "CPU")
+    out = p.apply(ev.SessionPrefetchRequested(3, "s"))
+    demoted(p, out, 3)  # o0 made room
+    assert state(p, "a1") == "PROMOTING"
+    p.apply(ev.HistoryObserved(4, ("o1",)))
+    out = retain(p, "o1", ("o1",), 4)  # only a0 (kept) can go down now
+    assert [e.key for e in out if isinstance(e, fx.DemoteHistory)] == ["a0"]
+    demoted(p, out, 4, ok=False)
+    assert state(p, "a0") is None and state(p, "a1") is None
+    assert [e.reason for e in p.apply(ev.HistoryPromoted(5, "a1", True))] == ["not promoting"]
+    assert p.check_invariants() == []
+
+
+def test_a_session_retention_copies_beside_a_busy_writer():
+    p = ledger(gpu_blocks=8, cpu_blocks=0)
+    p.apply(ev.RetainRequested(1, "w", "rw", (1,), ("w0",)))  # copying: the one writer's place
+    assert kinds_of(p.apply(ev.RetainRequested(2, "x", "rx", (2,), ("x0",)))) == ["FreeEngineBlocks"]
+    assert p.counters["history.dropped.busy_writer"] == 1
+    p.apply(ev.SessionKept(3, "s", ("s0",), SECOND_NS))
+    assert "StageHistory" in kinds_of(p.apply(ev.RetainRequested(3, "y", "ry", (3,), ("s0",))))
+    p.apply(ev.SessionKept(4, "s2", ("t0",), SECOND_NS))
+    # The sessions' extra place is taken too.
+    assert kinds_of(p.apply(ev.RetainRequested(4, "z", "rz", (4,), ("t0",)))) == ["FreeEngineBlocks"]
+    assert p.check_invariants() == []
+
+
+def kinds_of(effects):
+    return [type(e).__name__ for e in effects]

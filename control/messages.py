@@ -96,6 +96,13 @@ class DemotesDone(Msg, tag="hdemoted"):
     gathered: bool = False
 
 
+class PromotesDone(Msg, tag="hpromoted"):
+    """The promotions of one `PromoteCopies`: per key, (key, ok, error), and how long they took."""
+
+    results: tuple[tuple[str, bool, str], ...]
+    seconds: float = 0.0
+
+
 class RestoreDone(Msg, tag="hrestored"):
     """The restore under `lease` copied its slots into the engine blocks (or failed)."""
 
@@ -253,6 +260,13 @@ class DemoteCopies(Msg, tag="hdemote"):
     keys: tuple[str, ...]
 
 
+class PromoteCopies(Msg, tag="hpromote"):
+    """Move each key from its CPU-tier slot into a free GPU-tier slot (a session's prefetch; the
+    demotions that made the room come before it, in order)."""
+
+    keys: tuple[str, ...]
+
+
 class DropSlot(Msg, tag="hdrop"):
     """Forget `key` (its slot becomes free)."""
 
@@ -278,8 +292,9 @@ class Debug(Msg, tag="debug"):
 AnyMsg = Union[
     Apply, HandoffRefused, WorkerReady, ReadDone, Ready, Resolved, LoadEnded,
     AddPeer, PostRead, InvalidBlocks, FinishedRecving, FinishedSending, Stop, Debug,
-    StageDone, DemotesDone, RestoreDone,
-    SlotStats, RestoreReply, LeaseEnded, GateStats, StageCopies, DemoteCopies, DropSlot, RestoreCopies,
+    StageDone, DemotesDone, PromotesDone, RestoreDone,
+    SlotStats, RestoreReply, LeaseEnded, GateStats, StageCopies, DemoteCopies, PromoteCopies, DropSlot,
+    RestoreCopies,
 ]
 
 ENCODER = msgspec.msgpack.Encoder()

@@ -76,7 +76,7 @@ class PeerServer:
 
     def answer_router(self, body: bytes, mac: str) -> tuple[str, bytes, str]:
         """The router's door (router_door.py): (HTTP status, answer, its tag). The tag is checked
-        before a byte is decoded; only Abandon, State and Residency decode."""
+        before a byte is decoded; only Abandon, State, Residency and Session decode."""
 
         key = self.sidecar.router_key
         if not key or not rd.same_tag(rd.tag(key, b"call", body), mac):
@@ -235,6 +235,11 @@ class PeerServer:
             since = request.since if request.instance == self.sidecar.instance else -1
             reset, seq, events = self.sidecar.residency.answer(since)
             return pc.ResidencyAnswer(self.sidecar.instance, seq, reset, events)
+        if kind is pc.Session:
+            event = (ev.SessionPrefetchRequested(now, request.session) if request.action == "prefetch"
+                     else ev.SessionClosed(now, request.session))
+            refused = _reply(self.sidecar.apply(event), fx.Rejected)
+            return pc.Answer(refused is None, refused.reason if refused is not None else "")
         raise TypeError(f"no handler for {kind.__name__}")
 
 

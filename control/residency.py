@@ -23,7 +23,7 @@ HISTORY_OWNER = "kvbaton.history"
 MAX_LOG_EVENTS = 1 << 16
 # Block hashes per answer (about 10 bytes each in msgpack); a router that is further behind asks again.
 MAX_ANSWER_HASHES = 1 << 16
-_TIERS = {"GPU": "GPU", "CPU": "CPU"}
+_TIERS = {"GPU": "GPU", "CPU": "CPU", "PROMOTING": "CPU"}  # promoting: read from its CPU slot
 _MASK64 = (1 << 64) - 1
 _ENCODER = msgspec.msgpack.Encoder()
 

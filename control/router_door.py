@@ -1,17 +1,19 @@
-"""The router's door into a sidecar: three read-or-give-back calls over HTTP, under a key of its own.
+"""The router's door into a sidecar: four small calls over HTTP, under a key of its own.
 
 The router faces the internet, so it holds less than an engine: not the deployment secret (which
 lets a holder claim and read any engine's KV, and whose xoscar frames are unpickled once
 authenticated), but a **router key** derived from it (`router_key`). With it the router can ask a
-sidecar exactly three things: `Abandon` a ticket it holds the capability for, the `State`
-counters, and the history `Residency` it routes by. Nothing on this door is pickled either way:
+sidecar exactly four things: `Abandon` a ticket it holds the capability for, the `State`
+counters, the history `Residency` it routes by, and a `Session` prefetch or close for an agent
+session P keeps. Nothing on this door is pickled either way:
 a request is one msgpack `RouterEnvelope` in an HTTP POST body, authenticated by an HMAC-SHA256
 tag under the router key (`X-Kvbaton-Mac`) that the sidecar checks before decoding a byte, then
-decoded against the three calls only, fresh and addressed like every peer call (`ReplayWindow`).
+decoded against the four calls only, fresh and addressed like every peer call (`ReplayWindow`).
 The answer is msgpack too, tagged under the same key and bound to the request's nonce, so a
 sidecar (or anything between) cannot make the router decode more than a typed answer.
 
-So a compromised router can give back tickets it was handed and read counts, nothing more; a
+So a compromised router can give back tickets it was handed, read counts and move sessions'
+blocks between history's tiers (or let them go), nothing more; a
 compromised sidecar cannot run code in the router.
 """
 
@@ -39,7 +41,7 @@ MAX_HEAD_BYTES = 8 << 10
 REQUEST_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 64
 
-RouterCall = Union[pc.Abandon, pc.State, pc.Residency]
+RouterCall = Union[pc.Abandon, pc.State, pc.Residency, pc.Session]
 
 
 class RouterEnvelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

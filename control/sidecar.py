@@ -106,6 +106,7 @@ class Sidecar:
         self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
         self.history_io = {"stages": 0, "stage_bytes": 0, "stage_seconds": 0.0, "stages_failed": 0,
                            "demotions": 0, "demotions_failed": 0, "demote_batches": 0,
+                           "promotions": 0, "promotions_failed": 0, "promote_seconds": 0.0,
                            "demote_seconds": 0.0, "demote_fence_seconds": 0.0,
                            "demote_paired_runs": 0, "demote_copied_batches": 0, "demote_gathered_batches": 0,
                            "restores": 0, "restore_bytes": 0,
@@ -187,7 +188,7 @@ class Sidecar:
         kind = type(event)
         if kind is ev.HistoryPublished:
             touched.extend(self.residency.staging.pop(event.ticket, ()))
-        elif kind is ev.HistoryDemoted:
+        elif kind is ev.HistoryDemoted or kind is ev.HistoryPromoted:
             touched.append(event.key)
         for effect in effects:
             ekind = type(effect)
@@ -198,6 +199,8 @@ class Sidecar:
                     staging.pop(next(iter(staging)))
             elif ekind is fx.DemoteHistory or ekind is fx.DropHistory:
                 touched.append(effect.key)
+            elif ekind is fx.PromoteHistory:
+                touched.extend(effect.keys)
         if touched:
             blocks = self.ledger.history.blocks
             for key in touched:
@@ -241,9 +244,11 @@ class Sidecar:
             self.io.send(HISTORY, m.StageCopies(effect.ticket, effect.copies))
         elif kind is fx.DropHistory:
             self.io.send(HISTORY, m.DropSlot(effect.key, effect.tier))
+        elif kind is fx.PromoteHistory:
+            self.io.send(HISTORY, m.PromoteCopies(effect.keys))
         elif kind is fx.ReplyRestore:
             blocks = self.ledger.history.blocks
-            cpu = sum(1 for key in effect.keys if getattr(blocks.get(key), "state", "") == "CPU")
+            cpu = sum(1 for key in effect.keys if getattr(blocks.get(key), "state", "") in ("CPU", "PROMOTING"))
             self.io.send(SCHEDULER, m.RestoreReply(effect.lease, effect.request, len(effect.keys), cpu))
         elif kind is fx.RestoreBlocks:
             # Restores run on the engine's thread (the request is parked, the engine steps).
@@ -313,6 +318,24 @@ class Sidecar:
                     self.apply(ev.HistoryDemoted(now, key, ok))
                 except Exception:
                     logger.exception("history: applying the demotion of %s failed", key)
+        elif kind is m.PromotesDone:
+            io = self.history_io
+            failed = [(key, error) for key, ok, error in msg.results if not ok]
+            if failed:
+                logger.warning("history: %d of %d promotions failed (first %s: %s)", len(failed),
+                               len(msg.results), failed[0][0], failed[0][1])
+            if rank == 0:
+                io["promotions"] += len(msg.results)
+                io["promotions_failed"] += len(failed)
+                io["promote_seconds"] += msg.seconds
+            for key, ok, _error in msg.results:
+                ok = self.fan_in.note(("promote", key), rank, ok)
+                if ok is None:
+                    continue
+                try:
+                    self.apply(ev.HistoryPromoted(now, key, ok))
+                except Exception:
+                    logger.exception("history: applying the promotion of %s failed", key)
         elif kind is m.RestoreDone:
             lease = self.ledger.leases.leases.get(msg.lease)
             if msg.ok and lease is not None and lease.request:

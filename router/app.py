@@ -48,6 +48,7 @@ from prometheus_client.core import GaugeMetricFamily
 from . import first_token as ft
 from .metrics import RoutingMetrics
 from .routing import CacheRouting, Pick, RoutingCollector, RoutingConfig
+from .sessions import Place, Places, SessionError, session_ask
 
 logger = logging.getLogger("kvbaton.router")
 
@@ -283,6 +284,12 @@ class Router:
         self.prefill_time = Histogram("kvbaton_router_prefill_seconds", "Time P took to answer",
                                       registry=self.registry,
                                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.sessions = Counter("kvbaton_router_sessions",
+                                "Agent session turns and calls: placed on the P that keeps the session (kept), "
+                                "a first turn (new), served by D alone (decode), a keeping P gone (moved), "
+                                "the client's prefetch or close (prefetch, close, with _unknown or _failed)",
+                                ["outcome"], registry=self.registry)
+        self.session_places = Places()
         self.registry.register(EngineSidecarCollector(self))
         self.routing = RoutingMetrics(self.registry)
         # Which engines serve a request (cache-aware, or round robin with routing="round-robin").
@@ -477,6 +484,12 @@ class Router:
                 return openai_error(400, f"this router serves several tenants: the {self.tenant_header} header must "
                                          f"name the request's tenant (1 to {MAX_TENANT_CHARS} characters)")
             body["cache_salt"] = self.tenant_salt(tenant, body.get("cache_salt"))
+        tenant = request.headers.get(self.tenant_header, "") if self.tenant_header is not None else ""
+        try:
+            session = session_ask(body, request.headers, tenant, self.tenant_key)
+        except SessionError as exc:
+            self.requests.labels(endpoint, "bad_request").inc()
+            return openai_error(400, str(exc), param=exc.param)
         # Handoff parameters and request ids are the router's to set, never the client's (vLLM
         # also reads kv_transfer_params from vllm_xargs).
         body.pop("kv_transfer_params", None)
@@ -511,14 +524,85 @@ class Router:
                                          f"router's --max-batch-prompts); this one carries {len(prompts)}",
                                     param="prompt", code="too_many_prompts")
             if len(prompts) > 1:
+                if session is not None:
+                    self.requests.labels(endpoint, "bad_request").inc()
+                    return openai_error(400, "a session is one conversation: send one prompt per request",
+                                        param="kvbaton_session")
                 return await self._batch(request, endpoint, prompts, n)
             if prompts:
                 body = prompts[0]
         pick = await self.placement.pick(endpoint, body)
+        if session is not None:
+            self.place_session(pick, session)
         self.routing.routed(None if pick.p_url is None else pick.how, disaggregated=pick.p_url is not None)
         if n > 1:
             self.routing.parallel(n)
         return await self._route(request, endpoint, body, pick.p_url, pick.d_url, pick)
+
+    def place_session(self, pick: Pick, session) -> None:
+        """A session's turn goes to the P that keeps it (a turn D alone serves stays there: D holds
+        the prefix); a first turn, or one whose P is gone, goes where routing chose."""
+
+        pick.session = session
+        if pick.p_url is None:
+            self.sessions.labels("decode").inc()
+            return
+        place = self.session_places.get(session.key, time.monotonic())
+        if place is None:
+            self.sessions.labels("new").inc()
+        elif place.p_url in self.prefill_urls:
+            pick.p_url, pick.how, pick.resume = place.p_url, "session", True
+            self.sessions.labels("kept").inc()
+        else:
+            self.sessions.labels("moved").inc()
+
+    def session_kept(self, pick: Pick, p_url: str, section) -> None:
+        """P answered a session's turn: remember that it keeps the session, and where to reach it."""
+
+        door = section.get("router") if isinstance(section, dict) else None
+        instance = section.get("instance") if isinstance(section, dict) else None
+        self.session_places.put(pick.session.key, Place(p_url, time.monotonic() + pick.session.keep_s,
+                                                        door if isinstance(door, str) else "",
+                                                        instance if isinstance(instance, str) else "",
+                                                        pick.session.keep_s))
+
+    async def session_call(self, request: Request, ident: str, action: str) -> Response:
+        """The client's word on a session: its tool call is done and the next turn is coming
+        (`prefetch`: P brings the session's blocks back to its GPU tier now), or it is over
+        (`close`: P keeps them no longer)."""
+
+        from ..control import peer as pc
+
+        tenant = request.headers.get(self.tenant_header, "") if self.tenant_header is not None else ""
+        if self.tenant_header is not None and not tenant:
+            return openai_error(400, f"the {self.tenant_header} header must name the session's tenant")
+        try:
+            session = session_ask({"kvbaton_session": ident}, {}, tenant, self.tenant_key)
+        except SessionError as exc:
+            return openai_error(400, str(exc), param="session")
+        place = (self.session_places.get(session.key, time.monotonic()) if action == "prefetch"
+                 else self.session_places.pop(session.key))
+        if place is None or not place.door:
+            self.sessions.labels(action + "_unknown").inc()
+            return openai_error(404, "no engine keeps this session (never seen, expired or closed)",
+                                param="session", code="session_not_found")
+        try:
+            answer = await self.call_sidecar(place.door, pc.Session(session.key, action), to=place.instance,
+                                             timeout_s=5.0)
+        except Exception as exc:
+            logger.warning("could not %s session on %s: %r", action, place.door, exc)
+            self.sessions.labels(action + "_failed").inc()
+            return openai_error(502, "the engine that keeps this session did not answer", kind="upstream_error")
+        if not answer.ok:
+            self.sessions.labels(action + "_unknown").inc()
+            if action == "prefetch":
+                self.session_places.pop(session.key)
+            return openai_error(404, f"the engine no longer keeps this session ({answer.reason})",
+                                param="session", code="session_not_found")
+        self.sessions.labels(action).inc()
+        if action == "prefetch":
+            place.until = time.monotonic() + place.keep_s
+        return JSONResponse({"session": ident, "action": action, "ok": True})
 
     async def _route(self, request: Request, endpoint: str, body: dict, p_url: str | None, d_url: str,
                      pick: Pick | None = None) -> Response:
@@ -655,6 +739,9 @@ class Router:
         # (P's token ids only when its first token may be the client's: they are the whole prompt.)
         p_body = ft.prefill_body(body, token_ids=first_token and self.first_token == "prefill"
                                  and ft.refusal(endpoint, body) is None)
+        if pick is not None and pick.session is not None:
+            p_body["kv_transfer_params"]["kvbaton_session"] = {
+                "id": pick.session.key, "keep_s": pick.session.keep_s, "resume": pick.resume}
         if self.router_key:  # P hands off only what the router asked for (require_router_capability)
             from ..control.router_door import handoff_capability
 
@@ -680,6 +767,8 @@ class Router:
         if not isinstance(params, dict):
             params = None
         section = (params or {}).get("kvbaton")
+        if pick is not None and pick.session is not None:
+            self.session_kept(pick, p_url, section)
         if isinstance(section, dict) and section.get("engine") and isinstance(section.get("router"), str) \
                 and section["router"]:
             self.controls[str(section["engine"])] = section["router"]
@@ -1136,6 +1225,14 @@ def build_app(router: Router) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await router.handle(request, "/v1/chat/completions")
+
+    @app.post("/v1/sessions/{session}/prefetch")
+    async def session_prefetch(request: Request, session: str):
+        return await router.session_call(request, session, "prefetch")
+
+    @app.delete("/v1/sessions/{session}")
+    async def session_close(request: Request, session: str):
+        return await router.session_call(request, session, "close")
 
     @app.get("/v1/models")
     async def models():

@@ -68,6 +68,8 @@ class Pick:
     tokens: int = 0  # prompt tokens the router counted (0: not tokenized)
     p_blocks: int = 0
     d_blocks: int = 0
+    session: object = None  # the agent session it is a turn of (router/sessions.py SessionAsk)
+    resume: bool = False  # an earlier turn of that session went to this P
 
 
 class CacheRouting:

@@ -522,13 +522,16 @@ class Engine:
         self.each_rank((0.0005, 0.01), done)
 
     def copy(self, msg: m.Msg) -> None:
-        """P's history copier: stages and demotions end a little later, some of them failed."""
+        """P's history copier: stages, demotions and promotions end a little later, some failed."""
 
         world = self.world
         if type(msg) is m.StageCopies:
             self.each_rank((0.0005, 0.01), lambda rank: m.StageDone(msg.ticket, not world.fault("copy_failure")))
         elif type(msg) is m.DemoteCopies:
             self.each_rank((0.0005, 0.02), lambda rank: m.DemotesDone(
+                tuple((key, not world.fault("copy_failure"), "") for key in msg.keys), 0.001))
+        elif type(msg) is m.PromoteCopies:
+            self.each_rank((0.0005, 0.02), lambda rank: m.PromotesDone(
                 tuple((key, not world.fault("copy_failure"), "") for key in msg.keys), 0.001))
 
     # -- D ---------------------------------------------------------------------------------------

@@ -172,3 +172,30 @@ def prompt_digest(request, num_tokens: int) -> str:
         ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None) or ""
         digest.update(b"\0mm\0" + str(ident).encode())
     return digest.hexdigest()
+
+
+# --- agent sessions ------------------------------------------------------------------------------
+
+# The id a session may have on P (the router sends a digest of the tenant's and the client's ids).
+SESSION_ID_CHARS = 128
+SESSION_PARAM = "kvbaton_session"
+
+
+def session_request(params: dict) -> tuple[str, float, bool] | str | None:
+    """The agent session a request names in its kv_transfer_params (`kvbaton_session`: `id`,
+    `keep_s`, `resume`): (id, keep seconds, whether an earlier turn was seen), None when it names
+    none, or why the section is not one (the request is then served as any other)."""
+
+    section = params.get(SESSION_PARAM)
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        return "the session section is not an object"
+    ident, keep, resume = section.get("id"), section.get("keep_s"), section.get("resume", False)
+    if not isinstance(ident, str) or not 0 < len(ident) <= SESSION_ID_CHARS or not ident.isprintable():
+        return f"the session id must be 1 to {SESSION_ID_CHARS} printable characters"
+    if type(keep) not in (int, float) or not 0 < keep < 1e9:
+        return "the session's keep_s must be a positive number of seconds"
+    if type(resume) is not bool:
+        return "the session's resume must be true or false"
+    return ident, float(keep), resume

@@ -18,7 +18,7 @@ logger = logging.getLogger("vllm.kvbaton.history")
 
 
 class HistoryCopier:
-    """Runs the sidecar's history writes (stage, demote, drop), in order, in a thread."""
+    """Runs the sidecar's history writes (stage, demote, promote, drop), in order, in a thread."""
 
     POLL_S = 0.1
 
@@ -111,6 +111,13 @@ class HistoryCopier:
             except Exception as exc:
                 return m.StageDone(msg.ticket, False, error=str(exc))
             return m.StageDone(msg.ticket, True, nbytes, time.perf_counter() - started)
+        if kind is m.PromoteCopies:
+            if store is None:
+                return m.PromotesDone(tuple((key, False, self.broken or "no history store") for key in msg.keys))
+            started = time.perf_counter()
+            errors = store.promote_many(msg.keys)
+            return m.PromotesDone(tuple((key, err is None, "" if err is None else str(err))
+                                        for key, err in zip(msg.keys, errors)), time.perf_counter() - started)
         if kind is m.DropSlot:
             if store is not None:
                 store.drop(msg.key, msg.tier)

@@ -306,6 +306,46 @@ class SlotStore:
                 self._release("gpu", gslot)  # deferred while a restore reads it
         return errors
 
+    def promote_many(self, keys) -> list[Exception | None]:
+        """Move keys from their CPU-tier slots into free GPU-tier slots (a session's prefetch), one
+        copy per piece and run and one fence; per key, None or the error. A key that could not
+        move stays where it was, in the CPU tier."""
+
+        errors: list[Exception | None] = []
+        moves: list[tuple[str, int, int]] = []
+        with self.lock:
+            for key in keys:
+                cslot = self.maps["cpu"].get(key)
+                if cslot is None or any(key == move[0] for move in moves):
+                    errors.append(KeyError(f"{key} is not in the CPU tier"))
+                elif not self.free["gpu"]:
+                    errors.append(RuntimeError(f"no free GPU-tier slot ({self.slots['gpu']} slots)"))
+                else:
+                    moves.append((key, cslot, heapq.heappop(self.free["gpu"])))
+                    errors.append(None)
+        if not moves:
+            return errors
+        # While the copy runs the key stays in the CPU tier, so a restore meanwhile reads it there.
+        try:
+            runs = pair_runs((cslot, gslot) for _, cslot, gslot in moves)
+            self._run(self.stream, self._copy_runs, self.tiers["cpu"], self.tiers["gpu"], runs,
+                      after_engine=False)
+            self._fence(self.stream)
+        except Exception as exc:
+            with self.lock:
+                for _key, _cslot, gslot in moves:
+                    self._free_slot("gpu", gslot)
+            return [exc if err is None else err for err in errors]
+        with self.lock:
+            for key, cslot, gslot in moves:
+                if self.maps["cpu"].get(key) == cslot:
+                    del self.maps["cpu"][key]
+                    self.maps["gpu"][key] = gslot
+                    self._release("cpu", cslot)  # deferred while a restore reads it
+                else:  # dropped meanwhile (only this thread drops: never, but stay safe)
+                    self._free_slot("gpu", gslot)
+        return errors
+
     # A demotion or CPU-tier restore that cannot go run by run (below), with CPU-tier slots in at
     # most this many runs, gathers on the device and moves each run with one asynchronous DMA; a
     # more scattered one goes through host memory.

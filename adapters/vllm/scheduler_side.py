@@ -26,7 +26,8 @@ from ...control.guard import RateLimitedLog, capability_digest, install_frame_ke
 from ...core import events as ev
 from ...core import gate
 from ...core.reasons import LoadOutcome
-from .handoff import PARAMS_VERSION, HandoffError, handoff_key, parse_handoff, prompt_digest, sign_handoff
+from .handoff import (PARAMS_VERSION, HandoffError, handoff_key, parse_handoff, prompt_digest, session_request,
+                      sign_handoff)
 from .settings import EVENT_LOG_HASH_EVERY, parse_peer_networks
 from .slots import LEASED, SHARES_A_HANDOFF, WAITING, Slot, SlotState
 
@@ -255,6 +256,13 @@ class SchedulerSide:
             return slot
         slot = self.slots[rid] = Slot()
         params = request.kv_transfer_params
+        if self.conn.is_producer and self.history_on and isinstance(params, dict) and "kvbaton_session" in params:
+            slot.session = self._session(request)
+            if slot.session is not None and slot.session[2]:
+                # The session's next turn is here: its CPU-tier blocks go back to the GPU tier
+                # while the request waits for its prefill (a restore meanwhile reads them where
+                # they are).
+                self.send(ev.SessionPrefetchRequested(0, slot.session[0]))
         if (not self.conn.is_consumer or not isinstance(params, dict) or not params.get("do_remote_prefill")
                 or "kvbaton" not in params):
             return slot
@@ -311,6 +319,33 @@ class SchedulerSide:
 
     def on_new_request(self, request) -> None:
         self._slot(request)
+
+    def _session(self, request) -> tuple[str, float, bool] | None:
+        """P: the agent session the request names, when it is one P keeps (a refused section is
+        counted, and the request served as any other)."""
+
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
+        session = session_request(params)
+        if isinstance(session, str):
+            self.refusal_log.warning("invalid_session", "kvbaton: request %s: %s; not keeping its session",
+                                     request.request_id, session)
+            self.sidecar.send(m.HandoffRefused("invalid_session"))
+            return None
+        if session is not None and self.conn.settings.require_router_capability and handoff_capability_problem(
+                self.router_key, params.get("kvbaton_router"), time.time()):
+            self.sidecar.send(m.HandoffRefused("session_without_router_capability"))
+            return None
+        return session
+
+    def _keep_session(self, request, session, keys) -> None:
+        """P: a finished turn of an agent session keeps its prompt's computed full blocks."""
+
+        if keys is None:
+            keys = self._keys(request)
+        computed = min(int(getattr(request, "num_computed_tokens", 0) or 0), len(request.prompt_token_ids or ()))
+        keys = keys[: computed // self.conn.block_size]
+        if keys:
+            self.send(ev.SessionKept(0, session[0], tuple(keys), int(session[1] * 1e9)))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         slot = self._slot(request)
@@ -392,6 +427,10 @@ class SchedulerSide:
             self._release(rid, slot)  # an abort before allocation gives the lease back
         params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         remote_decode = self.conn.is_producer and bool(params.get("do_remote_decode"))
+        if self.conn.is_producer and self.history_on and not aborted and block_ids and self.usable():
+            # Before the prompt's ticket: history then admits the session's keys as kept.
+            if slot.session is not None:
+                self._keep_session(request, slot.session, slot.keys)
         # P: a request that asked history says where its prompt came from (its own cache, history's
         # tiers, recomputed and why).
         report = (None if not (slot.lease or slot.gated) or aborted else

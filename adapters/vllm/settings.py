@@ -137,6 +137,19 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         'P: "auto" restores a returning prefix from history only when the engine\'s own measurements '
         '(its steps\' seconds per scheduled token, its restores\' waits) say that is faster than '
         'computing it (`kvbaton_history_gate_total`); "off" restores whatever history holds.')] = "auto"
+    session_keep_max_s: Annotated[float, _doc(
+        "P: the longest an agent session's prefix is kept per turn or prefetch; a client's keep time "
+        "above it is cut to it (`kvbaton_sessions` counts the cuts).", gt=0)] = 600.0
+    session_bytes_max: Annotated[int, _doc(
+        "P: the most one session keeps in history (its prompt's leading blocks). -1: the GPU history "
+        "tier's size.", ge=-1)] = -1
+    sessions_bytes_max: Annotated[int, _doc(
+        "P: the most all sessions keep together (distinct blocks; a turn keeps the leading blocks "
+        "that fit). -1: half of both history tiers together, so plain history always has room.",
+        ge=-1)] = -1
+    sessions_max: Annotated[int, _doc(
+        "P: the most sessions open at once; a new one past it is refused (counted) and its prompt "
+        "is history like any other.", ge=1)] = 4096
     history_scope: Annotated[Literal["handoff", "all"], _doc(
         'Which finished P requests leave their prompt in history: "handoff" (requests handed to a '
         'decode engine) or "all" (plain requests on P too).')] = "handoff"
@@ -229,6 +242,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             # on its first visit (older content moves to the CPU tier).
             candidate_bytes_max=self.gpu_history_bytes,
             block_bytes=block_bytes,
+            session_keep_max_ns=int(self.session_keep_max_s * SECOND_NS),
+            session_bytes_max=self.session_bytes_max if self.session_bytes_max >= 0 else self.gpu_history_bytes,
+            sessions_bytes_max=(self.sessions_bytes_max if self.sessions_bytes_max >= 0
+                                else (self.gpu_history_bytes + cpu) // 2),
+            sessions_max=self.sessions_max,
         )
 
 

@@ -62,6 +62,7 @@ class Slot:
     loaded: bool = False  # DONE: the handoff or restore delivered its tokens
     gated: bool = False  # P: the restore gate chose to recompute what history holds (`reason`)
     gate_reason: str = ""  # P: why the restore gate chose as it did when history was asked
+    session: tuple[str, float, bool] | None = None  # P: the agent session it is a turn of (id, keep s, resume)
 
     def restore_report(self, prompt_tokens: int, block_size: int) -> dict:
         """Where P's prompt tokens came from: its own prefix cache, the history tiers, or

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter
 # How the prefill engine was chosen: `round_robin` (no cache knowledge), `cache` (the longest
 # resident prefix), `load` (a less loaded P over a cache hit), `fallback` (cache-aware routing
 # had nothing to go on), `none` (no prefill: the request went to D alone).
-PREFILL_CHOICES = ("round_robin", "cache", "load", "fallback", "none")
+PREFILL_CHOICES = ("round_robin", "cache", "load", "fallback", "session", "none")
 
 
 class RoutingMetrics:

@@ -64,7 +64,7 @@ class RoutingConfig:
 class Pick:
     p_url: str | None  # None: D alone
     d_url: str
-    how: str  # how P was chosen: round_robin, cache, load, fallback ("none" with D alone)
+    how: str  # how P was chosen: round_robin, cache, load, fallback, session ("none" with D alone)
     tokens: int = 0  # prompt tokens the router counted (0: not tokenized)
     p_blocks: int = 0
     d_blocks: int = 0

@@ -643,3 +643,43 @@ def test_a_key_being_demoted_stays_restorable_and_a_repeated_key_moves_once():
     assert errors[0] is None and isinstance(errors[1], KeyError)
     assert store.where("a") == "cpu"
     assert len(store.free["cpu"]) == 3 and len(store.free["gpu"]) == 4
+
+
+def test_promotions_move_cpu_slots_back_bit_exact_and_a_read_slot_is_freed_after_its_read():
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=3)
+    saved = {b: engine_block(caches, b, 0) for b in (1, 2, 3)}
+    store.stage([(1, "a"), (2, "b")])
+    assert store.demote_many(["a", "b"]) == [None, None]
+    store.stage([(3, "c")])
+    # A restore reads a's CPU slot while it is promoted: the slot is freed only after the read.
+    job = store.begin_restore([("a", "cpu", 10)])
+    errors = store.promote_many(["a", "b", "zzz"])
+    assert errors[0] is None and isinstance(errors[1], RuntimeError) and isinstance(errors[2], KeyError)
+    assert "no free GPU-tier slot" in str(errors[1])
+    assert store.where("a") == "gpu" and store.where("b") == "cpu"  # b stays where it was
+    assert store.read_slot("a") == saved[1] and store.read_slot("b") == saved[2]
+    assert store.stats()["cpu_used"] == 1 and len(store.deferred) == 1
+    store.end_restore(job)
+    assert engine_block(caches, 10, 0) == saved[1]
+    assert store.deferred == set() and len(store.free["cpu"]) == 2
+    store.drop("c")
+    assert store.promote_many(["b"]) == [None]
+    assert store.where("b") == "gpu" and store.read_slot("b") == saved[2]
+    assert store.stats() == {"gpu_slots": 2, "gpu_used": 2, "cpu_slots": 3, "cpu_used": 0,
+                             "slot_bytes": store.slot_bytes}
+
+
+def test_copier_answers_promotions_per_key(tmp_path):
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=2)
+    with running_copier(tmp_path, store) as (copier, inbox, out):
+        for msg in (m.StageCopies("t1", ((3, "a"),)), m.DemoteCopies(("a",)), m.PromoteCopies(("a", "x"))):
+            out.send(m.ENCODER.encode(msg))
+        replies = []
+        while not any(type(r) is m.PromotesDone for r in replies):
+            assert inbox.poll(5000), replies
+            replies.append(m.DECODER.decode(inbox.recv()))
+        done = [r for r in replies if type(r) is m.PromotesDone][0]
+        assert [(key, ok) for key, ok, _error in done.results] == [("a", True), ("x", False)]
+        assert store.where("a") == "gpu"

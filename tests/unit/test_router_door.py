@@ -1,5 +1,5 @@
-"""The router's door into a sidecar: only Abandon, State and Residency, only under the router key,
-fresh and once, and nothing pickled either way."""
+"""The router's door into a sidecar: only Abandon, State, Residency and Session, only under the
+router key, fresh and once, and nothing pickled either way."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_a_call_without_the_router_key_is_refused_counted_and_changes_nothing(p)
     assert p.ledger.tickets.tickets["t1"].state == "ISSUED" and p.io.sent == []
 
 
-def test_only_the_three_router_calls_decode(p):
+def test_only_the_four_router_calls_decode(p):
     """A claim tagged with the router key is still not a router call: the router key cannot read KV."""
 
     body = rd.ENCODER.encode(rd.RouterEnvelope("router", p.instance, time.time_ns(), "e" * 32,
@@ -185,3 +185,16 @@ def test_router_key_needs_a_named_secret(monkeypatch, capsys):
     monkeypatch.setenv("KVBATON_SECRET", "9c2f4e81d7a3b60e5f1c8d94a2b7e03c")
     assert main(["router-key"]) == 0
     assert capsys.readouterr().out.strip() == rd.router_key("9c2f4e81d7a3b60e5f1c8d94a2b7e03c").hex()
+
+
+def test_a_session_call_goes_through_the_door_and_a_peer_engine_cannot_send_one(p):
+    unknown, = through_door(p, pc.Session("s-1", "prefetch"))
+    assert not unknown.ok and unknown.reason == "unknown session"
+    assert p.ledger.counters["rejected.unknown session"] == 1
+    # A decode engine's frame holds peer calls only: a session call does not decode there.
+    body = pc.ENCODER.encode(pc.Envelope("D0", p.instance, time.time_ns(), "f" * 32, pc.Session("s-1", "close")))
+    with pytest.raises(msgspec.ValidationError):
+        pc.CALL_DECODER.decode(body)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"op": "session", "session": "s", "action": "evict"}),
+                               type=pc.Session)

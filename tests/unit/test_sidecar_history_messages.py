@@ -94,3 +94,36 @@ def test_with_a_full_cpu_tier_the_drops_go_first_and_the_demotions_stay_one_mess
     assert kinds == ["DropSlot", "DropSlot", "DemoteCopies", "StageCopies"], kinds
     assert sent[2].keys == ("b1", "b0")
     assert a.ledger.check_invariants() == []
+
+
+def test_a_session_prefetch_demotes_then_promotes_and_the_router_door_moves_it(sidecar):
+    a = sidecar
+    now = a.io.now_ns
+    a.apply(ev.SessionKept(now(), "s1", ("a0", "a1"), 60 * 10**9))
+    retain(a, "a", ("a0", "a1"), 10)
+    a.on_message(m.StageDone("a", True, 2 * BLOCK))
+    a.apply(ev.HistoryObserved(now(), ("b0", "b1", "b2", "b3")))
+    sent = retain(a, "b", ("b0", "b1", "b2", "b3"), 20)  # only the session's blocks can go down
+    assert [type(msg).__name__ for msg in sent] == ["DemoteCopies", "StageCopies"]
+    assert sorted(sent[0].keys) == ["a0", "a1"]
+    a.on_message(m.DemotesDone(tuple((key, True, "") for key in sent[0].keys)))
+    a.on_message(m.StageDone("b", True, 4 * BLOCK))
+    a.io.sent.clear()
+    # The client's tool call is done: the router's Session call prefetches through P's door.
+    from kvbaton.control import peer as pc
+
+    answer = a.server.answer(pc.Session("s1", "prefetch"))
+    assert answer.ok
+    history = [msg for sock, msg in a.io.sent if sock == "history"]
+    assert [type(msg).__name__ for msg in history] == ["DemoteCopies", "PromoteCopies"]
+    assert history[1].keys == ("a0", "a1") and len(history[0].keys) == 2
+    assert a.residency.tiers  # promoting blocks are announced as restorable from the CPU tier
+    a.on_message(m.DemotesDone(tuple((key, True, "") for key in history[0].keys)))
+    a.on_message(m.PromotesDone((("a0", True, ""), ("a1", True, "")), 0.002))
+    blocks = a.ledger.history.blocks
+    assert blocks["a0"].state == blocks["a1"].state == "GPU"
+    assert a.history_io["promotions"] == 2 and a.history_io["promotions_failed"] == 0
+    assert not a.server.answer(pc.Session("nobody", "prefetch")).ok
+    assert a.server.answer(pc.Session("s1", "close")).ok
+    assert a.ledger.history.kept == {}
+    assert a.ledger.check_invariants() == []

@@ -44,6 +44,7 @@ ENDED_STATES = ticket_machine.SPEC.terminal | load_machine.SPEC.terminal | lease
 LOAD_OUTCOMES = ("done", "missed", "failed", "cancelled")
 LEASE_OUTCOMES = ("released", "expired", "cancelled")
 TIERS = ("gpu", "cpu")
+SESSION_EVENTS = ("opened", "turns", "prefetches", "expired", "closed", "keep_clamped")
 
 
 def _prefixed(counters: dict, prefix: str) -> Iterable[tuple[str, float]]:
@@ -163,6 +164,20 @@ def families(snap: dict) -> list:
           [((f"per_block_{t}",), (gate.get("restore_per_block_s") or {}).get(t, 0.0)) for t in TIERS])
     gauge("kvbaton_history_gate_samples", "Measurements behind the restore gate's fits (P)", ("kind",),
           [(("steps",), gate.get("steps", 0)), (("restores",), gate.get("restores", 0))])
+    counter("kvbaton_history_promoted_blocks", "Blocks a session's prefetch moved from the CPU back to "
+            "the GPU tier (P), by result", labels=("result",),
+            rows=[(("ok",), max(0, counters.get("history.promotions", 0) - counters.get("history.promotions_failed", 0))),
+                  (("failed",), counters.get("history.promotions_failed", 0))])
+    counter("kvbaton_sessions", "Agent sessions (P): opened, turns kept, prefetches, and how they "
+            "ended (expired, closed)", labels=("event",),
+            rows=[((e,), counters.get(f"sessions.{e}", 0)) for e in SESSION_EVENTS])
+    counter("kvbaton_sessions_trimmed_blocks", "Blocks a session turn could not keep (P), by bound: "
+            "session (session_bytes_max) or total (sessions_bytes_max)", labels=("bound",),
+            rows=[((b,), counters.get(f"sessions.trimmed.{b}", 0)) for b in ("session", "total")])
+    sessions = snap.get("sessions", {}) or {}
+    gauge("kvbaton_sessions_open", "Agent sessions P keeps now", (), [((), sessions.get("open", 0))])
+    gauge("kvbaton_sessions_kept_blocks", "History blocks agent sessions keep now (P)", (),
+          [((), sessions.get("kept_blocks", 0))])
     history = snap.get("history", {}) or {}
     gauge("kvbaton_history_used_bytes", "Bytes history holds (P), by tier", ("tier",),
           [((t,), history.get(f"{t}_used_bytes", 0)) for t in TIERS])

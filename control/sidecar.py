@@ -56,7 +56,7 @@ logger = logging.getLogger("kvbaton.sidecar")
 SCHEDULER_EVENTS = frozenset({
     ev.TicketIssued, ev.RetainRequested, ev.HistoryObserved, ev.RestoreRequested,
     ev.LeaseAllocated, ev.LeaseReleased, ev.LoadRequested, ev.LoadAllocated, ev.RequestPreempted,
-    ev.RequestAborted,
+    ev.RequestAborted, ev.SessionKept, ev.SessionPrefetchRequested,
 })
 
 
@@ -521,8 +521,20 @@ class Sidecar:
                         "gpu_budget_bytes": cfg.gpu_history_bytes if history.enabled else 0,
                         "cpu_budget_bytes": cfg.cpu_history_bytes if history.enabled else 0,
                         "gpu_blocks": tiers.get("STAGING", 0) + tiers.get("GPU", 0),
-                        "cpu_blocks": tiers.get("DEMOTING", 0) + tiers.get("CPU", 0)},
+                        "cpu_blocks": tiers.get("DEMOTING", 0) + tiers.get("CPU", 0) + tiers.get("PROMOTING", 0)},
+            "sessions": {"open": self.ledger.sessions.open, "kept_blocks": len(history.kept)},
         }
+
+    def sessions_state(self) -> dict:
+        """Agent sessions P keeps: how many are open, the blocks they keep and where those are."""
+
+        history = self.ledger.history
+        where: dict[str, int] = {}
+        for key in history.kept:
+            blk = history.blocks.get(key)
+            tier = blk.state if blk is not None else "absent"
+            where[tier] = where.get(tier, 0) + 1
+        return {"open": self.ledger.sessions.open, "kept_blocks": len(history.kept), "kept_by_state": where}
 
     def history_state(self) -> dict:
         """History tier usage from the ledger, the copier's own slot books, and copy measurements."""
@@ -541,9 +553,10 @@ class Sidecar:
             "gpu_used_bytes": history.gpu_used,
             "cpu_used_bytes": history.cpu_used,
             "gpu_blocks": by_state.get("STAGING", 0) + by_state.get("GPU", 0),
-            "cpu_blocks": by_state.get("DEMOTING", 0) + by_state.get("CPU", 0),
+            "cpu_blocks": by_state.get("DEMOTING", 0) + by_state.get("CPU", 0) + by_state.get("PROMOTING", 0),
             "by_state": by_state,
             "pinned_blocks": sum(1 for blk in history.blocks.values() if blk.pins),
+            "sessions": self.sessions_state(),
             "probation": len(history.probation),
             "writers": list(history.writers),
             "hits": {"gpu": counters.get("restores.hits.gpu", 0), "cpu": counters.get("restores.hits.cpu", 0)},

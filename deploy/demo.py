@@ -2,9 +2,12 @@
 workload through the `openai` client, and a table of what happened.
 
 The workload: fresh prompts, repeats, a chat request, streamed requests (time to first token), a
-stream the client walks away from, and prompts that come back after other prompts pushed them out
-of P's own prefix cache. At the end every engine's event log is replayed; the demo fails (exit 1)
-if any request failed, any ticket is still open, or any log shows a violation.
+stream the client walks away from, an agent's session whose next turn comes after a tool call
+(the client says when it is done) while other prompts push the hot documents out of P's own prefix
+cache, and those documents coming back. At the end every engine's event log is replayed; the demo
+fails (exit 1) if any request failed, any ticket is still open, any log shows a violation, or any
+feature it shows did not happen (history hits on P, a first token from P, a request served by D
+alone, the session kept across its tool call and its next turn on the P keeping it).
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ def await_chain(awaitable, limit: int = 40) -> list[str]:
 
 
 def run_demo(args) -> int:
+    import httpx
     import openai
 
     from ..control.client import call_sidecar_sync
@@ -170,14 +174,14 @@ def run_demo(args) -> int:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="kvbaton-demo",
                                max_retries=0, timeout=120)
 
-        def complete(prompt_ids: list[int], max_tokens: int = 16) -> None:
+        def complete(prompt_ids: list[int], max_tokens: int = 16, session: dict | None = None) -> None:
             nonlocal requests
             requests += 1
             started = time.perf_counter()
             router.watch(15.0)
             try:
                 client.completions.create(model="tiny", prompt=words_for(prompt_ids), max_tokens=max_tokens,
-                                          temperature=0)
+                                          temperature=0, extra_body={"kvbaton_session": session} if session else None)
                 latencies.append(time.perf_counter() - started)
             except Exception as exc:  # reported in the table, and the demo fails
                 failures.append(f"completion: {exc}")
@@ -221,9 +225,28 @@ def run_demo(args) -> int:
         for i in range(3):
             stream(tiny_prompt(300, seed=2000 + i))
         stream(tiny_prompt(300, seed=2100), walk_away=True)
-        say("other prompts push the hot documents out of P's prefix cache, then they come back")
+        say("an agent's session: its first turn, then a tool call while other prompts push the hot "
+            "documents out of P's prefix cache")
+        agent = tiny_prompt(360, seed=4000)
+        session = {"id": "demo-agent", "keep_s": 120}
+        complete(agent, session=session)
         for i in range(12):
             complete(tiny_prompt(400, seed=3000 + i), max_tokens=4)
+        say("the tool call is done: the client says so, and the session's next turn comes")
+        p_controls = deployment.controls("prefill")
+        kept_after_gap = [call_sidecar_sync(c, "debug_state")["history"]["sessions"] for c in p_controls.values()]
+        requests += 1
+        try:
+            answer = httpx.post(f"http://127.0.0.1:{router.port}/v1/sessions/demo-agent/prefetch", timeout=30,
+                                headers={"Authorization": "Bearer kvbaton-demo"})
+            prefetched = answer.status_code == 200
+            if not prefetched:
+                failures.append(f"session prefetch: HTTP {answer.status_code} {answer.text[:200]}")
+        except httpx.HTTPError as exc:
+            prefetched = False
+            failures.append(f"session prefetch: {exc!r}")
+        complete(agent + tiny_prompt(40, seed=4001), session=session)
+        say("the hot documents come back")
         # The router learns of the engines' evictions from their KV event feeds, a moment after
         # they happen: let it catch up, or a returning prompt can go to an engine that just
         # evicted it (which recomputes it: correct, but the demo would not show history).
@@ -234,7 +257,6 @@ def run_demo(args) -> int:
         routed = router_counts(router.port)
         # Let the engines settle: the walked-away stream and the last releases.
         say("waiting for the last tickets to close")
-        p_controls = deployment.controls("prefill")
         d_controls = deployment.controls("decode")
         deadline = time.monotonic() + 20
         while True:
@@ -249,7 +271,7 @@ def run_demo(args) -> int:
         say(f"failed: {exc}")
         failures.append(str(exc))
         p_states, d_states, open_tickets, open_loads = {}, {}, -1, -1
-        routed = {}
+        routed, kept_after_gap, prefetched = {}, [], False
     finally:
         say("stopping the router and the engines")
         try:
@@ -281,6 +303,9 @@ def run_demo(args) -> int:
         found = phases.get(name)
         return f"{found['p50_ms']:.1f} / {found['p90_ms']:.1f} ms" if found else "-"
 
+    session_kept = sum(state.get("kept_blocks", 0) for state in kept_after_gap)
+    session_resident = sum(n for state in kept_after_gap for tier, n in state.get("kept_by_state", {}).items()
+                           if tier in ("GPU", "CPU", "PROMOTING"))
     decisions: dict[str, int] = {}
     for state in p_states.values():
         for key, n in ((state.get("gate") or {}).get("decisions") or {}).items():
@@ -300,6 +325,10 @@ def run_demo(args) -> int:
         ("history hits GPU tier / CPU tier", f"{hits_gpu} / {hits_cpu}"),
         ("restore gate: restore / recompute", f"{restored_by_gate} / {recomputed_by_gate}"),
         ("first tokens from P / served by D alone", f"{routed.get('first_from_p', 0)} / {routed.get('d_alone', 0)}"),
+        ("agent session: blocks kept across the tool call", f"{session_resident} of {session_kept}"),
+        ("agent session: turns / prefetches / next turn on its P",
+         f"{total(p_states, 'sessions.turns')} / {total(p_states, 'sessions.prefetches')} / "
+         f"{'yes' if routed.get('session_kept', 0) else 'no'}"),
         ("P ticket -> D asks, p50 / p90", phase("pd.ticket_to_load")),
         ("D load asked -> read end, p50 / p90", phase("d.request_to_read_end")),
         ("open tickets at the end", str(open_tickets)),
@@ -315,7 +344,12 @@ def run_demo(args) -> int:
     # broken even when every request succeeded.
     missing = [what for what, seen in (("no returning prompt was restored from P's history", hits_gpu + hits_cpu),
                                        ("no client got its first token from P", routed.get("first_from_p", 0)),
-                                       ("no request was served by D alone", routed.get("d_alone", 0))) if not seen]
+                                       ("no request was served by D alone", routed.get("d_alone", 0)),
+                                       ("the agent session's blocks were not all kept across its tool call",
+                                        session_kept and session_resident == session_kept),
+                                       ("the client's prefetch of the agent session was not answered", prefetched),
+                                       ("the agent session's next turn did not go to the P keeping it",
+                                        routed.get("session_kept", 0))) if not seen]
     for what in missing:
         print(f"failure: {what}")
     if missing:  # what the router saw of the engines' caches
@@ -356,8 +390,10 @@ def router_counts(port: int) -> dict[str, int]:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    counts = {"first_from_p": 0, "d_alone": 0, "feed_problems": 0}
+    counts = {"first_from_p": 0, "d_alone": 0, "feed_problems": 0, "session_kept": 0}
     for line in text.splitlines():
+        if line.startswith('kvbaton_router_sessions_total{outcome="kept"}'):
+            counts["session_kept"] += int(float(line.rsplit(" ", 1)[1]))
         if line.startswith("kvbaton_router_kv_feed_problems{"):
             counts["feed_problems"] += int(float(line.rsplit(" ", 1)[1]))
         if line.startswith("kvbaton_router_first_token_total{") and 'source="prefill"' in line:

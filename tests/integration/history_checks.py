@@ -29,8 +29,9 @@ def assert_nothing_held(engines, timeout_s: float = 15.0) -> None:
         stats = [e.wait_idle() for e in engines]
         p_hist = states[0]["history"]
         copier = p.run_in_engine(engine_hooks.history_slots)
-        moving = p_hist["by_state"].get("STAGING", 0) + p_hist["by_state"].get("DEMOTING", 0)
-        clean = (all(not any(st["open"].values()) for st in states)
+        moving = sum(p_hist["by_state"].get(st, 0) for st in ("STAGING", "DEMOTING", "PROMOTING"))
+        # An agent session open on P holds no engine block: only its keep time ends it.
+        clean = (all(not any(n for kind, n in st["open"].items() if kind != "sessions") for st in states)
                  and all(sc["free_blocks"] == sc["usable_blocks"] and sc["scheduler_requests"] == 0
                          for sc in stats)
                  and not moving and p_hist["pinned_blocks"] == 0
@@ -51,12 +52,12 @@ def assert_nothing_held(engines, timeout_s: float = 15.0) -> None:
 
 
 def settle_history(engine, timeout_s: float = 10.0) -> dict:
-    """Wait until no history copy is in flight (nothing staging or demoting, no writers)."""
+    """Wait until no history copy is in flight (nothing staging, demoting or promoting, no writers)."""
 
     deadline = time.monotonic() + timeout_s
     while True:
         hist = state(engine)["history"]
-        moving = hist["by_state"].get("STAGING", 0) + hist["by_state"].get("DEMOTING", 0)
+        moving = sum(hist["by_state"].get(st, 0) for st in ("STAGING", "DEMOTING", "PROMOTING"))
         if not moving and not hist["writers"]:
             return hist
         assert time.monotonic() < deadline, hist

@@ -406,8 +406,76 @@ def test_the_restore_gate_chooses_by_what_this_engine_measured(hist):
     assert_nothing_held(hist)
 
 
+def session_prefill(engine, prompt, session: str, keep_s: float = 60.0, resume: bool = False) -> dict:
+    params = {"do_remote_decode": True, "kvbaton_session": {"id": session, "keep_s": keep_s, "resume": resume}}
+    out = engine.generate([prompt], max_tokens=1, kv_transfer_params_list=[params])[0]
+    assert out["kv_transfer_params"] and "kvbaton" in out["kv_transfer_params"], out
+    return out
+
+
+def wait_for_counter(engine, before: dict, name: str, at_least: int, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counters = state(engine)["counters"]
+        if delta(before, counters, name) >= at_least:
+            return counters
+        assert time.monotonic() < deadline, (name, counters)
+        time.sleep(0.05)
+
+
+def test_a_session_keeps_its_prefix_across_a_gap_other_traffic_evicts_and_a_short_one_expires(hist):
+    """An agent's conversation pauses (a tool call) while other traffic fills both history tiers:
+    its prefix is kept (never evicted) and its next turn restores it whole, where the same kind of
+    prompt without a session is evicted and recomputed; a session whose keep time ran out is let
+    go; outputs equal one engine's throughout."""
+
+    p = hist.p
+    agent = tiny_prompt(8 * BLOCK + 5, seed=next(_seeds))
+    plain = tiny_prompt(8 * BLOCK + 5, seed=next(_seeds))
+    short = tiny_prompt(4 * BLOCK + 3, seed=next(_seeds))
+    refs = {id(doc): reference(hist, doc) for doc in (agent, plain, short)}
+    before = state(p)["counters"]
+    assert decode(hist, agent, session_prefill(p, agent, "agent-1")["kv_transfer_params"]) == refs[id(agent)]
+    assert decode(hist, plain, prefill(p, plain)["kv_transfer_params"]) == refs[id(plain)]
+    assert decode(hist, short, session_prefill(p, short, "agent-2", keep_s=1.0)["kv_transfer_params"]) \
+        == refs[id(short)]
+    kept = settle_history(p)["sessions"]
+    assert kept["open"] == 2 and kept["kept_blocks"] == 12, kept
+    # The gap: other prompts, each seen twice so that it may displace retained content, fill
+    # both tiers (48 slots) over and over.
+    for _ in range(7):
+        doc = tiny_prompt(8 * BLOCK, seed=next(_seeds))
+        for _visit in range(2):
+            decode(hist, doc, prefill(p, doc)["kv_transfer_params"])
+    wait_for_counter(p, before, "sessions.expired", 1)
+    hist_state = settle_history(p)
+    sessions = hist_state["sessions"]
+    assert sessions["open"] == 1 and sessions["kept_blocks"] == 8, sessions
+    assert set(sessions["kept_by_state"]) <= {"GPU", "CPU"}, sessions  # all 8 resident
+    mid = state(p)["counters"]
+    assert delta(before, mid, "history.removed.capacity") > 0  # the traffic did evict
+
+    flush(p)
+    out = prefill(p, plain)
+    assert out["num_cached_tokens"] < 8 * BLOCK and out["kv_transfer_params"]["kvbaton_prompt"]["recomputed"] > 0
+    assert decode(hist, plain, out["kv_transfer_params"]) == refs[id(plain)]
+    # The agent's next turn: its prefix is restored whole (a prefetch brought it forward).
+    out = session_prefill(p, agent, "agent-1", resume=True)
+    assert out["num_cached_tokens"] == 8 * BLOCK, out["kv_transfer_params"].get("kvbaton_prompt")
+    where = out["kv_transfer_params"]["kvbaton_prompt"]
+    assert where["history_gpu"] + where["history_cpu"] == 8 * BLOCK, where
+    assert decode(hist, agent, out["kv_transfer_params"]) == refs[id(agent)]
+    after = state(p)["counters"]
+    assert delta(before, after, "sessions.prefetches") == 1 and delta(before, after, "sessions.turns") == 3
+    assert delta(before, after, "sessions.opened") == 2
+    assert after.get("rejected.unknown session", 0) == before.get("rejected.unknown session", 0)
+    settle_history(p)
+    assert_nothing_held(hist)
+
+
 def test_engine_logs_replay_without_violations(hist):
     kinds = replay_engine_logs(hist.events, engines=3)
     for kind in ("HistoryPublished", "HistoryDemoted", "RestoreRequested", "LeaseAllocated",
-                 "LeaseReadFinished", "LeaseReleased", "HistoryObserved"):
+                 "LeaseReadFinished", "LeaseReleased", "HistoryObserved", "SessionKept",
+                 "SessionPrefetchRequested"):
         assert kind in kinds, kind

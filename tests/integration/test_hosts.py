@@ -339,7 +339,7 @@ def test_d_dies_mid_read_and_p_gets_its_blocks_back(net):
     deadline = time.monotonic() + 2 * CLAIM_LEASE_S + 60
     while (state := p_state_patiently(deployment, deadline))["open"]["tickets"] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert state["open"] == {"tickets": 0, "loads": 0, "leases": 0}, state["open"]
+    assert state["open"] == {"tickets": 0, "loads": 0, "leases": 0, "sessions": 0}, state["open"]
     assert state["violations"] == []
     assert open_reads(state["counters"]) == 0
     if not read_open_as_d2_died:

@@ -34,11 +34,11 @@ class Sample:
     second: float | None = None  # seconds to the second token (what follows P's first one)
 
 
-async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> Sample:
+async def one_request(client, url: str, prompt: list[int], max_tokens: int, extra: dict | None = None) -> Sample:
     # (Token ids in every chunk: the benchmark counts tokens, and the engines it runs take token-id
     # prompts without a tokenizer.)
     body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+            "ignore_eos": True, "stream": True, "return_token_ids": True, **(extra or {})}
     started = time.perf_counter()
     first = last = second = None
     tokens = 0
@@ -221,6 +221,50 @@ async def revisit(url: str, hot: list[list[int]], pressure: list[list[list[int]]
     out = summarize(revisits)
     out["first_visit"] = summarize(first_visits)
     out["pressure"] = summarize(pressure_samples)
+    return out
+
+
+async def agent_sessions(url: str, plan: dict, sessions: bool, prefetch: bool) -> dict:
+    """Agents' multi-turn sessions with tool calls between turns. Per turn, every session sends
+    its conversation so far (its document, then per earlier turn an answer and a tool's result);
+    between turns, while the tools run, other traffic goes through (each of its documents twice:
+    traffic with repeats of its own, which history keeps and which displaces older content). With
+    `sessions` each turn names its session (`kvbaton_session`), and with `prefetch` the client says
+    when the tool call is done (`POST /v1/sessions/ID/prefetch`) before the next turn. Next-turn
+    TTFT (turns 2+), first turns, and the other traffic's own figures (its output tokens/s over
+    the gaps' wall time: what sessions may not cost)."""
+
+    import httpx
+
+    contexts = [list(doc) for doc in plan["docs"]]
+    first: list[Sample] = []
+    later: list[Sample] = []
+    traffic: list[Sample] = []
+    traffic_wall = 0.0
+    prefetched = refused = 0
+    async with httpx.AsyncClient(timeout=600) as client:
+        for turn in range(plan["turns"]):
+            for index, context in enumerate(contexts):
+                extra = {"kvbaton_session": {"id": f"agent-{index}", "keep_s": plan["keep_s"]}} if sessions else None
+                sample = await one_request(client, url, context, plan["max_tokens"], extra)
+                (later if turn else first).append(sample)
+                context += plan["answers"][turn][index] + plan["tool_results"][turn][index]
+            if turn == plan["turns"] - 1:
+                break
+            started = time.perf_counter()
+            for doc in plan["traffic"][turn]:
+                for _visit in range(2):
+                    traffic.append(await one_request(client, url, doc, plan["max_tokens"]))
+            traffic_wall += time.perf_counter() - started
+            if sessions and prefetch:
+                for index in range(len(contexts)):
+                    reply = await client.post(f"{url}/v1/sessions/agent-{index}/prefetch")
+                    prefetched += reply.status_code == 200
+                    refused += reply.status_code != 200
+    out = summarize(later)
+    out["first_turn"] = summarize(first)
+    out["traffic"] = summarize(traffic, traffic_wall)
+    out["prefetch"] = {"answered": prefetched, "refused": refused}
     return out
 
 

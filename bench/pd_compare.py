@@ -26,6 +26,13 @@ Scenarios:
               native-offload (vLLM's CPU offload with kvbaton's history bytes).
   churn       the control: every document is new (no revisits), same cap: what history costs
               when it cannot help.
+  agent       agents' multi-turn sessions (--agent-sessions, --agent-turns): each turn sends the
+              conversation so far, and between turns, while a tool runs, other traffic with
+              repeats of its own goes through (--agent-traffic documents, each twice) and the
+              client says when the tool is done; engines capped as for revisit and history held to
+              --agent-history-blocks (GPU,CPU) so the traffic evicts. Next-turn TTFT (turns 2+)
+              and the traffic's output tokens/s; `kvbaton-nosession` sends the same turns without
+              naming their sessions.
   openloop    open loop: requests arrive as a seeded Poisson process at each of --rates (req/s),
               whatever the engines' state; TTFT, TPOT and ITL P50/P99 and goodput, the completed
               requests per second that met both --slo-ttft-ms and --slo-tpot-ms (the definitions
@@ -79,8 +86,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from . import hook_timing
-from .pd_clients import (cold_during_decode, load_history_figures, open_loop_in_processes, poisson_offsets,
-                         prompts, revisit, revisit_under_load, throughput, throughput_in_processes)
+from .pd_clients import (agent_sessions, cold_during_decode, load_history_figures, open_loop_in_processes,
+                         poisson_offsets, prompts, revisit, revisit_under_load, throughput, throughput_in_processes)
 from .pd_report import (goodput_rate, print_hooks, print_round_summary, print_tables, print_timings, round_summary,
                         summarize_files)
 from .pd_stack import CROSS_LAYER, HERE, Settings, Stack, System, write_model
@@ -109,6 +116,9 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
                     stack.router_url, plan["background"], plan["cold"], plan["background_tokens"], plan["cold_tokens"]))
             elif scenario == "revisit":
                 result["revisit"] = asyncio.run(revisit(stack.router_url, plan["hot"], plan["pressure"], plan["revisit_tokens"]))
+            elif scenario == "agent":
+                named = system.connector == "kvbaton" and system.client_sessions
+                result["agent"] = asyncio.run(agent_sessions(stack.router_url, plan["agent"], named, named))
             elif scenario == "churn":
                 result["churn"] = asyncio.run(revisit(stack.router_url, [], plan["churn"], plan["revisit_tokens"]))
                 result["churn"] = result["churn"]["pressure"]
@@ -259,6 +269,8 @@ def build_systems(timed: bool, history_bytes: int, cap_blocks: int, block_bytes:
         "kvbaton-gateoff": System("kvbaton-gateoff", "kvbaton", settings={"history_gate": "off"}, timed=timed),
         "kvbaton-nohistory": System("kvbaton-nohistory", "kvbaton", settings={"gpu_history_bytes": 0},
                                     timed=timed),
+        # The agent scenario's turns without their sessions: history as for any other prompt.
+        "kvbaton-nosession": System("kvbaton-nosession", "kvbaton", client_sessions=False, timed=timed),
     }
     for name in list(systems):
         systems[name + "-b"] = replace(systems[name], name=name + "-b")
@@ -304,6 +316,25 @@ def build_plan(args, vocab: int) -> dict:
         "mean_prompt_tokens": (low + high) // 2, "seed": args.seed,
         "client_processes": args.client_processes,
         **open_and_load_plan(args, vocab, low, high, doc),
+        "agent": agent_plan(args, vocab),
+    }
+
+
+def agent_plan(args, vocab: int) -> dict:
+    """The agent scenario's conversations, answers, tool results and other traffic, from a
+    generator of its own (the other scenarios' requests stay what they were)."""
+
+    rng = random.Random(f"{args.seed}-agent")
+    sessions, turns, doc = args.agent_sessions, args.agent_turns, args.agent_doc_tokens
+    max_tokens = 8
+    return {
+        "docs": prompts(rng, vocab, sessions, doc, doc),
+        "turns": turns, "max_tokens": max_tokens, "keep_s": args.agent_keep_s,
+        # Stand-ins for each turn's answer (D's tokens, which P never holds) and tool result.
+        "answers": [prompts(rng, vocab, sessions, max_tokens, max_tokens) for _ in range(turns)],
+        "tool_results": [prompts(rng, vocab, sessions, args.agent_tool_tokens, args.agent_tool_tokens)
+                         for _ in range(turns)],
+        "traffic": [prompts(rng, vocab, args.agent_traffic, doc, doc) for _ in range(turns - 1)],
     }
 
 
@@ -379,9 +410,23 @@ def client_processes_for(plan: dict, concurrency: int) -> int:
     return asked if asked > 0 else max(1, min(4, math.ceil(concurrency / 8)))
 
 
+def agent_system(system: System, cap: int, agent: dict) -> System:
+    """The agent scenario's engines: capped as for revisit, history held to the scenario's tiers
+    (kvbaton's, or vLLM's CPU offload of the same bytes), sessions allowed most of both."""
+
+    gpu, cpu = agent["history_bytes"]
+    if system.connector == "kvbaton" and system.history and system.settings.get("gpu_history_bytes", 1):
+        settings = {"gpu_history_bytes": gpu, "cpu_history_bytes": cpu,
+                    "sessions_bytes_max": (gpu + cpu) * 3 // 4, **system.settings}
+        return replace(system, num_blocks=cap, settings=settings)
+    if system.p_offload_bytes:
+        return replace(system, num_blocks=cap, p_offload_bytes=gpu + cpu)
+    return replace(system, num_blocks=cap)
+
+
 def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str], capped: list[str], plan: dict,
               extra: dict, cap: int, results: dict[str, dict], save, loaded: list[str] = (),
-              load_cap: int = 0) -> None:
+              load_cap: int = 0, agents: list[str] = ()) -> None:
     """Every system in `order` through the scenarios once, into `results`; `save()` after each.
     `loaded` (revisitload) runs on engines of their own, capped at `load_cap` blocks."""
 
@@ -401,6 +446,14 @@ def run_round(order: list[str], systems: dict, s: Settings, uncapped: list[str],
                 results[name]["sidecars_capped"] = capped_result["sidecars"]
             if "timings" in capped_result:
                 results[name]["timings_capped"] = capped_result["timings"]
+        if "agent" in agents:
+            agent_result = run_system(agent_system(system, cap, plan["agent"]), s, ["agent"], plan, extra)
+            mine = results.setdefault(name, {})
+            for key, value in agent_result.items():
+                if key == "agent":
+                    mine["agent"] = value
+                elif key in ("error", "sidecars", "timings"):
+                    mine[key + "_agent"] = value
         if loaded:
             load_result = run_system(replace(system, num_blocks=load_cap), s, list(loaded), plan, extra)
             mine = results.setdefault(name, {})
@@ -422,7 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "1gpu", "2gpu"), default="2gpu")
-    parser.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b")
+    parser.add_argument("--shape", choices=("0.5b", "7b", "cpu-4x512"), default="0.5b",
+                        help="the model's shape: on GPUs Qwen2.5 0.5B or 7B; on CPUs the tiny model, or "
+                             "cpu-4x512 (4 layers, hidden 512: a prefill that costs what a restore saves)")
     parser.add_argument("--systems", default="native-xlayer,kvbaton,single")
     parser.add_argument("--scenarios", default="throughput,cold")
     parser.add_argument("--small", action="store_true", help="a quick smoke run (CPU)")
@@ -482,6 +537,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="revisitload: seconds of load before the first hot visit")
     parser.add_argument("--load-cap-blocks", type=int, default=4096,
                         help="revisitload: num_gpu_blocks_override (the load must evict the hot documents)")
+    parser.add_argument("--agent-sessions", type=int, default=4, help="agent: sessions")
+    parser.add_argument("--agent-turns", type=int, default=4, help="agent: turns per session")
+    parser.add_argument("--agent-doc-tokens", type=int, default=800, help="agent: each session's first prompt")
+    parser.add_argument("--agent-tool-tokens", type=int, default=64, help="agent: a tool result's tokens")
+    parser.add_argument("--agent-traffic", type=int, default=6, help="agent: other documents per tool call")
+    parser.add_argument("--agent-history-blocks", default="64,128",
+                        help="agent: P's history tiers as GPU,CPU engine blocks (the traffic must evict)")
+    parser.add_argument("--agent-keep-s", type=float, default=300.0, help="agent: each session's keep time")
     parser.add_argument("--summarize", nargs="+", default=[], metavar="JSON",
                         help="run nothing: print the rounds' summary of these result files (their rounds in "
                              "the order given, e.g. two runs of the same systems) and write it to --out")
@@ -502,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = json.loads((model / "config.json").read_text())
     block_bytes = (2 * layers["num_hidden_layers"] * layers["num_key_value_heads"] * layers.get("head_dim", 64)
                    * 2 * block)
+    gpu_blocks, cpu_blocks = (int(x) for x in args.agent_history_blocks.split(","))
+    plan["agent"]["history_bytes"] = (gpu_blocks * block_bytes, cpu_blocks * block_bytes)
     history_bytes = (4 << 20) if cpu else args.gpu_history_mib << 20
     history_blocks = history_bytes // block_bytes
     extra = {"gpu_history_bytes": history_bytes}
@@ -511,10 +576,11 @@ def main(argv: list[str] | None = None) -> int:
     capped = [x for x in wanted_scenarios if x in ("revisit", "churn")]
     uncapped = [x for x in wanted_scenarios if x in ("throughput", "cold", "openloop", "vllmbench")]
     loaded = [x for x in wanted_scenarios if x == "revisitload"]
-    unknown = set(wanted_scenarios) - set(capped) - set(uncapped) - set(loaded)
+    agents = [x for x in wanted_scenarios if x == "agent"]
+    unknown = set(wanted_scenarios) - set(capped) - set(uncapped) - set(loaded) - set(agents)
     if unknown:
         raise SystemExit(f"unknown scenario(s) {sorted(unknown)} (known: throughput, cold, revisit, churn, "
-                         "openloop, vllmbench, revisitload)")
+                         "openloop, vllmbench, revisitload, agent)")
     load_cap = 96 if cpu else args.load_cap_blocks
     baseline = args.baseline if args.baseline in wanted_systems else wanted_systems[0]
     if args.rounds < 1:
@@ -522,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": args.device, "shape": args.shape, "block_size": block, "block_bytes": block_bytes,
             "history_blocks": history_blocks, "cap_blocks": cap, "load_cap_blocks": load_cap,
             "baseline": baseline, "commit": git_commit(), "environment": environment(args.device), "settings": {k: str(v) for k, v in asdict(s).items()},
-            "plan": {k: (len(v) if isinstance(v, list) else {c: len(x) for c, x in v.items()} if isinstance(v, dict)
+            "plan": {k: (len(v) if isinstance(v, list) else {c: len(x) if isinstance(x, (list, tuple)) else x
+                                                             for c, x in v.items()} if isinstance(v, dict)
                          else v) for k, v in plan.items()},
             "args": vars(args)}
     print(json.dumps(meta, default=str), flush=True)
@@ -544,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds > 1:
             print(f"\n[round {index + 1} of {args.rounds}: {', '.join(order)}]", flush=True)
         rounds.append({})
-        run_round(order, systems, s, uncapped, capped, plan, extra, cap, rounds[-1], save, loaded, load_cap)
+        run_round(order, systems, s, uncapped, capped, plan, extra, cap, rounds[-1], save, loaded, load_cap, agents)
     results = rounds[0]
     ceilings = {}
     try:

@@ -226,6 +226,8 @@ SUMMARY_FIGURES = {
     "cold": [("ttft_p50_ms", False), ("t2_p50_ms", False)],
     "revisit": [("ttft_p50_ms", False), ("ttft_p95_ms", False)],
     "churn": [("ttft_p50_ms", False)],
+    "agent": [("ttft_p50_ms", False), ("ttft_p95_ms", False), ("first_turn.ttft_p50_ms", False),
+              ("traffic.output_tok_s", True), ("traffic.ttft_p50_ms", False)],
     "openloop_goodput": [("rate_rps", True)],
     "vllmbench_r": [("p50_ttft_ms", False), ("p99_ttft_ms", False), ("p50_tpot_ms", False),
                     ("request_goodput", True), ("output_throughput", True)],

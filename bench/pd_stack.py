@@ -50,7 +50,11 @@ def write_model(root: Path, shape: str, device: str) -> tuple[Path, int]:
     if device == "cpu":
         from kvbaton.testing.tiny_model import build_tiny_model
 
-        path = build_tiny_model(root / "tiny", max_pos=8192)
+        if shape == "cpu-4x512":  # a prefill that costs what a restore saves (the tiny model's costs nothing)
+            path = build_tiny_model(root / "cpu-4x512", layers=4, hidden=512, heads=8, kv_heads=2, head_dim=64,
+                                    max_pos=8192)
+        else:
+            path = build_tiny_model(root / "tiny", max_pos=8192)
         return path, json.loads((path / "config.json").read_text())["vocab_size"]
     path = root / f"qwen2.5-{shape}"
     path.mkdir(parents=True, exist_ok=True)
@@ -96,6 +100,9 @@ class System:
     # continues from it) for kvbaton, decode (D computes the first token, the flow of vLLM's own
     # P/D proxy) for native connectors; "" picks by connector.
     first_token: str = ""
+    # The agent scenario's client names its sessions (and says when a tool call is done) for a
+    # kvbaton system; False sends the same turns without them.
+    client_sessions: bool = True
 
     @property
     def router_first_token(self) -> str:

@@ -478,6 +478,12 @@ class Engine:
         blocks = self.blocks(-(-num_tokens // BLOCK_SIZE))
         prompt = self.prompt(request, num_tokens)
         prompt.kv_transfer_params = {"do_remote_decode": True} if remote else None
+        session = self.session_section(request)
+        if session is not None:
+            # A turn of an agent session: the scheduler side hears of the request as it arrives
+            # (a resumed session's blocks move up a tier), and keeps its prompt as it finishes.
+            prompt.kv_transfer_params = {**(prompt.kv_transfer_params or {}), "kvbaton_session": session}
+            self.scheduler.on_new_request(prompt)
         prompt.status = RequestStatus().FINISHED_LENGTH_CAPPED
         held, params = self.scheduler.request_finished(prompt, [list(blocks)])
         if not held:
@@ -489,12 +495,26 @@ class Engine:
             return None
         return Handoff(request, ticket, num_tokens, "", section["keepalive"], self, params, prompt.prompt_token_ids)
 
+    def session_section(self, request: str) -> dict | None:
+        """A third of P's prompts are a turn of their document's session: kept from a tenth of a
+        second (it expires within the sequence) to a minute, resumed or first."""
+
+        sessions = self.world.sessions
+        if sessions.random() >= 0.33:
+            return None
+        document = int(hashlib.sha256(request.encode()).hexdigest(), 16) % DOCUMENTS
+        return {"id": f"session-{document}", "keep_s": sessions.choice((0.1, 1.0, 60.0)),
+                "resume": sessions.random() < 0.6}
+
     def ask_history(self, request: str) -> None:
         """A prompt reaches P; its scheduler side asks history for the prefix at the next step
         (a lease, restored into the request's blocks, if history keeps it)."""
 
         world = self.world
         prompt = self.prompt(request, world.rng.randint(1, 6) * BLOCK_SIZE)
+        session = self.session_section(request)
+        if session is not None:
+            prompt.kv_transfer_params = {"kvbaton_session": session}
         self.requests[request] = DecodeRequest(Handoff(request, "", 0, "", "", self), request=prompt)
         self.scheduler.on_new_request(prompt)
         self.waiting.append(request)
@@ -510,9 +530,10 @@ class Engine:
         history = self.sidecar.ledger.history
         for key, _tier, _block in msg.copies:
             blk = history.blocks.get(key)
-            if blk is None or blk.state not in ("GPU", "CPU") or blk.pins <= 0:
-                world.violation(self, f"restore {msg.lease} copies {key} from a slot that is "
-                                      f"{blk.state + ' unpinned' if blk else 'gone'}")
+            # (A promoting block is read from its CPU slot, which the copier keeps until then.)
+            if blk is None or blk.state not in ("GPU", "CPU", "PROMOTING") or blk.pins <= 0:
+                why = "gone" if blk is None else (blk.state if blk.pins > 0 else blk.state + " unpinned")
+                world.violation(self, f"restore {msg.lease} copies {key} from a slot that is {why}")
         def done(rank: int) -> m.RestoreDone:
             ok = not world.fault("copy_failure")
             if ok and msg.request:  # the worker tells vLLM itself, in the step the copy ends
@@ -741,6 +762,8 @@ class World:
         sidecar_class = SIDECAR_CLASSES[broken]
         # Tensor parallel sizes: 1 or 2 ranks per engine, so P and a D may differ (each D rank
         # then reads its share from P's ranks). Drawn apart from `rng`, whose draws set the rest.
+        # Agent sessions draw apart too: which prompts name one, for how long, and resumes.
+        self.sessions = random.Random(f"sessions/{seed}")
         sizes = random.Random(f"ranks/{seed}")
         ranks = {name: sizes.choice((1, 1, 2)) for name in ("P", "D0", "D1")}
         self.instances = 0

@@ -136,6 +136,8 @@ class HistoryStore(Book):
             probation.popitem(last=False)
 
     def _remove(self, blk: HistoryBlock, trigger: str, reason: Dropped, out: list[Effect]) -> None:
+        if reason == Dropped.CAPACITY and blk.key in self.kept:
+            self._internal_error(f"history {blk.key}: evicted for room while a session keeps it")
         bb = self.config.block_bytes
         tier = "cpu" if blk.state in (DEMOTING, CPU, PROMOTING) else "gpu"
         if tier == "gpu" or blk.state == PROMOTING:

@@ -1,5 +1,5 @@
-"""Hypothesis over P's history policy alone: retentions, copy results, demotions, restores and
-leases in any order. After every step: prefix closure, budgets, pins equal open leases, at most
+"""Hypothesis over P's history policy alone: retentions, copy results, demotions, restores,
+leases, and agent sessions (turns kept, prefetches and their promotions, closes, expiry) in any order. After every step: prefix closure, budgets, pins equal open leases, at most
 `retention_writers_max` writers (the ledger's invariants) and the auditor's books. Teardown ends everything in flight and ticks
 past every deadline: no lease left open, no block pinned, budgets still respected."""
 
@@ -32,6 +32,7 @@ class HistoryPolicy(RuleBasedStateMachine):
         self.next_id = 0
         self.retaining: list[str] = []
         self.demoting: list[str] = []
+        self.promoting: list[str] = []
         self.leases: dict[str, str] = {}  # lease -> state as the shell sees it
         self.hits_expected = 0
         self.violations: list[str] = []
@@ -46,6 +47,8 @@ class HistoryPolicy(RuleBasedStateMachine):
                 self.retaining.append(effect.ticket)
             elif isinstance(effect, fx.DemoteHistory):
                 self.demoting.append(effect.key)
+            elif isinstance(effect, fx.PromoteHistory):
+                self.promoting.extend(effect.keys)
             elif isinstance(effect, fx.ReplyRestore) and effect.keys:
                 self.leases[effect.lease] = "reserved"
             elif isinstance(effect, fx.LeaseDone):
@@ -79,6 +82,21 @@ class HistoryPolicy(RuleBasedStateMachine):
     def demotion_finishes(self, ok, index):
         key = self.demoting.pop(index % len(self.demoting))
         self.apply(ev.HistoryDemoted(self.now, key, ok))
+
+    @rule(doc=st.sampled_from(DOCS), length=st.integers(1, 6), keep=st.sampled_from([0, 10, 40, 200]))
+    def session_turn(self, doc, length, keep):
+        self.apply(ev.SessionKept(self.now, f"s-{doc}", tuple(f"{doc}{i}" for i in range(length)), keep))
+
+    @rule(doc=st.sampled_from(DOCS + ["nobody"]), close=st.booleans())
+    def session_prefetch_or_close(self, doc, close):
+        event = ev.SessionClosed if close else ev.SessionPrefetchRequested
+        self.apply(event(self.now, f"s-{doc}"))
+
+    @precondition(lambda self: self.promoting)
+    @rule(ok=st.booleans(), index=st.integers(0, 5))
+    def promotion_finishes(self, ok, index):
+        key = self.promoting.pop(index % len(self.promoting))
+        self.apply(ev.HistoryPromoted(self.now, key, ok))
 
     @rule(doc=st.sampled_from(DOCS), length=st.integers(1, 6))
     def restore_requested(self, doc, length):
@@ -117,8 +135,11 @@ class HistoryPolicy(RuleBasedStateMachine):
     def teardown(self):
         while self.retaining:
             self.apply(ev.HistoryPublished(self.now, self.retaining.pop(), True))
-        while self.demoting:
-            self.apply(ev.HistoryDemoted(self.now, self.demoting.pop(), True))
+        while self.demoting or self.promoting:
+            if self.demoting:
+                self.apply(ev.HistoryDemoted(self.now, self.demoting.pop(), True))
+            else:
+                self.apply(ev.HistoryPromoted(self.now, self.promoting.pop(), True))
         for lease in list(self.leases):
             if self.ledger.leases.leases[lease].state == "READING":
                 self.apply(ev.LeaseReadFinished(self.now, lease, True))
@@ -126,6 +147,8 @@ class HistoryPolicy(RuleBasedStateMachine):
         assert not self.violations, self.violations[:3]
         assert self.ledger.open_counts() == {"tickets": 0, "loads": 0, "leases": 0, "sessions": 0}
         assert all(block.pins == 0 for block in self.ledger.history.blocks.values())
+        assert self.ledger.history.kept == {}  # every session expired: nothing is kept
+        assert not any(block.state == "PROMOTING" for block in self.ledger.history.blocks.values())
         assert self.auditor.leaks() == []
 
 

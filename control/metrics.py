@@ -166,7 +166,7 @@ def families(snap: dict) -> list:
           [(("steps",), gate.get("steps", 0)), (("restores",), gate.get("restores", 0))])
     counter("kvbaton_history_promoted_blocks", "Blocks a session's prefetch moved from the CPU back to "
             "the GPU tier (P), by result", labels=("result",),
-            rows=[(("ok",), max(0, counters.get("history.promotions", 0) - counters.get("history.promotions_failed", 0))),
+            rows=[(("ok",), counters.get("history.promoted", 0)),
                   (("failed",), counters.get("history.promotions_failed", 0))])
     counter("kvbaton_sessions", "Agent sessions (P): opened, turns kept, prefetches, and how they "
             "ended (expired, closed)", labels=("event",),

@@ -13,8 +13,8 @@ One record per resident key:
                                    │ copy failed / deadline     ▲   │ (pinned: never)        │  │
                                    ▼                            │   ▼ evict (leaf, LRU)      ▼  │
                                 EVICTED ◀───────────────────────┼───┴────────────────────────┘  │
-                                            promoted            └──── PROMOTING ◀──promote──────┘
-                                            (a failed promotion goes back to CPU: its data is there)
+                                   ▲        promoted            └──── PROMOTING ◀──promote──────┘
+                                   └───────── promotion failed (with its subtree) ───┘
 
 Policy, all deterministic:
 * Admission is prefix-closed: walk a released ticket's keys in order; stop at the first key that is
@@ -35,7 +35,14 @@ Policy, all deterministic:
   when no other block can be; keeping a key needs no probation. Once no session keeps a block it
   goes to the old end of its tier's LRU: the first to leave. A session's prefetch promotes its
   CPU-tier blocks back to the GPU tier (head first), making room only by demoting blocks no session
-  keeps; a promoting block is still restorable from its CPU slot.
+  keeps; a promoting block is still restorable from its CPU slot. A promotion that failed (on any
+  worker rank) drops the block and its subtree, as a failed demotion does: with tensor parallelism
+  its ranks may disagree on where the block is, and a drop puts every rank in step. Where a lease
+  pins the block or a block below it, it goes back to the CPU tier instead (a restore reads each
+  rank's copy wherever it is; a rank whose copy succeeded holds one GPU slot more than these books
+  until the block is dropped).
+* A promoted block that a lease still pins keeps its CPU bytes charged (`cpu_held`) until the lease
+  ends: a restore may still be reading its CPU slot, which the shell frees only after that read.
 
 Byte accounting: STAGING and GPU blocks use the GPU budget; DEMOTING and CPU blocks use the CPU
 budget (a demotion frees its GPU slot at once: the shell orders the demotion copy before any later
@@ -75,9 +82,12 @@ SPEC = MachineSpec(
         {"trigger": "demote_failed", "source": DEMOTING, "dest": EVICTED},
         {"trigger": "promote", "source": CPU, "dest": PROMOTING},
         {"trigger": "promoted", "source": PROMOTING, "dest": GPU},
+        # A failed promotion drops the block with its subtree; one a lease pins (or pins below)
+        # goes back to the CPU tier instead.
+        {"trigger": "promote_failed", "source": PROMOTING, "dest": EVICTED},
         {"trigger": "promote_failed", "source": PROMOTING, "dest": CPU},
-        # Evicting a promoting block happens only with its subtree, when an ancestor's demotion
-        # failed (the LRUs never name one).
+        # Evicting a promoting block happens only with a subtree, when an ancestor's demotion or
+        # promotion failed (the LRUs never name one).
         {"trigger": "evict", "source": [GPU, CPU, PROMOTING], "dest": EVICTED},
         {"trigger": "seen_again", "source": EVICTED, "dest": PROBATION},
     ],
@@ -96,6 +106,9 @@ class HistoryBlock(msgspec.Struct):
     pins: int = 0
     children: int = 0
     writer: str = ""  # the ticket whose retention is staging this block
+    # Promoted while pinned: its CPU slot may still be read by the lease's restore, so its CPU
+    # bytes stay charged until the last pin goes.
+    cpu_held: bool = False
 
 
 class HistoryStore(Book):
@@ -142,8 +155,9 @@ class HistoryStore(Book):
         tier = "cpu" if blk.state in (DEMOTING, CPU, PROMOTING) else "gpu"
         if tier == "gpu" or blk.state == PROMOTING:
             self.gpu_used -= bb
-        if tier == "cpu":
+        if tier == "cpu" or blk.cpu_held:
             self.cpu_used -= bb
+            blk.cpu_held = False
         self.gpu_lru.pop(blk.key, None)
         self.cpu_lru.pop(blk.key, None)
         self._move(blk, trigger, EVICTED)
@@ -467,23 +481,34 @@ class HistoryStore(Book):
             out.append(PromoteHistory(tuple(moving)))
         return len(moving), why
 
-    def promoted(self, key: str, ok: bool) -> Reason | str:
-        """From PROMOTING → GPU (its CPU slot freed) when `ok`, else back → CPU (its data is still
-        there); returns "" or, when the block is not promoting, Reason.NOT_PROMOTING."""
+    def promoted(self, key: str, ok: bool, out: list[Effect]) -> Reason | str:
+        """From PROMOTING → GPU (its CPU bytes freed, or held while a lease pins it) when `ok`, else
+        → EVICTED with its subtree (→ CPU where a lease pins any of it); returns "" or, when the
+        block is not promoting, Reason.NOT_PROMOTING (nothing changes)."""
 
         blk = self.blocks.get(key)
         if blk is None or blk.state != PROMOTING:
             return Reason.NOT_PROMOTING
-        bb = self.config.block_bytes
         if ok:
             self._move(blk, "promoted", GPU)
-            self.cpu_used -= bb
+            self.counters.add("history.promoted")
+            if blk.pins:
+                blk.cpu_held = True
+            else:
+                self.cpu_used -= self.config.block_bytes
             self.gpu_lru[key] = None
-        else:
+            return ""
+        self.counters.add("history.promotions_failed")
+        doomed = self._subtree(key)
+        if any(victim.pins for victim in doomed):
             self._move(blk, "promote_failed", CPU)
-            self.gpu_used -= bb
+            self.gpu_used -= self.config.block_bytes
             self.cpu_lru[key] = None
-            self.counters.add("history.promotions_failed")
+            return ""
+        for victim in reversed(doomed):
+            trigger = "promote_failed" if victim is blk else (
+                {DEMOTING: "demote_failed", STAGING: "stage_failed"}.get(victim.state, "evict"))
+            self._remove(victim, trigger, Dropped.PROMOTION_FAILED, out)
         return ""
 
     def pin(self, keys) -> None:
@@ -497,6 +522,9 @@ class HistoryStore(Book):
                 self._internal_error(f"history {key}: unpinned more than pinned")
                 continue
             blk.pins -= 1
+            if not blk.pins and blk.cpu_held:
+                blk.cpu_held = False
+                self.cpu_used -= self.config.block_bytes
 
     # -- invariants ------------------------------------------------------------------------------
 
@@ -515,8 +543,10 @@ class HistoryStore(Book):
                 children[blk.parent] = children.get(blk.parent, 0) + 1
             if blk.state in (STAGING, GPU, PROMOTING):
                 gpu += cfg.block_bytes
-            if blk.state in (DEMOTING, CPU, PROMOTING):
+            if blk.state in (DEMOTING, CPU, PROMOTING) or blk.cpu_held:
                 cpu += cfg.block_bytes
+            if blk.cpu_held and (blk.state != GPU or not blk.pins):
+                found.append(f"{where}: CPU bytes held but not a pinned GPU block")
             if blk.pins and blk.state not in RESTORABLE:
                 found.append(f"{where}: pinned but not restorable")
             if blk.pins < 0:

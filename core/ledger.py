@@ -220,12 +220,14 @@ class Ledger:
         return out
 
     def _promoted(self, event: ev.HistoryPromoted, now: int) -> list[Effect]:
-        """From PROMOTING → GPU, or back to CPU when the copy failed; else Rejected(NOT_PROMOTING)."""
+        """From PROMOTING → GPU, or EVICTED with its subtree when the copy failed; else
+        Rejected(NOT_PROMOTING)."""
 
-        reason = self.history.promoted(event.key, event.ok)
+        out: list[Effect] = []
+        reason = self.history.promoted(event.key, event.ok, out)
         if reason:
             return [reject(self.counters, "hm", event.key, reason)]
-        return []
+        return out
 
     # -- checks ----------------------------------------------------------------------------------
 

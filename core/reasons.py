@@ -140,3 +140,4 @@ class Dropped(StrEnum):
     COPY_FAILED = "copy_failed"
     DEADLINE = "deadline"  # the retention's soft deadline passed first
     DEMOTION_FAILED = "demotion_failed"
+    PROMOTION_FAILED = "promotion_failed"

@@ -103,7 +103,7 @@ class SessionBook(Book):
         if keep_ns > cfg.session_keep_max_ns:
             keep_ns = cfg.session_keep_max_ns
             self.counters.add("sessions.keep_clamped")
-        keys = self._bounded(tuple(e.keys))
+        keys = self._bounded(tuple(e.keys), se.keys if se is not None else ())
         if se is None:
             se = Session(e.session, KEPT, NEVER, keep_ns)
             self.sessions[e.session] = se
@@ -111,17 +111,21 @@ class SessionBook(Book):
             self.counters.add("sessions.opened")
         else:
             self._move(se, "keep", KEPT)
-            history.unkeep(se.keys)
+        # The new turn's keys first: keys both turns keep never drop to no keeper in between
+        # (which would send them to the old end of their LRU).
         history.keep(keys)
+        if se.turns:
+            history.unkeep(se.keys)
         se.keys, se.keep_ns = keys, keep_ns
         se.turns += 1
         self.counters.add("sessions.turns")
         self._set_deadline(se, now + keep_ns)
         return []
 
-    def _bounded(self, keys: tuple[str, ...]) -> tuple[str, ...]:
+    def _bounded(self, keys: tuple[str, ...], old: tuple[str, ...]) -> tuple[str, ...]:
         """The leading keys a session may keep: its own bound, then the total's (a key kept
-        already, by this session's last turn or another session, costs nothing more)."""
+        already, by this session's last turn or another session, costs nothing more; a key only
+        its last turn kept and this one does not is about to be let go)."""
 
         cfg, bb = self.config, self.config.block_bytes
         own = cfg.session_bytes_max // bb
@@ -129,7 +133,9 @@ class SessionBook(Book):
             self.counters.add("sessions.trimmed.session", len(keys) - own)
             keys = keys[:own]
         kept = self.history.kept
-        room = cfg.sessions_bytes_max // bb - len(kept)
+        wanted = set(keys)
+        leaving = sum(1 for key in set(old) if kept.get(key) == 1 and key not in wanted)
+        room = cfg.sessions_bytes_max // bb - len(kept) + leaving
         for index, key in enumerate(keys):
             if key in kept:
                 continue  # kept already (by this session's last turn or another): counted
@@ -177,6 +183,7 @@ class SessionBook(Book):
         self._terminate(se, trigger, dest)
         se.outcome = outcome
         self.history.unkeep(se.keys)
+        se.keys = ()  # an ended session is kept a while as a record: not its keys
         self.open -= 1
         self.counters.add("sessions." + outcome)
 

@@ -236,6 +236,10 @@ class Router:
         # can find (or time) another's cached prefixes; routing by cache is off for them.
         self.tenant_header = tenant_header.lower() if tenant_header else None
         self.tenant_key = tenant_key or secrets.token_bytes(32)
+        # What names a client's session on P: derived from the router key where there is one, so
+        # a restarted router (or another replica) names a returning session as before.
+        self.session_key = hashlib.blake2b(router_key, key=b"kvbaton-sessions", digest_size=32).digest() \
+            if router_key else self.tenant_key
         # /metrics answers this key, not the API key (operators, not API clients), when set.
         self.metrics_key = metrics_key or None
         self.max_body_bytes = max_body_bytes
@@ -486,7 +490,7 @@ class Router:
             body["cache_salt"] = self.tenant_salt(tenant, body.get("cache_salt"))
         tenant = request.headers.get(self.tenant_header, "") if self.tenant_header is not None else ""
         try:
-            session = session_ask(body, request.headers, tenant, self.tenant_key)
+            session = session_ask(body, request.headers, tenant, self.session_key)
         except SessionError as exc:
             self.requests.labels(endpoint, "bad_request").inc()
             return openai_error(400, str(exc), param=exc.param)
@@ -577,11 +581,14 @@ class Router:
         if self.tenant_header is not None and not tenant:
             return openai_error(400, f"the {self.tenant_header} header must name the session's tenant")
         try:
-            session = session_ask({"kvbaton_session": ident}, {}, tenant, self.tenant_key)
+            session = session_ask({"kvbaton_session": ident}, {}, tenant, self.session_key)
         except SessionError as exc:
             return openai_error(400, str(exc), param="session")
-        place = (self.session_places.get(session.key, time.monotonic()) if action == "prefetch"
-                 else self.session_places.pop(session.key))
+        if not self.router_key:
+            self.sessions.labels(action + "_failed").inc()
+            return openai_error(503, "this router holds no router key, so it cannot reach the engines' sidecars "
+                                     "(kvbaton serve derives one from the secret)", kind="upstream_error")
+        place = self.session_places.get(session.key, time.monotonic())
         if place is None or not place.door:
             self.sessions.labels(action + "_unknown").inc()
             return openai_error(404, "no engine keeps this session (never seen, expired or closed)",
@@ -589,14 +596,14 @@ class Router:
         try:
             answer = await self.call_sidecar(place.door, pc.Session(session.key, action), to=place.instance,
                                              timeout_s=5.0)
-        except Exception as exc:
+        except Exception as exc:  # the place stays: the client may try again
             logger.warning("could not %s session on %s: %r", action, place.door, exc)
             self.sessions.labels(action + "_failed").inc()
             return openai_error(502, "the engine that keeps this session did not answer", kind="upstream_error")
+        if not answer.ok or action == "close":
+            self.session_places.pop(session.key)
         if not answer.ok:
             self.sessions.labels(action + "_unknown").inc()
-            if action == "prefetch":
-                self.session_places.pop(session.key)
             return openai_error(404, f"the engine no longer keeps this session ({answer.reason})",
                                 param="session", code="session_not_found")
         self.sessions.labels(action).inc()
@@ -1226,11 +1233,11 @@ def build_app(router: Router) -> FastAPI:
     async def chat(request: Request):
         return await router.handle(request, "/v1/chat/completions")
 
-    @app.post("/v1/sessions/{session}/prefetch")
+    @app.post("/v1/sessions/{session:path}/prefetch")
     async def session_prefetch(request: Request, session: str):
         return await router.session_call(request, session, "prefetch")
 
-    @app.delete("/v1/sessions/{session}")
+    @app.delete("/v1/sessions/{session:path}")
     async def session_close(request: Request, session: str):
         return await router.session_call(request, session, "close")
 

@@ -9,6 +9,7 @@ import array
 import hashlib
 import hmac
 import ipaddress
+import re
 import time
 from typing import Any
 
@@ -176,8 +177,10 @@ def prompt_digest(request, num_tokens: int) -> str:
 
 # --- agent sessions ------------------------------------------------------------------------------
 
-# The id a session may have on P (the router sends a digest of the tenant's and the client's ids).
+# The id a session may have on P (the router sends a digest of the tenant's and the client's ids):
+# the peer protocol's ids, so the router's Session call can name every session P keeps.
 SESSION_ID_CHARS = 128
+SESSION_ID = re.compile(r"[A-Za-z0-9._:/@+=-]+\Z")
 SESSION_PARAM = "kvbaton_session"
 
 
@@ -192,8 +195,9 @@ def session_request(params: dict) -> tuple[str, float, bool] | str | None:
     if not isinstance(section, dict):
         return "the session section is not an object"
     ident, keep, resume = section.get("id"), section.get("keep_s"), section.get("resume", False)
-    if not isinstance(ident, str) or not 0 < len(ident) <= SESSION_ID_CHARS or not ident.isprintable():
-        return f"the session id must be 1 to {SESSION_ID_CHARS} printable characters"
+    if not isinstance(ident, str) or not 0 < len(ident) <= SESSION_ID_CHARS or not SESSION_ID.match(ident):
+        return (f"the session id must be 1 to {SESSION_ID_CHARS} of the characters A-Z a-z 0-9 . _ : / @ + = - "
+                "(what the router's Session call carries)")
     if type(keep) not in (int, float) or not 0 < keep < 1e9:
         return "the session's keep_s must be a positive number of seconds"
     if type(resume) is not bool:

@@ -149,3 +149,32 @@ def test_session_parsing_and_places():
     for key in "abc":
         places.put(key, Place("p", until=10.0))
     assert len(places) == 2 and places.get("a", 0.0) is None
+
+
+def test_a_close_the_engine_did_not_answer_can_be_tried_again_and_no_router_key_is_a_clear_503():
+    engines = Engines()
+
+    def unreachable(call):
+        raise ConnectionError("no route")
+
+    replies, _, _ = run(engines, [("POST", "/v1/completions", None, {**BODY, "kvbaton_session": "a/b"}),
+                                  ("DELETE", "/v1/sessions/a/b", None, None),
+                                  ("DELETE", "/v1/sessions/a/b", None, None)], door=unreachable)
+    assert [r.status_code for r in replies] == [200, 502, 502]  # the place stays for a retry
+
+    async def go():
+        router = Router(P_URLS, [D_URL], models=["tiny"])
+        app = build_app(router)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            return await client.post("/v1/sessions/x/prefetch")
+
+    reply = asyncio.run(go())
+    assert reply.status_code == 503 and "router key" in reply.json()["error"]["message"]
+
+
+def test_a_restarted_router_names_a_session_as_before():
+    key = rd.router_key("s")
+    first, second = Router(P_URLS, [D_URL], router_key=key), Router(P_URLS, [D_URL], router_key=key)
+    one = session_ask({"kvbaton_session": "c"}, {}, "", first.session_key)
+    two = session_ask({"kvbaton_session": "c"}, {}, "", second.session_key)
+    assert one.key == two.key

@@ -122,15 +122,35 @@ def test_a_prefetch_promotes_cpu_blocks_head_first_and_refreshes_the_deadline():
     promotes = [e for e in out if isinstance(e, fx.PromoteHistory)]
     assert promotes and promotes[0].keys == ("a0", "a1")
     assert sorted(e.key for e in out if isinstance(e, fx.DemoteHistory)) == ["o0", "o1"]  # unkept made room
+    demoted(p, out, 5 * SECOND_NS)
     assert p.sessions.sessions["s"].deadline_ns == 15 * SECOND_NS
     # While promoting, a restore still finds them (from the CPU slots).
     assert p.apply(ev.RestoreRequested(5 * SECOND_NS, "L", "q", 0, ("a0", "a1")))[0].keys == ("a0", "a1")
     assert p.check_invariants() == []
+    cpu_before = p.history.cpu_used
     p.apply(ev.HistoryPromoted(5 * SECOND_NS, "a0", True))
-    p.apply(ev.HistoryPromoted(5 * SECOND_NS, "a1", False))  # failed: back in the CPU tier, data intact
-    assert (state(p, "a0"), state(p, "a1")) == ("GPU", "CPU")
+    # The lease may still be reading a0's CPU slot: its CPU bytes stay charged until it ends.
+    assert state(p, "a0") == "GPU" and p.history.blocks["a0"].cpu_held and p.history.cpu_used == cpu_before
+    # A failed promotion of a block the lease pins: back to the CPU tier, where the lease reads it.
+    assert p.apply(ev.HistoryPromoted(5 * SECOND_NS, "a1", False)) == []
+    assert state(p, "a1") == "CPU"
     assert p.counters["history.promotions"] == 2 and p.counters["history.promotions_failed"] == 1
     assert [e.reason for e in p.apply(ev.HistoryPromoted(6 * SECOND_NS, "a0", True))] == ["not promoting"]
+    assert p.check_invariants() == []
+    p.apply(ev.LeaseReleased(6 * SECOND_NS, "L", "q", 0))  # the lease ends: a0's CPU bytes go
+    assert not p.history.blocks["a0"].cpu_held and p.history.cpu_used == cpu_before - BB
+    # Unpinned, a failed promotion drops the block and its subtree: every rank then agrees.
+    p.apply(ev.HistoryObserved(7 * SECOND_NS, ("o2", "o3")))
+    demoted(p, retain(p, "o2", ("o2", "o3"), 7), 7)  # the GPU tier full of unkept blocks again
+    out = p.apply(ev.SessionPrefetchRequested(8 * SECOND_NS, "s"))
+    demoted(p, out, 8 * SECOND_NS)
+    promotes = [e for e in out if isinstance(e, fx.PromoteHistory)]
+    assert promotes[0].keys == ("a0", "a1")  # o2 (which took a0's place) and o3 went down for them
+    p.apply(ev.HistoryPromoted(8 * SECOND_NS, "a0", True))
+    dropped = p.apply(ev.HistoryPromoted(8 * SECOND_NS, "a1", False))
+    assert [(e.key, e.reason) for e in dropped if isinstance(e, fx.DropHistory)] == [("a1", "promotion_failed")]
+    assert state(p, "a1") is None and state(p, "a0") == "GPU" and not p.history.blocks["a0"].cpu_held
+    assert p.check_invariants() == []
     assert [e.reason for e in p.apply(ev.SessionPrefetchRequested(6, "nobody"))] == ["unknown session"]
     assert p.check_invariants() == []
 

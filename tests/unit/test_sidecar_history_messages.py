@@ -117,11 +117,13 @@ def test_a_session_prefetch_demotes_then_promotes_and_the_router_door_moves_it(s
     history = [msg for sock, msg in a.io.sent if sock == "history"]
     assert [type(msg).__name__ for msg in history] == ["DemoteCopies", "PromoteCopies"]
     assert history[1].keys == ("a0", "a1") and len(history[0].keys) == 2
-    assert a.residency.tiers  # promoting blocks are announced as restorable from the CPU tier
+    # Promoting blocks stay announced as restorable from the CPU tier until their copies end.
+    assert (a.residency.tiers.get("a0"), a.residency.tiers.get("a1")) == ("CPU", "CPU")
     a.on_message(m.DemotesDone(tuple((key, True, "") for key in history[0].keys)))
     a.on_message(m.PromotesDone((("a0", True, ""), ("a1", True, "")), 0.002))
     blocks = a.ledger.history.blocks
     assert blocks["a0"].state == blocks["a1"].state == "GPU"
+    assert (a.residency.tiers.get("a0"), a.residency.tiers.get("a1")) == ("GPU", "GPU")
     assert a.history_io["promotions"] == 2 and a.history_io["promotions_failed"] == 0
     assert not a.server.answer(pc.Session("nobody", "prefetch")).ok
     assert a.server.answer(pc.Session("s1", "close")).ok

@@ -327,9 +327,7 @@ class SlotStore:
             return errors
         # While the copy runs the key stays in the CPU tier, so a restore meanwhile reads it there.
         try:
-            runs = pair_runs((cslot, gslot) for _, cslot, gslot in moves)
-            self._run(self.stream, self._copy_runs, self.tiers["cpu"], self.tiers["gpu"], runs,
-                      after_engine=False)
+            self._run(self.stream, self._promote_copy, moves, after_engine=False)
             self._fence(self.stream)
         except Exception as exc:
             with self.lock:
@@ -345,6 +343,31 @@ class SlotStore:
                 else:  # dropped meanwhile (only this thread drops: never, but stay safe)
                     self._free_slot("gpu", gslot)
         return errors
+
+    def _promote_copy(self, moves) -> None:
+        """Copy CPU-tier slots into GPU-tier slots: run by run where the runs are few (one DMA
+        each from the pinned tier), else gathered per chunk into pinned memory and uploaded with
+        one DMA per piece (a session's blocks lie wherever demotions put them)."""
+
+        runs = pair_runs((cslot, gslot) for _, cslot, gslot in moves)
+        if self.copies_run_by_run(runs, onto_views=False, host=True):
+            self._copy_runs(self.tiers["cpu"], self.tiers["gpu"], runs)
+            return
+        torch = self.torch
+        moves = sorted(moves, key=lambda move: move[1])
+        cslots = self._index((c for _, c, _ in moves), "cpu")
+        gslots = self._index((g for _, _, g in moves), self.device)
+        sources, targets = self.tiers["cpu"], self.tiers["gpu"]
+        step = self._slots_per_chunk()
+        for start in range(0, len(moves), step):
+            part = cslots[start:start + step]
+            staged = self._host_staging([((len(part), *source.shape[1:]), source.dtype) for source in sources])
+            uploads = []
+            for source, host, target in zip(sources, staged, targets):
+                torch.index_select(source, 0, part, out=host)
+                uploads.append(host.to(target.device, non_blocking=self.cuda))
+            for target, rows in zip(targets, uploads):
+                target.index_copy_(0, gslots[start:start + step], rows)
 
     # A demotion or CPU-tier restore that cannot go run by run (below), with CPU-tier slots in at
     # most this many runs, gathers on the device and moves each run with one asynchronous DMA; a

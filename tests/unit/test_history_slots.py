@@ -683,3 +683,18 @@ def test_copier_answers_promotions_per_key(tmp_path):
         done = [r for r in replies if type(r) is m.PromotesDone][0]
         assert [(key, ok) for key, ok, _error in done.results] == [("a", True), ("x", False)]
         assert store.where("a") == "gpu"
+
+
+def test_scattered_promotions_are_gathered_and_stay_bit_exact():
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=6, cpu_slots=6)
+    store.MAX_DIRECT_COPIES = store.MAX_HOST_COPIES = 0  # every promotion takes the gather path
+    saved = {b: engine_block(caches, b, 0) for b in range(1, 7)}
+    store.stage([(b, f"k{b}") for b in range(1, 7)])
+    assert store.demote_many([f"k{b}" for b in (5, 1, 3, 6, 2, 4)]) == [None] * 6
+    for key in ("k2", "k4"):  # scatter: free slots between the kept ones
+        store.drop(key)
+    assert store.promote_many(["k6", "k1", "k5"]) == [None, None, None]
+    for b in (1, 5, 6):
+        assert store.where(f"k{b}") == "gpu" and store.read_slot(f"k{b}") == saved[b]
+    assert store.read_slot("k3") == saved[3] and store.where("k3") == "cpu"

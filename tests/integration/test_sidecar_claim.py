@@ -362,7 +362,7 @@ def test_sidecars_started_together_bind_their_own_ports_and_say_where(sidecars):
         addresses = {h.address for h in handles}
         assert len(addresses) == 3 and all(a.startswith("127.0.0.1:") and not a.endswith(":0") for a in addresses)
         for handle in handles:
-            assert state(handle)["open"] == {"tickets": 0, "loads": 0, "leases": 0}
+            assert state(handle)["open"] == {"tickets": 0, "loads": 0, "leases": 0, "sessions": 0}
     finally:
         for handle in handles:
             handle.stop()

@@ -594,6 +594,9 @@ class SchedulerSide:
                 return 0, False
             slot.state, slot.lease, slot.epoch = SlotState.ASKED, self.new_id(), next(self.epochs)
             slot.first, slot.asked_at = first, self.clock()
+            # A scheduling retry asks again, but the request has waited since its first ask: the
+            # gate's measured wait (and what it takes off a prediction) counts from there.
+            slot.first_asked_at = slot.first_asked_at or slot.asked_at
             self.send(ev.RestoreRequested(0, slot.lease, rid, slot.epoch, tuple(keys[first:])))
             return None, False  # not known yet: vLLM asks again next step
         if slot.state == SlotState.ASKED:
@@ -634,7 +637,7 @@ class SchedulerSide:
         choice = gate.choose(self.steps, self.restores, self.declined, tokens=blocks * bs,
                              gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                              rest_tokens=max(1, prompt - (slot.first + blocks) * bs), budget=self.step_budget,
-                             waited_s=self.clock() - slot.asked_at if answered else 0.0)
+                             waited_s=self.clock() - slot.first_asked_at if answered else 0.0)
         slot.gate_reason = choice.reason
         if not choice.restore:
             slot.reason, slot.gated = f"gate: {choice.detail()}", True
@@ -691,7 +694,7 @@ class SchedulerSide:
         slot.state = SlotState.RESTORING
         self.send(ev.LeaseAllocated(0, slot.lease, dst, rid))
         if self.gate_on:
-            self.measuring[rid] = RestoreTiming(slot.lease, slot.asked_at)
+            self.measuring[rid] = RestoreTiming(slot.lease, slot.first_asked_at)
 
     def _release(self, rid: str, slot: Slot) -> None:
         if slot.state in LEASED:

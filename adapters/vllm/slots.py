@@ -56,7 +56,8 @@ class Slot:
     # A restore (P).
     lease: str = ""
     first: int = 0  # prompt block index of the first key asked for (the local prefix-cache hit)
-    asked_at: float = 0.0
+    asked_at: float = 0.0  # this ask (a scheduling retry asks again)
+    first_asked_at: float = 0.0  # the request's first ask: the wait the restore gate measures
     blocks: int = 0  # restorable blocks, once answered
     cpu_blocks: int = 0  # of them, in the CPU tier
     loaded: bool = False  # DONE: the handoff or restore delivered its tokens

@@ -217,3 +217,24 @@ def test_a_step_ended_by_a_finished_request_is_measured_up_to_the_finish():
     side.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=16, num_scheduled_tokens={},
                                               preempted_req_ids=()))
     assert side.steps.steps == 1 and side.steps.sum_y == pytest.approx(0.012)
+
+
+def test_a_scheduling_retry_asks_again_but_the_measured_wait_counts_from_the_first_ask():
+    clock, link = Clock(), Link()
+    side = p_side(clock, link)
+    run_steps(side, clock, 0.010, 1e-4)
+    for _ in range(gate.MIN_RESTORES):
+        side.restores.add(0.005, 0.001, 10, 0)
+    req = request("r9")
+    offered(side, req)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    first_ask = clock.now
+    clock.now += 0.030
+    # The retry finds one block in the engine's own cache now: the old answer no longer fits.
+    assert side.get_num_new_matched_tokens(req, BLOCK) == (None, False)
+    asked = link.events(ev.RestoreRequested)
+    assert len(asked) == 2 and len(asked[1].keys) == 9
+    link.inbox.append(m.RestoreReply(asked[1].lease, "r9", 9, 0))
+    assert side.get_num_new_matched_tokens(req, BLOCK) == (144, True)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(range(11)),)), 144)
+    assert side.measuring["r9"].asked_at == first_ask

@@ -134,6 +134,9 @@ class HistoryStore(Book):
         # key -> how many open sessions keep it (kept by `session.py` only; a key may be kept
         # before it is resident: its retention is then admitted without probation)
         self.kept: dict[str, int] = {}
+        # Keys no session keeps any longer that were mid-copy then (in no LRU): they enter their
+        # tier's LRU at the old end, the first to leave, as the others did.
+        self.released: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -160,6 +163,7 @@ class HistoryStore(Book):
             blk.cpu_held = False
         self.gpu_lru.pop(blk.key, None)
         self.cpu_lru.pop(blk.key, None)
+        self.released.discard(blk.key)
         self._move(blk, trigger, EVICTED)
         del self.blocks[blk.key]
         if blk.parent:
@@ -222,6 +226,15 @@ class HistoryStore(Book):
             return Dropped.CAPACITY
         self._remove(leaf, "evict", Dropped.CAPACITY, out)
         return ""
+
+    def _enter(self, lru: OrderedDict, key: str) -> None:
+        """`key` enters its tier's LRU: as the newest, or, released mid-copy, as the oldest."""
+
+        lru[key] = None
+        if key in self.released:
+            self.released.discard(key)
+            if key not in self.kept:
+                lru.move_to_end(key, last=False)
 
     def _demote(self, victim: HistoryBlock, out: list[Effect]) -> None:
         bb = self.config.block_bytes
@@ -355,7 +368,7 @@ class HistoryStore(Book):
                 if blk is not None and blk.state == STAGING:
                     self._move(blk, "published", GPU)
                     blk.writer = ""
-                    self.gpu_lru[key] = None
+                    self._enter(self.gpu_lru, key)
             self.counters.add("history.published", len(keys))
             return
         for key in reversed(keys):
@@ -373,7 +386,7 @@ class HistoryStore(Book):
             return Reason.NOT_DEMOTING
         if ok:
             self._move(blk, "demoted", CPU)
-            self.cpu_lru[key] = None
+            self._enter(self.cpu_lru, key)
             return ""
         # The data is gone from both tiers: drop it and every descendant, leaves first.
         doomed = self._subtree(key)
@@ -448,6 +461,8 @@ class HistoryStore(Book):
                 self.gpu_lru.move_to_end(key, last=False)
             elif blk.state == CPU:
                 self.cpu_lru.move_to_end(key, last=False)
+            else:
+                self.released.add(key)
 
     def promote(self, keys, out: list[Effect]) -> tuple[int, Dropped | str]:
         """Move the CPU-tier blocks of the chain `keys` back to the GPU tier, head first: each →
@@ -496,14 +511,14 @@ class HistoryStore(Book):
                 blk.cpu_held = True
             else:
                 self.cpu_used -= self.config.block_bytes
-            self.gpu_lru[key] = None
+            self._enter(self.gpu_lru, key)
             return ""
         self.counters.add("history.promotions_failed")
         doomed = self._subtree(key)
         if any(victim.pins for victim in doomed):
             self._move(blk, "promote_failed", CPU)
             self.gpu_used -= self.config.block_bytes
-            self.cpu_lru[key] = None
+            self._enter(self.cpu_lru, key)
             return ""
         for victim in reversed(doomed):
             trigger = "promote_failed" if victim is blk else (

@@ -310,6 +310,7 @@ class Ledger:
             "leases": self.leases.leases,
             "sessions": self.sessions.sessions,
             "kept": history.kept,
+            "released": sorted(history.released),
             "history": history.blocks,
             "gpu_lru": list(history.gpu_lru),
             "cpu_lru": list(history.cpu_lru),

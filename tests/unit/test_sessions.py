@@ -189,3 +189,18 @@ def test_a_session_retention_copies_beside_a_busy_writer():
 
 def kinds_of(effects):
     return [type(e).__name__ for e in effects]
+
+
+def test_a_block_let_go_while_it_moves_enters_its_tier_as_the_oldest():
+    p = ledger(gpu_blocks=1, cpu_blocks=4, probation_max=64)
+    p.apply(ev.SessionKept(1, "s", ("a0",), SECOND_NS))
+    retain(p, "a", ("a0",), 1)
+    p.apply(ev.HistoryObserved(2, ("o0",)))
+    out = retain(p, "o", ("o0",), 2)  # a0 (kept, the only one there) goes down
+    assert [e.key for e in out if isinstance(e, fx.DemoteHistory)] == ["a0"]
+    p.apply(ev.SessionClosed(3, "s"))  # let go while it is demoting
+    p.apply(ev.HistoryObserved(3, ("o1",)))
+    demoted(p, retain(p, "o1", ("o1",), 3), 3)  # o0 goes down after it: newer in the CPU tier
+    demoted(p, [fx.DemoteHistory("a0")], 4)
+    assert list(p.history.cpu_lru)[0] == "a0" and p.history.released == set()
+    assert p.check_invariants() == []

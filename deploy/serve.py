@@ -372,11 +372,13 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
                      api_key: str | None = None, max_body_bytes: int | None = None,
                      max_in_flight: int | None = None, max_batch_prompts: int | None = None,
                      first_token: str = "prefill", routing=None, tenant_header: str | None = None,
-                     metrics_key: str | None = None, secret_file: str = "", router_key: bytes | None = None) -> None:
+                     metrics_key: str | None = None, secret_file: str = "", router_key: bytes | None = None,
+                     sessions_per_tenant: int | None = None) -> None:
     import uvicorn
 
     from ..router.app import (DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, Router,
                               build_app)
+    from ..router.sessions import DEFAULT_SESSIONS_PER_TENANT
 
     router_key = router_key or deployment_router_key(secret_file)
 
@@ -388,7 +390,7 @@ async def run_router(deployment: Deployment, host: str, port: int, stop: asyncio
                     routing=routing or deployment.routing_config(), first_token=first_token,
                     tenant_header=tenant_header, metrics_key=metrics_key,
                     tenant_key=tenant_key(router_key) if tenant_header else None,
-                    router_key=router_key)
+                    router_key=router_key, sessions_per_tenant=sessions_per_tenant or DEFAULT_SESSIONS_PER_TENANT)
     # Connections beyond what the in-flight cap can use are answered 503 by uvicorn itself.
     config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", lifespan="on",
                             limit_concurrency=2 * router.max_in_flight + 64)
@@ -451,6 +453,9 @@ def add_serve_arguments(parser) -> None:
                              "the gateway in front, not the client), and each tenant's prompts are cached "
                              "under a salt of its own, so no tenant can find or time another's cached "
                              "prefixes (routing by cache is off for them)")
+    parser.add_argument("--sessions-per-tenant", type=int, default=None, metavar="N",
+                        help="with --tenant-header: the most agent sessions one tenant may have open "
+                             "(default 256); a tenant past it is served without new sessions")
     parser.add_argument("--metrics-key-file", default=None,
                         help="/metrics answers only this key (an operator's, owner-only file; default: "
                              "$KVBATON_METRICS_KEY), not the API key")
@@ -580,7 +585,8 @@ def run_serve(args) -> int:
                          max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
                          max_batch_prompts=args.max_batch_prompts, first_token=args.first_token,
                          tenant_header=args.tenant_header, metrics_key=metrics_key,
-                         secret_file=args.secret_file or "", router_key=router_key)
+                         secret_file=args.secret_file or "", router_key=router_key,
+                         sessions_per_tenant=args.sessions_per_tenant)
 
     try:
         asyncio.run(main())

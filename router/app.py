@@ -48,7 +48,7 @@ from prometheus_client.core import GaugeMetricFamily
 from . import first_token as ft
 from .metrics import RoutingMetrics
 from .routing import CacheRouting, Pick, RoutingCollector, RoutingConfig
-from .sessions import Place, Places, SessionError, session_ask
+from .sessions import DEFAULT_SESSIONS_PER_TENANT, Place, Places, SessionError, session_ask
 
 logger = logging.getLogger("kvbaton.router")
 
@@ -220,7 +220,8 @@ class Router:
                  max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS, routing: RoutingConfig | None = None,
                  first_token: str = "prefill", tenant_header: str | None = None,
                  tenant_key: bytes | None = None, metrics_key: str | None = None,
-                 max_body_memory: int = DEFAULT_MAX_BODY_MEMORY, body_read_s: float = BODY_READ_S) -> None:
+                 max_body_memory: int = DEFAULT_MAX_BODY_MEMORY, body_read_s: float = BODY_READ_S,
+                 sessions_per_tenant: int = DEFAULT_SESSIONS_PER_TENANT) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode engine URL")
         if first_token not in ft.MODES:
@@ -290,10 +291,13 @@ class Router:
                                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.sessions = Counter("kvbaton_router_sessions",
                                 "Agent session turns and calls: placed on the P that keeps the session (kept), "
-                                "a first turn (new), served by D alone (decode), a keeping P gone (moved), "
+                                "a first turn (new), served by D alone (decode), a keeping P gone (moved), a tenant "
+                                "with as many sessions as it may (tenant_limit: served without one), "
                                 "the client's prefetch or close (prefetch, close, with _unknown or _failed)",
                                 ["outcome"], registry=self.registry)
         self.session_places = Places()
+        # With tenants: the most sessions one tenant may have open (P's session bounds are per P).
+        self.sessions_per_tenant = sessions_per_tenant
         self.registry.register(EngineSidecarCollector(self))
         self.routing = RoutingMetrics(self.registry)
         # Which engines serve a request (cache-aware, or round robin with routing="round-robin").
@@ -547,6 +551,11 @@ class Router:
         """A session's turn goes to the P that keeps it (a turn D alone serves stays there: D holds
         the prefix); a first turn, or one whose P is gone, goes where routing chose."""
 
+        if (self.tenant_header is not None and self.session_places.get(session.key, time.monotonic()) is None
+                and self.session_places.open_for(session.tenant, time.monotonic()) >= self.sessions_per_tenant):
+            # Served as any other request: this tenant has as many sessions open as it may.
+            self.sessions.labels("tenant_limit").inc()
+            return
         pick.session = session
         if pick.p_url is None:
             self.sessions.labels("decode").inc()
@@ -568,7 +577,7 @@ class Router:
         self.session_places.put(pick.session.key, Place(p_url, time.monotonic() + pick.session.keep_s,
                                                         door if isinstance(door, str) else "",
                                                         instance if isinstance(instance, str) else "",
-                                                        pick.session.keep_s))
+                                                        pick.session.keep_s, pick.session.tenant))
 
     async def session_call(self, request: Request, ident: str, action: str) -> Response:
         """The client's word on a session: its tool call is done and the next turn is coming

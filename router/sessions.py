@@ -25,6 +25,9 @@ MAX_SESSION_CHARS = 256
 DEFAULT_KEEP_S = 300.0
 # The most the router remembers (least recently used first out): each is a few hundred bytes.
 MAX_PLACES = 1 << 17
+# In a multi-tenant router, the most open sessions one tenant may have (each P keeps at most
+# `sessions_max` in all): a tenant past it is served as before, without new sessions.
+DEFAULT_SESSIONS_PER_TENANT = 256
 
 
 class SessionError(ValueError):
@@ -40,6 +43,7 @@ class SessionAsk:
     client_id: str  # what the client calls it
     key: str  # what P calls it: keyed by the router, per tenant
     keep_s: float
+    tenant: str = ""
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Place:
     door: str = ""  # P's router door and instance, from its last answer
     instance: str = ""
     keep_s: float = DEFAULT_KEEP_S
+    tenant: str = ""
 
 
 def _keep(value, param: str) -> float:
@@ -83,7 +88,7 @@ def session_ask(body: dict, headers, tenant: str, key: bytes) -> SessionAsk | No
     if not isinstance(ident, str) or not 0 < len(ident) <= MAX_SESSION_CHARS or not ident.isprintable():
         raise SessionError(f"the session id must be 1 to {MAX_SESSION_CHARS} printable characters", SESSION_FIELD)
     keep_s = DEFAULT_KEEP_S if keep is None else _keep(keep, f"{SESSION_FIELD}.keep_s")
-    return SessionAsk(ident, session_key(key, tenant, ident), keep_s)
+    return SessionAsk(ident, session_key(key, tenant, ident), keep_s, tenant)
 
 
 def session_key(key: bytes, tenant: str, ident: str) -> str:
@@ -91,30 +96,49 @@ def session_key(key: bytes, tenant: str, ident: str) -> str:
 
 
 class Places:
-    """Which P keeps each session, least recently used first out."""
+    """Which P keeps each session, least recently used first out, and how many each tenant has."""
 
     def __init__(self, capacity: int = MAX_PLACES) -> None:
         self.capacity = capacity
         self.places: collections.OrderedDict[str, Place] = collections.OrderedDict()
+        self.by_tenant: collections.Counter[str] = collections.Counter()
 
     def get(self, key: str, now: float) -> Place | None:
         place = self.places.get(key)
         if place is None:
             return None
         if place.until < now:
-            del self.places[key]
+            self.pop(key)
             return None
         self.places.move_to_end(key)
         return place
 
     def put(self, key: str, place: Place) -> None:
+        old = self.places.pop(key, None)
+        if old is not None:
+            self._forget(old)
         self.places[key] = place
-        self.places.move_to_end(key)
+        self.by_tenant[place.tenant] += 1
         while len(self.places) > self.capacity:
-            self.places.popitem(last=False)
+            self._forget(self.places.popitem(last=False)[1])
 
     def pop(self, key: str) -> Place | None:
-        return self.places.pop(key, None)
+        place = self.places.pop(key, None)
+        if place is not None:
+            self._forget(place)
+        return place
+
+    def open_for(self, tenant: str, now: float) -> int:
+        """The tenant's sessions, after forgetting those whose keep time ran out (oldest first)."""
+
+        for key in [k for k, p in self.places.items() if p.tenant == tenant and p.until < now]:
+            self.pop(key)
+        return self.by_tenant.get(tenant, 0)
+
+    def _forget(self, place: Place) -> None:
+        self.by_tenant[place.tenant] -= 1
+        if self.by_tenant[place.tenant] <= 0:
+            del self.by_tenant[place.tenant]
 
     def __len__(self) -> int:
         return len(self.places)

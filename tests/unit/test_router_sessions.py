@@ -178,3 +178,16 @@ def test_a_restarted_router_names_a_session_as_before():
     one = session_ask({"kvbaton_session": "c"}, {}, "", first.session_key)
     two = session_ask({"kvbaton_session": "c"}, {}, "", second.session_key)
     assert one.key == two.key
+
+
+def test_a_tenant_past_its_session_limit_is_served_without_new_sessions():
+    engines = Engines()
+    reqs = [("POST", "/v1/completions", {"X-Tenant": "a", "X-Kvbaton-Session": f"chat-{i}"}, BODY) for i in range(3)]
+    reqs += [("POST", "/v1/completions", {"X-Tenant": "a", "X-Kvbaton-Session": "chat-0"}, BODY),  # a kept one
+             ("POST", "/v1/completions", {"X-Tenant": "b", "X-Kvbaton-Session": "chat-0"}, BODY)]  # another tenant
+    replies, router, _ = run(engines, reqs, tenant_header="X-Tenant", sessions_per_tenant=2)
+    assert all(r.status_code == 200 for r in replies)
+    named = ["kvbaton_session" in body["kv_transfer_params"] for _, body in engines.prefills()]
+    assert named == [True, True, False, True, True]
+    assert router.sessions.labels("tenant_limit")._value.get() == 1
+    assert router.session_places.by_tenant == {"a": 2, "b": 1}

@@ -42,6 +42,9 @@ class SidecarConfig(msgspec.Struct, kw_only=True):
     # The engine's worker ranks (tensor parallel size): each holds its shard of every block, has
     # its own sockets (`ipc_paths`), and a read, copy or restore is done when every rank's is.
     ranks: int = 1
+    # `kv_checksums`: P sums the blocks of each ticket (its workers) and sends the sums with a
+    # read's grant; D has each read's blocks summed and compared.
+    checksums: bool = False
 
 
 class SidecarLaunch(msgspec.Struct, kw_only=True):

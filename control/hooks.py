@@ -36,6 +36,9 @@ class SidecarHooks(msgspec.Struct, kw_only=True, frozen=True):
     hold_post_s: float = 0.0
     # Heartbeat interval in place of the configured one (0: the configured one).
     heartbeat_interval_s: float = 0.0
+    # D with `kv_checksums`: post reads unchecked while set (a test that changes P's blocks on
+    # purpose, to prove the decode uses what it read).
+    unchecked_reads: int = 0
     # The instance epoch to speak as (a test that names a sidecar's instance before it starts);
     # "": 128 random bits, new at every start.
     instance: str = ""
@@ -46,6 +49,7 @@ NO_HOOKS = SidecarHooks()
 # Hooks of the worker ranks, by the connector socket they go to: the sidecar forwards a change.
 WORKER_HOOKS = {
     "fail_next_reads": "worker",
+    "corrupt_next_reads": "worker",
     "history_fail_next_restores": "worker",
     "history_hold_restore_s": "worker",
     "history_fail_next_stages": "history",
@@ -77,6 +81,7 @@ class WorkerHooks:
         self.fail_every_nth_read = fail_every_nth_read
         self.reads_seen = 0
         self.fail_next_reads = 0
+        self.corrupt_next_reads = 0  # change a word of the next reads' blocks before they are checked
         self.fail_next_stages = 0
         self.hold_stage_s = 0.0
         self.fail_next_restores = 0

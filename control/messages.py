@@ -67,6 +67,8 @@ class ReadDone(Msg, tag="rdone"):
     # The rank saw it end by the read's pin deadline (`PostRead.pinned_until_ns`); unsaid: it
     # did not (the read is then confirmed with P before it counts).
     in_pin: bool = False
+    # The rank summed the blocks it read and they matched P's sums (`PostRead.sums`).
+    verified: bool = False
 
 
 # --- history copier (a thread of P's worker) and P's worker -> sidecar -------------------------
@@ -94,6 +96,15 @@ class DemotesDone(Msg, tag="hdemoted"):
     fence_seconds: float = 0.0
     paired_runs: int = 0
     gathered: bool = False
+
+
+class BlockSums(Msg, tag="sums"):
+    """P's worker rank summed a ticket's blocks (`SumBlocks`): one checksum per block, in the
+    ticket's order (adapters/vllm/checksums.py); none, with `error`, when it could not."""
+
+    ticket: str
+    sums: tuple[int, ...] = ()
+    error: str = ""
 
 
 class PromotesDone(Msg, tag="hpromoted"):
@@ -222,6 +233,17 @@ class PostRead(Msg, tag="post"):
     # CLOCK_MONOTONIC ns (the sidecar's clock, the same on this host): a read that ends by then
     # had P's blocks throughout; one that ends later waits for P's word (core.load CONFIRMING).
     pinned_until_ns: int = 0
+    # `kv_checksums`: P's checksum of each source block (this rank's share), parallel to
+    # `dst_blocks`: the rank sums what it read and fails the read when they differ. Empty: not
+    # verified.
+    sums: tuple[int, ...] = ()
+
+
+class SumBlocks(Msg, tag="sumblocks"):
+    """P (`kv_checksums`): sum each of a new ticket's blocks and answer `BlockSums`."""
+
+    ticket: str
+    blocks: tuple[int, ...]
 
 
 class InvalidBlocks(Msg, tag="invalid"):
@@ -292,7 +314,7 @@ class Debug(Msg, tag="debug"):
 AnyMsg = Union[
     Apply, HandoffRefused, WorkerReady, ReadDone, Ready, Resolved, LoadEnded,
     AddPeer, PostRead, InvalidBlocks, FinishedRecving, FinishedSending, Stop, Debug,
-    StageDone, DemotesDone, PromotesDone, RestoreDone,
+    StageDone, DemotesDone, PromotesDone, RestoreDone, BlockSums, SumBlocks,
     SlotStats, RestoreReply, LeaseEnded, GateStats, StageCopies, DemoteCopies, PromoteCopies, DropSlot,
     RestoreCopies,
 ]

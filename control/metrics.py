@@ -44,6 +44,7 @@ ENDED_STATES = ticket_machine.SPEC.terminal | load_machine.SPEC.terminal | lease
 LOAD_OUTCOMES = ("done", "missed", "failed", "cancelled")
 LEASE_OUTCOMES = ("released", "expired", "cancelled")
 TIERS = ("gpu", "cpu")
+CHECKSUM_RESULTS = ("summed", "sum_failed", "verified", "mismatch", "unverified")
 SESSION_EVENTS = ("opened", "turns", "prefetches", "expired", "closed", "keep_clamped")
 
 
@@ -121,6 +122,15 @@ def families(snap: dict) -> list:
             transfer.get("bytes", 0))
     counter("kvbaton_handoff_seconds", "Seconds spent in this engine's successful handoff reads (D), "
             "summed over reads", transfer.get("seconds", 0.0))
+
+    checksums = snap.get("checksums", {}) or {}
+    counter("kvbaton_handoff_checksums", "kv_checksums: tickets whose blocks P summed (summed, sum_failed), "
+            "and reads D checked (verified, mismatch: recomputed) or could not (unverified: no sums "
+            "with the grant)", labels=("result",),
+            rows=[((r,), checksums.get(r, 0)) for r in CHECKSUM_RESULTS])
+    counter("kvbaton_handoff_checksum_mismatches", "Reads whose blocks did not sum to P's (D), by P's "
+            "engine id: each recomputed", labels=("peer",),
+            rows=[((_label(peer),), n) for peer, n in sorted((snap.get("checksum_mismatches") or {}).items())])
 
     # -- history (P) ------------------------------------------------------------------------------
     counter("kvbaton_history_hits", "Revisits whose prefix history restored (P), by the tier of its "

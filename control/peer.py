@@ -137,12 +137,22 @@ class Session(PeerCall, tag="session"):
 AnyPeerCall = Union[Claim, ReadStart, ReadEnd, Release, Heartbeat, Abandon, Metadata, State, Residency]
 
 
+# P's block checksums on a read grant (`kv_checksums`): per worker rank, one per ticket block.
+MAX_RANKS = 64
+MAX_SUM_BLOCKS = 1 << 20
+BlockSum = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+RankSums = Annotated[tuple[BlockSum, ...], msgspec.Meta(max_length=MAX_SUM_BLOCKS)]
+
+
 class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
     ok: bool
     reason: str = ""
     # A granted read: how long P keeps its blocks pinned for a reader it does not hear from
     # (core.ticket: its silent-reader bound); 0: not said (D confirms the read's end).
     pinned_ns: int = 0
+    # A granted read with `kv_checksums` on P: each rank's checksums of the ticket's blocks, in
+    # the ticket's order (empty: not summed yet, or checksums off).
+    sums: Annotated[tuple[RankSums, ...], msgspec.Meta(max_length=MAX_RANKS)] = ()
 
 
 class ClaimAnswer(msgspec.Struct, frozen=True):

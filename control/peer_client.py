@@ -54,6 +54,8 @@ class PeerClient:
         # For a source engine of another tensor parallel size, the transport peers each of this
         # engine's ranks reads it through (one per source rank it reads: `announce_peer`).
         self.read_sources: dict[str, list[tuple[str, ...]]] = {}
+        # `kv_checksums`: P's sums of each granted read's ticket, per P rank, until it is posted.
+        self.read_sums: dict[str, tuple[tuple[int, ...], ...]] = {}
 
     def load_requested(self, request: str, ticket: str, source_instance: str, keepalive: str) -> None:
         """A new load: calls about its ticket, even after the load is pruned, are addressed to
@@ -341,6 +343,8 @@ class PeerClient:
                                                              effect.epoch, effect.read), self.issuer(effect.ticket, effect.request))
         now = self.io.now_ns()
         if reply is not None and reply.ok:
+            if self.cfg.checksums and reply.sums:
+                self.read_sums[effect.read] = reply.sums
             effects = self.sidecar.apply(ev.ReadGranted(now, effect.request, effect.read, asked, reply.pinned_ns))
             if _forgotten(effects):
                 # The load was pruned meanwhile: nobody will end the read P pinned for; end it.
@@ -357,11 +361,34 @@ class PeerClient:
         post = m.PostRead(effect.request, effect.read, effect.engine, effect.src, effect.dst, effect.last,
                           pinned_until_ns=effect.pinned_until_ns)
         sources = self.read_sources.get(effect.engine)
+        sums = self.read_sums.pop(effect.read, ())
+        if self.cfg.checksums and not self.sidecar.hooks.unchecked_reads:
+            per_rank = self.rank_sums(effect, sums) if sources is None else None
+            if per_rank is None:
+                self.sidecar.checksums["unverified"] += 1
+            else:  # each rank checks its share of the blocks against its counterpart's sums
+                for rank, rank_sums in enumerate(per_rank):
+                    self.io.send(WORKER, rank=rank, msg=msgspec.structs.replace(post, sums=rank_sums))
+                return
         if sources is None:  # a source of this engine's size: every rank reads its counterpart
             self.io.send(WORKER, post)
         else:  # each rank reads its heads from the source ranks that hold them
             for rank, peers in enumerate(sources):
                 self.io.send(WORKER, rank=rank, msg=msgspec.structs.replace(post, peers=peers))
+
+
+    def rank_sums(self, effect: fx.PostRead, sums: tuple) -> list[tuple[int, ...]] | None:
+        """P's sums of this read's source blocks for each of this engine's ranks (P's rank r's
+        for rank r), or None when they cannot be matched to the read (none given, another rank
+        count, or blocks P did not grant)."""
+
+        load = self.ledger.loads.loads.get(effect.request)
+        if not sums or load is None or len(sums) != self.cfg.ranks:
+            return None
+        index = {block: i for i, block in enumerate(load.granted)}
+        if any(len(rank) != len(load.granted) for rank in sums) or any(b not in index for b in effect.src):
+            return None
+        return [tuple(rank[index[block]] for block in effect.src) for rank in sums]
 
 
 def _forgotten(effects: list) -> bool:

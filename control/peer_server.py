@@ -192,7 +192,9 @@ class PeerServer:
             reply = _reply(effects, fx.ReplyRead)
             if reply is None:
                 return pc.Answer(False, "no reply")
-            return pc.Answer(reply.granted, reply.reason, reply.pinned_ns if reply.granted else 0)
+            if not reply.granted:
+                return pc.Answer(False, reply.reason)
+            return pc.Answer(True, reply.reason, reply.pinned_ns, self.sidecar.ticket_sums(request.ticket))
         if kind is pc.ReadEnd:
             # The answer says whether this engine still held the read's blocks: the reader counts
             # a read that ended past its pin only when it did (core.load CONFIRMING).

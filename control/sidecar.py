@@ -104,6 +104,12 @@ class Sidecar:
         self.stopping = False
         # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.
         self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        # `kv_checksums`. P: the blocks of each open ticket whose sums were asked, and each rank's
+        # sums once in. D: reads verified, failed on a mismatch, or unverified (no sums given).
+        self.summing: dict[str, tuple[int, ...]] = {}
+        self.block_sums: dict[str, dict[int, tuple[int, ...]]] = {}
+        self.checksums: collections.Counter[str] = collections.Counter()
+        self.checksum_mismatches: collections.Counter[str] = collections.Counter()  # by P engine
         self.history_io = {"stages": 0, "stage_bytes": 0, "stage_seconds": 0.0, "stages_failed": 0,
                            "demotions": 0, "demotions_failed": 0, "demote_batches": 0,
                            "promotions": 0, "promotions_failed": 0, "promote_seconds": 0.0,
@@ -220,6 +226,9 @@ class Sidecar:
         kind = type(effect)
         if kind is fx.FreeEngineBlocks:
             self.io.send(WORKER, m.FinishedSending(effect.request))
+            if self.summing:
+                self.summing.pop(effect.ticket, None)
+                self.block_sums.pop(effect.ticket, None)
         elif kind is fx.LoadResolved:
             self.io.send(SCHEDULER, m.Resolved(effect.request, effect.hit, effect.reason, effect.num_tokens))
         elif kind in PEER_CALLS:
@@ -318,6 +327,18 @@ class Sidecar:
                     self.apply(ev.HistoryDemoted(now, key, ok))
                 except Exception:
                     logger.exception("history: applying the demotion of %s failed", key)
+        elif kind is m.BlockSums:
+            blocks = self.summing.get(msg.ticket)
+            if blocks is None:
+                return  # the ticket closed meanwhile
+            if msg.error or len(msg.sums) != len(blocks):
+                self.checksums["sum_failed"] += 1
+                logger.warning("checksums: rank %d could not sum ticket %s: %s", rank, msg.ticket, msg.error)
+                return
+            ranks = self.block_sums.setdefault(msg.ticket, {})
+            ranks[rank] = msg.sums
+            if len(ranks) == self.cfg.ranks:
+                self.checksums["summed"] += 1
         elif kind is m.PromotesDone:
             io = self.history_io
             failed = [(key, error) for key, ok, error in msg.results if not ok]
@@ -358,6 +379,13 @@ class Sidecar:
             # The transfer counters count the transport's reads: one per rank of a read.
             stats = self.transfer
             stats["reads"] += 1
+            if msg.verified:
+                self.checksums["verified"] += 1
+            elif msg.error.startswith("checksum"):
+                self.checksums["mismatch"] += 1
+                self.checksum_mismatches[load.engine if load is not None else "?"] += 1
+                logger.error("read %s of request %s from P engine %s (rank %d): %s; the request recomputes",
+                             msg.read, msg.request, load.engine if load is not None else "?", rank, msg.error)
             stats["descriptors"] = stats.get("descriptors", 0) + msg.descriptors
             stats["landed"] = stats.get("landed", 0) + int(msg.landed)
             if msg.ok:
@@ -446,6 +474,11 @@ class Sidecar:
         if new_load:  # before the claim the event sends goes out
             self.client.load_requested(event.request, event.ticket, event.source_instance, keepalive)
         self.apply(msgspec.structs.replace(event, at_ns=now))
+        if kind is ev.TicketIssued and self.cfg.checksums and event.ticket in self.ledger.tickets.tickets \
+                and event.ticket not in self.summing:
+            # Summed by the workers now, off the request's path: ready before a decode engine reads.
+            self.summing[event.ticket] = tuple(event.blocks)
+            self.io.send(WORKER, m.SumBlocks(event.ticket, tuple(event.blocks)))
         if new_load and event.request not in self.ledger.loads.loads:
             self.client.load_ended(event.request)  # refused (no blocks to load, or unloggable)
 
@@ -491,7 +524,8 @@ class Sidecar:
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "layout": self.cfg.layout, "ranks": self.cfg.ranks,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
-                "transfer": dict(self.transfer), "history": self.history_state(), "gate": dict(self.gate_stats)}
+                "transfer": dict(self.transfer), "history": self.history_state(), "gate": dict(self.gate_stats),
+                "checksums": dict(self.checksums), "checksum_mismatches": dict(self.checksum_mismatches)}
 
     def metrics_snapshot(self) -> dict:
         """What the Prometheus endpoint shows (control/metrics.py): counts only, no ids. Cheaper
@@ -523,7 +557,18 @@ class Sidecar:
                         "gpu_blocks": tiers.get("STAGING", 0) + tiers.get("GPU", 0),
                         "cpu_blocks": tiers.get("DEMOTING", 0) + tiers.get("CPU", 0) + tiers.get("PROMOTING", 0)},
             "sessions": {"open": self.ledger.sessions.open, "kept_blocks": len(history.kept)},
+            "checksums": dict(self.checksums),
+            "checksum_mismatches": dict(self.checksum_mismatches),
         }
+
+    def ticket_sums(self, ticket: str) -> tuple[tuple[int, ...], ...]:
+        """`kv_checksums`: every rank's checksums of the ticket's blocks, in rank order, once all
+        are in (else none: the read goes unverified)."""
+
+        ranks = self.block_sums.get(ticket)
+        if not ranks or len(ranks) != self.cfg.ranks:
+            return ()
+        return tuple(ranks[rank] for rank in range(self.cfg.ranks))
 
     def sessions_state(self) -> dict:
         """Agent sessions P keeps: how many are open, the blocks they keep and where those are."""

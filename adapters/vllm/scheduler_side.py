@@ -87,7 +87,7 @@ class SchedulerSide:
             ipc_dir=conn.ipc_dir, log_path=log_path, hash_every=EVENT_LOG_HASH_EVERY,
             heartbeat_interval_s=s.heartbeat_interval_s, call_timeout_s=s.peer_timeout_s,
             parent_pid=os.getpid(), layout=conn.layout, block_size=conn.block_size,
-            ranks=conn.identity.tensor_parallel,
+            ranks=conn.identity.tensor_parallel, checksums=s.kv_checksums,
             metrics_port=s.metrics_port, router_port=s.router_port,
             hooks=SidecarHooks(
                 reads_per_load=s.test_hooks.reads_per_load,

@@ -46,6 +46,10 @@ class WorkerIo:
         # engine thread).
         self.parts: dict[str, list] = {}
         self.parts_lock = threading.Lock()
+        # `kv_checksums`: this rank's block summer (adapters/vllm/checksums.py), and per transport
+        # read id what its blocks must sum to: (destination blocks, P's sums), checked when it ends.
+        self.summer = None
+        self.expect: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvbaton-worker-io", daemon=True)
 
@@ -91,10 +95,25 @@ class WorkerIo:
             except Exception as exc:  # layout mismatch, bad metadata: every read fails
                 self.bad_peers[peer] = str(exc)
                 logger.warning("kvbaton worker: cannot read from %s: %s", peer, exc)
-        elif kind is m.Debug and msg.key == "fail_next_reads":
+        elif kind is m.Debug and msg.key in ("fail_next_reads", "corrupt_next_reads"):
             self.hooks.change(msg.key, msg.value)
+        elif kind is m.SumBlocks:
+            self.link.send(self._sums(msg))
         else:
             self.inbox.append(msg)
+
+    def _sums(self, msg: m.SumBlocks) -> m.BlockSums:
+        """P: a new ticket's block checksums, summed here (this thread, a stream of its own on
+        CUDA): the engine thread runs only while the engine steps, and an idle P must still have
+        them ready by the time a decode engine reads."""
+
+        if self.summer is None:
+            return m.BlockSums(msg.ticket, error="kv_checksums is off on this worker")
+        try:
+            return m.BlockSums(msg.ticket, tuple(self.summer.sums(msg.blocks)))
+        except Exception as exc:  # a device error: the ticket's reads go unverified
+            logger.warning("kvbaton worker: could not sum the blocks of ticket %s: %s", msg.ticket, exc)
+            return m.BlockSums(msg.ticket, error=str(exc)[:200])
 
     def _post(self, msg: m.PostRead) -> None:
         sources = msg.peers or (msg.peer,)
@@ -108,11 +127,14 @@ class WorkerIo:
                 # Booked before posting: a read can end inside start_read (CPU copies do), and the
                 # engine thread may poll it before start_read returns.
                 self.reads[read_id] = (msg.request, msg.last, msg.read, msg.pinned_until_ns)
+                if msg.sums and len(sources) == 1 and len(msg.sums) == len(msg.dst_blocks):
+                    self.expect[read_id] = (tuple(msg.dst_blocks), tuple(msg.sums))
                 try:
                     self.transport.start_read(read_id, peer, list(msg.src_blocks), list(msg.dst_blocks), None)
                     continue
                 except Exception as exc:
                     self.reads.pop(read_id, None)
+                    self.expect.pop(read_id, None)
                     problem = str(exc)
             logger.warning("kvbaton worker: read %s for %s failed to start: %s", read_id, msg.request, problem)
             done = self.part_done(msg.request, msg.read, False, problem)

@@ -149,6 +149,15 @@ class WorkerSide:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.io = WorkerIo(self.conn.ipc_dir, self.transport, self.bad_peers, self.thread_cpus, self.rank,
                            self.hooks)
+        self.summer = None
+        if settings.kv_checksums:
+            from .checksums import BlockSummer
+
+            try:
+                self.summer = BlockSummer(kv_caches, [layer.block_dim for layer in layout.layers])
+            except Exception as exc:  # an odd layout: reads go unverified, serving goes on
+                logger.warning("kvbaton worker: kv_checksums is on but blocks cannot be summed: %s", exc)
+            self.io.summer = self.summer
         self.link = Link(self.conn.ipc_dir, None, self.rank)
         self.link.send(m.WorkerReady(self.transport.local_metadata(), layout.fingerprint()))
         self.io.start()
@@ -205,16 +214,22 @@ class WorkerSide:
         if self.io.reads:
             for result in self.transport.poll():
                 request, last, read, pinned_until_ns = self.io.reads.pop(result.read_id, ("", False, "", 0))
+                expected = self.io.expect.pop(result.read_id, None)
                 if not request:
                     continue
                 logger.debug("kvbaton worker: read done %s", result)
-                done = self.io.part_done(request, read, result.ok, result.error or "", result.nbytes,
+                ok, error = result.ok, result.error or ""
+                verified = False
+                if ok and expected is not None:
+                    ok, error = self._check(expected)
+                    verified = ok
+                done = self.io.part_done(request, read, ok, error, result.nbytes,
                                          result.seconds, result.descriptors, result.landed, tuple(result.phases))
                 if done is None:  # reads from this rank's other sources are still out
                     continue
                 # Seen now, so it ended no later: by the pin deadline, P held the blocks throughout.
                 in_pin = time.monotonic_ns() <= pinned_until_ns
-                done = msgspec.structs.replace(done, in_pin=in_pin)
+                done = msgspec.structs.replace(done, in_pin=in_pin, verified=verified)
                 self.link.send(done)
                 if done.ok and last and in_pin:
                     # The bytes are in place and were P's throughout: vLLM may schedule the
@@ -222,6 +237,23 @@ class WorkerSide:
                     # FinishedRecving for it. (Past its pin the sidecar reports it once P
                     # confirmed the read, or with its blocks invalid.)
                     self.recving.add(request)
+
+    def _check(self, expected: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[bool, str]:
+        """`kv_checksums`: whether the blocks a read wrote sum to what P's did (ok, error)."""
+
+        blocks, sums = expected
+        if self.summer is None:
+            return True, ""
+        try:
+            if self.hooks.take("corrupt_next_reads"):
+                self.summer.corrupt(blocks[0])
+            got = self.summer.sums(blocks)
+        except Exception as exc:  # could not sum: the read cannot be trusted
+            return False, f"checksum failed: {exc}"[:200]
+        wrong = [block for block, mine, theirs in zip(blocks, got, sums) if mine != theirs]
+        if wrong:
+            return False, f"checksum mismatch: {len(wrong)} of {len(blocks)} blocks (first {wrong[0]})"
+        return True, ""
 
     def _restore(self, msg: m.RestoreCopies) -> None:
         if self.restorer is None:  # history is off here: the sidecar should not have asked

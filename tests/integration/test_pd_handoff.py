@@ -42,10 +42,11 @@ def pd(tmp_path_factory):
     p = EngineProcess("P", model, cpu_core=0, log_dir=root, mirror_busy_loop=False,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
                           "event_log_dir": str(events), "unclaimed_ttl_s": UNCLAIMED_TTL_S,
-                          "claim_lease_s": CLAIM_LEASE_S}})
+                          # Every handoff of these tests is checked block by block.
+                          "claim_lease_s": CLAIM_LEASE_S, "kv_checksums": True}})
     d = EngineProcess("D", model, cpu_core=1, log_dir=root,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
-                          "event_log_dir": str(events),
+                          "event_log_dir": str(events), "kv_checksums": True,
                           # Every read that fits goes through D's landing area (packed, then
                           # scattered), so these tests prove that path on real engines too.
                           "test_hooks": {"heartbeat_interval_s": 1.0, "landing_bytes": 32 << 20}}})
@@ -140,7 +141,23 @@ def test_decode_really_uses_the_transferred_kv(pd):
     prompt = tiny_prompt(96, seed=11)
     params = prefill(pd, prompt)
     pd.p.run_in_engine(engine_hooks.corrupt_blocks, params["remote_block_ids"])
-    assert decode(pd, prompt, params) != reference(pd, prompt)
+    pd.d.call_connector("debug_set", "unchecked_reads", 1)  # (checked, the change would be caught)
+    try:
+        assert decode(pd, prompt, params) != reference(pd, prompt)
+    finally:
+        pd.d.call_connector("debug_set", "unchecked_reads", 0)
+    assert_nothing_held(pd)
+
+
+def test_p_blocks_changed_after_their_ticket_are_caught_by_the_checksums(pd):
+    summed = pd.p.call_connector("debug_state")["checksums"].get("summed", 0)
+    prompt = tiny_prompt(96, seed=13)
+    params = prefill(pd, prompt)
+    wait_for_sums(pd, summed)
+    before = pd.d.call_connector("debug_state")["checksums"]
+    pd.p.run_in_engine(engine_hooks.corrupt_blocks, params["remote_block_ids"])
+    assert decode(pd, prompt, params) == reference(pd, prompt)  # recomputed: never decoded from
+    assert delta(before, pd.d.call_connector("debug_state")["checksums"], "mismatch") == 1
     assert_nothing_held(pd)
 
 
@@ -283,6 +300,44 @@ def test_a_read_p_let_go_of_while_it_landed_is_recomputed(pd):
     assert delta(p_before, p_after, "reads.ended.reader_silent") == 1
     assert delta(before, after, "loads.reads_unpinned") == 1 and delta(before, after, "loads.failed") == 1
     assert delta(before, after, "peers.refused.read_unpinned") == 1
+    assert_nothing_held(pd)
+
+
+def wait_for_sums(pd, before: int, timeout_s: float = 10.0) -> None:
+    """Until P's workers have summed one more ticket's blocks than `before`."""
+
+    deadline = time.monotonic() + timeout_s
+    while pd.p.call_connector("debug_state")["checksums"].get("summed", 0) <= before:
+        assert time.monotonic() < deadline, "P never summed the ticket's blocks"
+        time.sleep(0.02)
+
+
+def test_kv_changed_on_the_way_is_caught_and_recomputed(pd):
+    """With `kv_checksums`, P sums a ticket's blocks and D sums what it read: equal bytes verify;
+    a word changed on the way fails the read, the request recomputes (same output), and the
+    mismatch is counted with P's engine."""
+
+    summed = pd.p.call_connector("debug_state")["checksums"].get("summed", 0)
+    prompt = tiny_prompt(300, seed=23)
+    params = prefill(pd, prompt)
+    wait_for_sums(pd, summed)
+    before = pd.d.call_connector("debug_state")
+    assert decode(pd, prompt, params) == reference(pd, prompt)
+    mid = pd.d.call_connector("debug_state")
+    assert delta(before["checksums"], mid["checksums"], "verified") == 1
+    assert delta(before["counters"], mid["counters"], "loads.done") == 1
+
+    prompt = tiny_prompt(300, seed=24)
+    params = prefill(pd, prompt)
+    wait_for_sums(pd, summed + 1)
+    pd.d.call_connector("debug_set", "corrupt_next_reads", 1)
+    assert decode(pd, prompt, params) == reference(pd, prompt)
+    after = pd.d.call_connector("debug_state")
+    assert delta(mid["checksums"], after["checksums"], "mismatch") == 1
+    assert delta(mid["checksums"], after["checksums"], "verified") == 0
+    assert delta(mid["counters"], after["counters"], "loads.failed") == 1
+    engine = params["kvbaton"]["engine"]
+    assert delta(mid["checksum_mismatches"], after["checksum_mismatches"], engine) == 1
     assert_nothing_held(pd)
 
 

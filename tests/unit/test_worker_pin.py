@@ -17,6 +17,8 @@ from kvbaton.adapters.vllm.worker_io import WorkerIo  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
 from kvbaton.transports.base import ReadResult  # noqa: E402
 
+torch = pytest.importorskip("torch")
+
 
 class ListLink:
     def __init__(self) -> None:
@@ -42,7 +44,8 @@ def worker() -> worker_side.WorkerSide:
     side = object.__new__(worker_side.WorkerSide)
     io = object.__new__(WorkerIo)
     io.inbox, io.reads, io.parts, io.parts_lock = collections.deque(), {}, {}, threading.Lock()
-    side.io, side.link, side.transport, side.restorer = io, ListLink(), DoneTransport(), None
+    io.expect, io.summer = {}, None
+    side.io, side.link, side.transport, side.restorer, side.summer = io, ListLink(), DoneTransport(), None, None
     side.sending, side.recving, side.load_errors = set(), set(), set()
     return side
 
@@ -64,3 +67,24 @@ def test_a_failed_read_is_never_reported_by_the_worker():
     side.transport.done.append(ReadResult("r1/0", False, "boom", 0, 0.0))
     side.pump()
     assert not side.link.sent[0].ok and side.recving == set()
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_read_whose_blocks_do_not_sum_to_ps_fails_and_is_never_reported(corrupt):
+    from kvbaton.adapters.vllm.checksums import BlockSummer
+    from kvbaton.control.hooks import WorkerHooks
+
+    kv = {"l0": torch.randn((8, 2, 16, 8)).to(torch.bfloat16)}
+    side = worker()
+    side.summer = BlockSummer(kv, [0])
+    side.hooks = WorkerHooks()
+    side.hooks.corrupt_next_reads = int(corrupt)
+    side.io.reads["r1/0"] = ("r1", True, "r1/0", time.monotonic_ns() + 60 * 10**9)
+    side.io.expect["r1/0"] = ((3, 5), tuple(side.summer.sums([3, 5])))  # what P summed
+    side.transport.done.append(ReadResult("r1/0", True, None, 4096, 0.001))
+    side.pump()
+    (done,) = side.link.sent
+    assert done.ok == (not corrupt) and done.verified == (not corrupt)
+    assert side.recving == (set() if corrupt else {"r1"})
+    if corrupt:
+        assert done.error.startswith("checksum mismatch: 1 of 2 blocks (first 3)")

@@ -44,7 +44,7 @@ ENDED_STATES = ticket_machine.SPEC.terminal | load_machine.SPEC.terminal | lease
 LOAD_OUTCOMES = ("done", "missed", "failed", "cancelled")
 LEASE_OUTCOMES = ("released", "expired", "cancelled")
 TIERS = ("gpu", "cpu")
-CHECKSUM_RESULTS = ("summed", "sum_failed", "verified", "mismatch", "unverified")
+CHECKSUM_RESULTS = ("summed", "sum_failed", "verified", "mismatch", "check_failed", "unverified")
 SESSION_EVENTS = ("opened", "turns", "prefetches", "expired", "closed", "keep_clamped")
 
 
@@ -124,9 +124,10 @@ def families(snap: dict) -> list:
             "summed over reads", transfer.get("seconds", 0.0))
 
     checksums = snap.get("checksums", {}) or {}
-    counter("kvbaton_handoff_checksums", "kv_checksums: tickets whose blocks P summed (summed, sum_failed), "
-            "and reads D checked (verified, mismatch: recomputed) or could not (unverified: no sums "
-            "with the grant)", labels=("result",),
+    counter("kvbaton_handoff_checksums", "kv_checksums: tickets whose blocks P summed (summed; sum_failed "
+            "per rank), and each worker rank's reads on D: checked (verified, mismatch: recomputed), "
+            "failed to sum here (check_failed: recomputed), or not checked (unverified, per read: no "
+            "sums with the grant)", labels=("result",),
             rows=[((r,), checksums.get(r, 0)) for r in CHECKSUM_RESULTS])
     counter("kvbaton_handoff_checksum_mismatches", "Reads whose blocks did not sum to P's (D), by P's "
             "engine id: each recomputed", labels=("peer",),

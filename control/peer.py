@@ -137,9 +137,10 @@ class Session(PeerCall, tag="session"):
 AnyPeerCall = Union[Claim, ReadStart, ReadEnd, Release, Heartbeat, Abandon, Metadata, State, Residency]
 
 
-# P's block checksums on a read grant (`kv_checksums`): per worker rank, one per ticket block.
-MAX_RANKS = 64
-MAX_SUM_BLOCKS = 1 << 20
+# P's block checksums on a read grant (`kv_checksums`): per worker rank, one per ticket block
+# (65,536 blocks: a million-token prompt at 16 tokens a block).
+MAX_RANKS = 16
+MAX_SUM_BLOCKS = 1 << 16
 BlockSum = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 RankSums = Annotated[tuple[BlockSum, ...], msgspec.Meta(max_length=MAX_SUM_BLOCKS)]
 

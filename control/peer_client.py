@@ -343,9 +343,12 @@ class PeerClient:
                                                              effect.epoch, effect.read), self.issuer(effect.ticket, effect.request))
         now = self.io.now_ns()
         if reply is not None and reply.ok:
+            self.read_sums.pop(effect.read, None)
             if self.cfg.checksums and reply.sums:
                 self.read_sums[effect.read] = reply.sums
             effects = self.sidecar.apply(ev.ReadGranted(now, effect.request, effect.read, asked, reply.pinned_ns))
+            if not any(type(e) is fx.PostRead and e.read == effect.read for e in effects):
+                self.read_sums.pop(effect.read, None)  # nothing will be posted for this grant
             if _forgotten(effects):
                 # The load was pruned meanwhile: nobody will end the read P pinned for; end it.
                 self.io.spawn(self.call(effect.source, pc.ReadEnd(effect.ticket, self.cfg.engine_id,

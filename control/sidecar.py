@@ -36,6 +36,7 @@ import msgspec
 from ..core import effects as fx
 from ..core import events as ev
 from ..core import lease as leases
+from ..core import ticket as tickets
 from ..core.ledger import Ledger
 from ..core.log import LogRecordError, LogWriter
 from . import messages as m
@@ -333,7 +334,8 @@ class Sidecar:
                 return  # the ticket closed meanwhile
             if msg.error or len(msg.sums) != len(blocks):
                 self.checksums["sum_failed"] += 1
-                logger.warning("checksums: rank %d could not sum ticket %s: %s", rank, msg.ticket, msg.error)
+                self.refusal_log.warning("sum_failed", "checksums: rank %d could not sum ticket %s: %s; its "
+                                         "reads go unverified", rank, msg.ticket, msg.error)
                 return
             ranks = self.block_sums.setdefault(msg.ticket, {})
             ranks[rank] = msg.sums
@@ -381,7 +383,9 @@ class Sidecar:
             stats["reads"] += 1
             if msg.verified:
                 self.checksums["verified"] += 1
-            elif msg.error.startswith("checksum"):
+            elif msg.error.startswith("checksum failed"):  # this engine could not sum: not P's doing
+                self.checksums["check_failed"] += 1
+            elif msg.error.startswith("checksum mismatch"):
                 self.checksums["mismatch"] += 1
                 self.checksum_mismatches[load.engine if load is not None else "?"] += 1
                 logger.error("read %s of request %s from P engine %s (rank %d): %s; the request recomputes",
@@ -474,8 +478,8 @@ class Sidecar:
         if new_load:  # before the claim the event sends goes out
             self.client.load_requested(event.request, event.ticket, event.source_instance, keepalive)
         self.apply(msgspec.structs.replace(event, at_ns=now))
-        if kind is ev.TicketIssued and self.cfg.checksums and event.ticket in self.ledger.tickets.tickets \
-                and event.ticket not in self.summing:
+        issued = self.ledger.tickets.tickets.get(event.ticket) if kind is ev.TicketIssued else None
+        if self.cfg.checksums and issued is not None and issued.state == tickets.ISSUED and event.ticket not in self.summing:
             # Summed by the workers now, off the request's path: ready before a decode engine reads.
             self.summing[event.ticket] = tuple(event.blocks)
             self.io.send(WORKER, m.SumBlocks(event.ticket, tuple(event.blocks)))

@@ -213,20 +213,22 @@ class Ledger:
         """From DEMOTING → CPU, or EVICTED with its subtree when the copy failed; else
         Rejected(NOT_DEMOTING)."""
 
-        out: list[Effect] = []
-        reason = self.history.demoted(event.key, event.ok, out)
-        if reason:
-            return [reject(self.counters, "hd", event.key, reason)]
-        return out
+        return self._copy_ended("hd", self.history.demoted, event)
 
     def _promoted(self, event: ev.HistoryPromoted, now: int) -> list[Effect]:
         """From PROMOTING → GPU, or EVICTED with its subtree when the copy failed; else
         Rejected(NOT_PROMOTING)."""
 
+        return self._copy_ended("hm", self.history.promoted, event)
+
+    def _copy_ended(self, tag: str, ended, event) -> list[Effect]:
+        """A history copy between tiers ended: `ended(key, ok, out)` moves the block (its effects
+        in `out`) or names why it could not (answered Rejected)."""
+
         out: list[Effect] = []
-        reason = self.history.promoted(event.key, event.ok, out)
+        reason = ended(event.key, event.ok, out)
         if reason:
-            return [reject(self.counters, "hm", event.key, reason)]
+            return [reject(self.counters, tag, event.key, reason)]
         return out
 
     # -- checks ----------------------------------------------------------------------------------

@@ -2,12 +2,16 @@
 blocks it read into and compares, so KV that changed on the way (a faulty link or NIC, memory
 overwritten by another writer, a transport bug) is recomputed instead of decoded from.
 
-A block's checksum is a position-weighted sum, modulo 2^64, of the 32-bit words of its bytes over
-every layer of this rank's KV cache: every word counts, and two words trading places change it. It
-is computed on the device the cache lives on, a chunk of blocks per reduction (a few kernels per
-chunk and layer, not a loop over blocks on the host), on a stream of its own so it neither waits
-for nor holds up the engine's queued work. With the same layout fingerprint and tensor parallel
-size, P's rank r and D's rank r hold the same bytes for a block, so their sums agree exactly.
+A block's checksum is a position-weighted sum, modulo 2^64, of the words of its bytes over every
+layer of this rank's KV cache, each layer piece (a layer's K or V half) weighted by an odd
+constant of its own: every word counts, two words of a row trading places change it, and so do two
+pieces (K and V, two layers) trading places. It is computed on the device the cache lives on, a
+chunk of blocks per reduction (a few kernels per chunk and piece, not a loop over blocks on the
+host), on a stream of its own. P's sums wait for nothing (a ticket's blocks were written by steps
+that ended); D's wait for the work queued on the engine thread's stream, which holds the landing
+area's scatter of the read (and possibly a queued forward: the price of checking). With the same
+layout fingerprint and tensor parallel size, P's rank r and D's rank r hold the same bytes for a
+block, so their sums agree exactly.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from typing import Any
 
 # Blocks summed per reduction: bounds the temporary (a chunk's words widened to 64 bits).
 CHUNK_BYTES = 32 << 20
-# Weights run 1..WEIGHT_PERIOD along a block's words (a prime: no layout stride aligns with it).
-WEIGHT_PERIOD = 65521
+# Each piece's sums are multiplied by an odd constant of its own (the 64-bit golden ratio times
+# the piece's number, made odd), so pieces that trade places change a block's checksum.
+PIECE_MULTIPLIER = 0x9E3779B97F4A7C15
 
 
 class BlockSummer:
@@ -52,56 +57,62 @@ class BlockSummer:
         found = self.weights.get(key)
         if found is None:
             torch = self.torch
-            found = (torch.arange(words, dtype=torch.int64, device=self.device) % WEIGHT_PERIOD) + 1
+            found = torch.arange(1, words + 1, dtype=torch.int64, device=self.device)
             self.weights[key] = found
         return found
 
-    def sums(self, blocks) -> list[int]:
-        """The checksum of each block in `blocks`, in order (a block named twice: twice)."""
+    def sums(self, blocks, after_engine: bool = False) -> list[int]:
+        """The checksum of each block in `blocks`, in order (a block named twice: twice).
+        `after_engine`: first wait for what the calling thread's current stream has queued (D:
+        the landing area's scatter of a read that just ended)."""
 
         blocks = [int(b) for b in blocks]
         if not blocks:
             return []
         torch = self.torch
         with self.lock:
-            if self.stream is not None:
-                with torch.cuda.stream(self.stream):
-                    total = self._sum(blocks)
-                self.stream.synchronize()
-            else:
-                total = self._sum(blocks)
-            return [int(x) for x in total.cpu().tolist()]
+            if self.stream is None:
+                return [int(x) for x in self._sum(blocks).tolist()]
+            if after_engine:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                # The copy to the host runs on this stream and waits for it alone.
+                return [int(x) for x in self._sum(blocks).cpu().tolist()]
 
     def _sum(self, blocks: list[int]):
         torch = self.torch
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         total = torch.zeros(len(blocks), dtype=torch.int64, device=self.device)
-        for piece in self.pieces:
+        for number, piece in enumerate(self.pieces):
             row_bytes = math.prod(piece.shape[1:]) * piece.element_size()
-            step = max(1, CHUNK_BYTES // max(1, row_bytes * 8))
+            word = 4 if row_bytes % 4 == 0 else (2 if row_bytes % 2 == 0 else 1)
+            step = max(1, CHUNK_BYTES // max(1, row_bytes // word * 8))
+            multiplier = _signed((PIECE_MULTIPLIER * (number + 1)) | 1)
             for start in range(0, len(blocks), step):
-                rows = piece.index_select(0, index[start:start + step]).reshape(-1)
-                words = _words(torch, rows).reshape(min(step, len(blocks) - start), -1)
+                count = min(step, len(blocks) - start)
+                rows = piece.index_select(0, index[start:start + count]).reshape(count, -1)
+                words = _words(torch, rows, word)
                 weighted = words.to(torch.int64) * self._weights(words.shape[1])
-                total[start:start + step] += weighted.sum(dim=1)
+                total[start:start + count] += weighted.sum(dim=1) * multiplier
         return total
 
     def corrupt(self, block: int) -> None:
-        """Test hook: change one word of `block` (the reader's copy), as a faulty link would."""
+        """Test hook: change one value of `block` (the reader's copy), as a faulty link would."""
 
         with self.lock:
-            piece = self.pieces[0]
-            row = piece[int(block)].reshape(-1)
-            words = _words(self.torch, row)
-            words[0] += 1
+            row = self.pieces[0][int(block)]
+            row[(0,) * row.dim()] += 1  # in place, through whatever view the piece is
 
 
-def _words(torch, flat):
-    """The contiguous 1-D tensor `flat` as 32-bit words where its size allows, else 16 or 8 bits."""
+def _words(torch, rows, word: int):
+    """Contiguous `rows` (one per block) as rows of `word`-byte signed words."""
 
-    raw = flat.view(torch.uint8)
-    if raw.numel() % 4 == 0:
-        return raw.view(torch.int32)
-    if raw.numel() % 2 == 0:
-        return raw.view(torch.int16)
-    return raw
+    raw = rows.contiguous().view(torch.uint8)
+    return raw if word == 1 else raw.view({4: torch.int32, 2: torch.int16}[word])
+
+
+def _signed(value: int) -> int:
+    """`value` modulo 2^64 as a signed 64-bit integer (what torch's int64 holds)."""
+
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value

@@ -153,9 +153,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_checksums: Annotated[bool, _doc(
         "Check the KV of every handoff: P sums each block of a ticket it issues (on the device, a "
         "reduction per chunk of blocks, off the request's path), D sums the blocks it read and "
-        "fails the read when they differ (the request recomputes; counted with P's engine in "
-        "`kvbaton_handoff_checksums_total`). Both engines need it on; a read granted before P's "
-        "sums were ready is counted unverified. Equal tensor parallel sizes only.")] = False
+        "fails the read when they differ (the request recomputes; counted in "
+        "`kvbaton_handoff_checksums_total` and, by P's engine, `kvbaton_handoff_checksum_mismatches_total`). "
+        "Both engines need it on; a read granted before P's sums were ready is counted unverified. "
+        "Equal tensor parallel sizes only.")] = False
     history_scope: Annotated[Literal["handoff", "all"], _doc(
         'Which finished P requests leave their prompt in history: "handoff" (requests handed to a '
         'decode engine) or "all" (plain requests on P too).')] = "handoff"

@@ -221,8 +221,7 @@ class WorkerSide:
                 ok, error = result.ok, result.error or ""
                 verified = False
                 if ok and expected is not None:
-                    ok, error = self._check(expected)
-                    verified = ok
+                    ok, error, verified = self._check(expected)
                 done = self.io.part_done(request, read, ok, error, result.nbytes,
                                          result.seconds, result.descriptors, result.landed, tuple(result.phases))
                 if done is None:  # reads from this rank's other sources are still out
@@ -238,22 +237,24 @@ class WorkerSide:
                     # confirmed the read, or with its blocks invalid.)
                     self.recving.add(request)
 
-    def _check(self, expected: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[bool, str]:
-        """`kv_checksums`: whether the blocks a read wrote sum to what P's did (ok, error)."""
+    def _check(self, expected: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[bool, str, bool]:
+        """`kv_checksums`: whether the blocks a read wrote sum to what P's did: (ok, error,
+        checked). A rank that cannot sum leaves the read unchecked (not verified)."""
 
         blocks, sums = expected
         if self.summer is None:
-            return True, ""
+            return True, "", False
         try:
             if self.hooks.take("corrupt_next_reads"):
                 self.summer.corrupt(blocks[0])
-            got = self.summer.sums(blocks)
+            # After the engine stream's queued work: it holds the landing area's scatter.
+            got = self.summer.sums(blocks, after_engine=True)
         except Exception as exc:  # could not sum: the read cannot be trusted
-            return False, f"checksum failed: {exc}"[:200]
+            return False, f"checksum failed: {exc}"[:200], False
         wrong = [block for block, mine, theirs in zip(blocks, got, sums) if mine != theirs]
         if wrong:
-            return False, f"checksum mismatch: {len(wrong)} of {len(blocks)} blocks (first {wrong[0]})"
-        return True, ""
+            return False, f"checksum mismatch: {len(wrong)} of {len(blocks)} blocks (first {wrong[0]})", False
+        return True, "", True
 
     def _restore(self, msg: m.RestoreCopies) -> None:
         if self.restorer is None:  # history is off here: the sidecar should not have asked

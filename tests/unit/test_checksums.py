@@ -52,6 +52,20 @@ def test_two_words_trading_places_change_the_sum():
     assert summer.sums([3]) != before
 
 
+def test_k_and_v_or_two_layers_trading_places_change_the_sum():
+    kv = caches(False)  # [2, blocks, ...]: K and V are pieces of their own
+    summer = BlockSummer(kv, [1] * 3)
+    before = summer.sums([2])
+    k, v = kv["l0"][0, 2].clone(), kv["l0"][1, 2].clone()
+    kv["l0"][0, 2], kv["l0"][1, 2] = v, k
+    assert summer.sums([2]) != before
+    kv["l0"][0, 2], kv["l0"][1, 2] = k, v
+    assert summer.sums([2]) == before
+    a, b = kv["l1"][:, 2].clone(), kv["l2"][:, 2].clone()
+    kv["l1"][:, 2], kv["l2"][:, 2] = b, a
+    assert summer.sums([2]) != before
+
+
 def test_layers_sharing_a_cache_are_summed_once_and_many_blocks_go_in_chunks(monkeypatch):
     from kvbaton.adapters.vllm import checksums
 

@@ -17,8 +17,6 @@ from kvbaton.adapters.vllm.worker_io import WorkerIo  # noqa: E402
 from kvbaton.control import messages as m  # noqa: E402
 from kvbaton.transports.base import ReadResult  # noqa: E402
 
-torch = pytest.importorskip("torch")
-
 
 class ListLink:
     def __init__(self) -> None:
@@ -71,6 +69,7 @@ def test_a_failed_read_is_never_reported_by_the_worker():
 
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_a_read_whose_blocks_do_not_sum_to_ps_fails_and_is_never_reported(corrupt):
+    torch = pytest.importorskip("torch")
     from kvbaton.adapters.vllm.checksums import BlockSummer
     from kvbaton.control.hooks import WorkerHooks
 
@@ -88,3 +87,13 @@ def test_a_read_whose_blocks_do_not_sum_to_ps_fails_and_is_never_reported(corrup
     assert side.recving == (set() if corrupt else {"r1"})
     if corrupt:
         assert done.error.startswith("checksum mismatch: 1 of 2 blocks (first 3)")
+
+
+def test_a_rank_that_cannot_sum_leaves_the_read_unverified():
+    side = worker()
+    side.io.reads["r1/0"] = ("r1", True, "r1/0", time.monotonic_ns() + 60 * 10**9)
+    side.io.expect["r1/0"] = ((3,), (7,))
+    side.transport.done.append(ReadResult("r1/0", True, None, 4096, 0.001))
+    side.pump()
+    (done,) = side.link.sent
+    assert done.ok and not done.verified

@@ -100,6 +100,13 @@ def _stack(root: Path, model_dir: Path, hosts: Hosts):
                 pass
             assert router.poll() is None and time.monotonic() < deadline, (root / "router.log").read_text()
             time.sleep(0.3)
+        # One request through each prefill host (round robin) before the tests: the first read
+        # from a new peer also sets up its connection across the hosts' links, which on a loaded
+        # two-core machine can outlast a read's pin and be recomputed (correct, but the tests
+        # below count loads).
+        for seed in (1, 2):
+            httpx.post(f"{url}/v1/completions", headers=ENGINE_HEADERS, timeout=120, json={
+                "model": MODEL, "prompt": words_for(tiny_prompt(60, seed=seed)), "max_tokens": 2})
         yield hosts, deployment, url, root
     finally:
         if router is not None:

@@ -105,9 +105,8 @@ class Sidecar:
         self.stopping = False
         # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.
         self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
-        # `kv_checksums`. P: the blocks of each open ticket whose sums were asked, and each rank's
-        # sums once in. D: reads verified, failed on a mismatch, or unverified (no sums given).
-        self.summing: dict[str, tuple[int, ...]] = {}
+        # `kv_checksums`. P: each open ticket whose sums were asked, with each rank's sums once in.
+        # D: reads verified, failed on a mismatch, or unverified (no sums given).
         self.block_sums: dict[str, dict[int, tuple[int, ...]]] = {}
         self.checksums: collections.Counter[str] = collections.Counter()
         self.checksum_mismatches: collections.Counter[str] = collections.Counter()  # by P engine
@@ -227,8 +226,7 @@ class Sidecar:
         kind = type(effect)
         if kind is fx.FreeEngineBlocks:
             self.io.send(WORKER, m.FinishedSending(effect.request))
-            if self.summing:
-                self.summing.pop(effect.ticket, None)
+            if self.block_sums:
                 self.block_sums.pop(effect.ticket, None)
         elif kind is fx.LoadResolved:
             self.io.send(SCHEDULER, m.Resolved(effect.request, effect.hit, effect.reason, effect.num_tokens))
@@ -329,15 +327,15 @@ class Sidecar:
                 except Exception:
                     logger.exception("history: applying the demotion of %s failed", key)
         elif kind is m.BlockSums:
-            blocks = self.summing.get(msg.ticket)
-            if blocks is None:
+            ranks = self.block_sums.get(msg.ticket)
+            ticket = self.ledger.tickets.tickets.get(msg.ticket)
+            if ranks is None or ticket is None:
                 return  # the ticket closed meanwhile
-            if msg.error or len(msg.sums) != len(blocks):
+            if msg.error or len(msg.sums) != len(ticket.blocks):
                 self.checksums["sum_failed"] += 1
                 self.refusal_log.warning("sum_failed", "checksums: rank %d could not sum ticket %s: %s; its "
                                          "reads go unverified", rank, msg.ticket, msg.error)
                 return
-            ranks = self.block_sums.setdefault(msg.ticket, {})
             ranks[rank] = msg.sums
             if len(ranks) == self.cfg.ranks:
                 self.checksums["summed"] += 1
@@ -479,9 +477,10 @@ class Sidecar:
             self.client.load_requested(event.request, event.ticket, event.source_instance, keepalive)
         self.apply(msgspec.structs.replace(event, at_ns=now))
         issued = self.ledger.tickets.tickets.get(event.ticket) if kind is ev.TicketIssued else None
-        if self.cfg.checksums and issued is not None and issued.state == tickets.ISSUED and event.ticket not in self.summing:
+        if self.cfg.checksums and issued is not None and issued.state == tickets.ISSUED \
+                and event.ticket not in self.block_sums:
             # Summed by the workers now, off the request's path: ready before a decode engine reads.
-            self.summing[event.ticket] = tuple(event.blocks)
+            self.block_sums[event.ticket] = {}
             self.io.send(WORKER, m.SumBlocks(event.ticket, tuple(event.blocks)))
         if new_load and event.request not in self.ledger.loads.loads:
             self.client.load_ended(event.request)  # refused (no blocks to load, or unloggable)

@@ -464,13 +464,13 @@ class HistoryStore(Book):
             else:
                 self.released.add(key)
 
-    def promote(self, keys, out: list[Effect]) -> tuple[int, Dropped | str]:
+    def promote(self, keys, out: list[Effect]) -> Dropped | str:
         """Move the CPU-tier blocks of the chain `keys` back to the GPU tier, head first: each →
         PROMOTING (one `PromoteHistory` for them all). Room is made only by demoting blocks no
-        session keeps. Returns (blocks promoting, "" or why the rest stays in the CPU tier)."""
+        session keeps. Returns "" or why the rest stays in the CPU tier."""
 
         if not self.enabled:
-            return 0, ""
+            return ""
         cfg, bb = self.config, self.config.block_bytes
         protect = set(keys)
         moving: list[str] = []
@@ -494,7 +494,7 @@ class HistoryStore(Book):
         if moving:
             self.counters.add("history.promotions", len(moving))
             out.append(PromoteHistory(tuple(moving)))
-        return len(moving), why
+        return why
 
     def promoted(self, key: str, ok: bool, out: list[Effect]) -> Reason | str:
         """From PROMOTING → GPU (its CPU bytes freed, or held while a lease pins it) when `ok`, else

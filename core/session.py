@@ -114,8 +114,7 @@ class SessionBook(Book):
         # The new turn's keys first: keys both turns keep never drop to no keeper in between
         # (which would send them to the old end of their LRU).
         history.keep(keys)
-        if se.turns:
-            history.unkeep(se.keys)
+        history.unkeep(se.keys)  # (none for a new session)
         se.keys, se.keep_ns = keys, keep_ns
         se.turns += 1
         self.counters.add("sessions.turns")
@@ -156,7 +155,7 @@ class SessionBook(Book):
         se.prefetches += 1
         self._set_deadline(se, now + se.keep_ns)
         out: list[Effect] = []
-        promoting, why = self.history.promote(se.keys, out)
+        why = self.history.promote(se.keys, out)
         self.counters.add("sessions.prefetches")
         if why:
             self.counters.add("sessions.prefetch_short." + why)

@@ -551,8 +551,10 @@ class Router:
         """A session's turn goes to the P that keeps it (a turn D alone serves stays there: D holds
         the prefix); a first turn, or one whose P is gone, goes where routing chose."""
 
-        if (self.tenant_header is not None and self.session_places.get(session.key, time.monotonic()) is None
-                and self.session_places.open_for(session.tenant, time.monotonic()) >= self.sessions_per_tenant):
+        now = time.monotonic()
+        place = self.session_places.get(session.key, now)
+        if (place is None and self.tenant_header is not None
+                and self.session_places.open_for(session.tenant, now) >= self.sessions_per_tenant):
             # Served as any other request: this tenant has as many sessions open as it may.
             self.sessions.labels("tenant_limit").inc()
             return
@@ -560,7 +562,6 @@ class Router:
         if pick.p_url is None:
             self.sessions.labels("decode").inc()
             return
-        place = self.session_places.get(session.key, time.monotonic())
         if place is None:
             self.sessions.labels("new").inc()
         elif place.p_url in self.prefill_urls:

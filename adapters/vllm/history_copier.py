@@ -59,21 +59,25 @@ class HistoryCopier:
                     end = index
                     while end < len(msgs) and type(msgs[end]) is m.DemoteCopies:
                         end += 1
+                    batch = msgs[index:end]  # demotions (none: one other message)
+                    if not batch:
+                        end = index + 1
                     try:
-                        if end > index:
-                            replies = [self._demote_batch(msgs[index:end])]
-                        else:
-                            end = index + 1
-                            replies = [self._handle(msgs[index])]
+                        replies = [self._demote_batch(batch) if batch else self._handle(msgs[index])]
                     except Exception as exc:  # never let one message end the copier
                         self.errors += 1
-                        batch = msgs[index:end] if end > index else []
                         logger.exception("kvbaton history: could not handle %s",
                                          f"{sum(len(msg.keys) for msg in batch)} demotions" if batch
                                          else type(msgs[index]).__name__)
-                        # Every demotion asked must be answered, or its keys stay DEMOTING.
-                        replies = [m.DemotesDone(tuple((key, False, str(exc)) for msg in batch
-                                                       for key in msg.keys))] if batch else []
+                        # Every demotion or promotion asked must be answered, or its keys stay
+                        # DEMOTING or PROMOTING.
+                        if batch:
+                            replies = [m.DemotesDone(tuple((key, False, str(exc)) for msg in batch
+                                                           for key in msg.keys))]
+                        elif type(msgs[index]) is m.PromoteCopies:
+                            replies = [m.PromotesDone(tuple((key, False, str(exc)) for key in msgs[index].keys))]
+                        else:
+                            replies = []
                     for reply in replies:
                         if reply is not None:
                             link.send(reply)

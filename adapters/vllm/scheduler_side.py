@@ -26,8 +26,8 @@ from ...control.guard import RateLimitedLog, capability_digest, install_frame_ke
 from ...core import events as ev
 from ...core import gate
 from ...core.reasons import LoadOutcome
-from .handoff import (PARAMS_VERSION, HandoffError, handoff_key, parse_handoff, prompt_digest, session_request,
-                      sign_handoff)
+from .handoff import (PARAMS_VERSION, SESSION_PARAM, HandoffError, handoff_key, parse_handoff, prompt_digest,
+                      session_request, sign_handoff)
 from .settings import EVENT_LOG_HASH_EVERY, parse_peer_networks
 from .slots import LEASED, SHARES_A_HANDOFF, WAITING, Slot, SlotState
 
@@ -256,7 +256,7 @@ class SchedulerSide:
             return slot
         slot = self.slots[rid] = Slot()
         params = request.kv_transfer_params
-        if self.conn.is_producer and self.history_on and isinstance(params, dict) and "kvbaton_session" in params:
+        if self.conn.is_producer and self.history_on and isinstance(params, dict) and SESSION_PARAM in params:
             slot.session = self._session(request)
             if slot.session is not None and slot.session[2]:
                 # The session's next turn is here: its CPU-tier blocks go back to the GPU tier
@@ -427,10 +427,10 @@ class SchedulerSide:
             self._release(rid, slot)  # an abort before allocation gives the lease back
         params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         remote_decode = self.conn.is_producer and bool(params.get("do_remote_decode"))
-        if self.conn.is_producer and self.history_on and not aborted and block_ids and self.usable():
-            # Before the prompt's ticket: history then admits the session's keys as kept.
-            if slot.session is not None:
-                self._keep_session(request, slot.session, slot.keys)
+        if slot.session is not None and not aborted and block_ids and self.usable():
+            # (P with history on.) Before the prompt's ticket: history then admits the session's
+            # keys as kept.
+            self._keep_session(request, slot.session, slot.keys)
         # P: a request that asked history says where its prompt came from (its own cache, history's
         # tiers, recomputed and why).
         report = (None if not (slot.lease or slot.gated) or aborted else

@@ -698,3 +698,25 @@ def test_scattered_promotions_are_gathered_and_stay_bit_exact():
     for b in (1, 5, 6):
         assert store.where(f"k{b}") == "gpu" and store.read_slot(f"k{b}") == saved[b]
     assert store.read_slot("k3") == saved[3] and store.where("k3") == "cpu"
+
+
+def test_copier_answers_a_promotion_that_raised_and_keeps_running(tmp_path):
+    caches = make_caches()
+    store = SlotStore(caches, [0] * len(caches), gpu_slots=2, cpu_slots=2)
+
+    def broken(keys):
+        raise RuntimeError("device lost")
+
+    store.promote_many = broken
+    with running_copier(tmp_path, store) as (copier, inbox, out):
+        out.send(m.ENCODER.encode(m.PromoteCopies(("a", "b"))))
+        out.send(m.ENCODER.encode(m.StageCopies("t1", ((3, "c"),))))
+        replies = []
+        while not any(type(r) is m.StageDone for r in replies):
+            assert inbox.poll(5000)
+            replies.append(m.DECODER.decode(inbox.recv()))
+        # Unanswered, the core would keep both keys PROMOTING (and their GPU budget) for good.
+        (promoted,) = [r for r in replies if type(r) is m.PromotesDone]
+        assert [(key, ok) for key, ok, _ in promoted.results] == [("a", False), ("b", False)]
+        assert "device lost" in promoted.results[0][2] and copier.errors == 1
+        assert [r.ok for r in replies if type(r) is m.StageDone] == [True]  # the copier went on

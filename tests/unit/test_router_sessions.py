@@ -149,6 +149,11 @@ def test_session_parsing_and_places():
     for key in "abc":
         places.put(key, Place("p", until=10.0))
     assert len(places) == 2 and places.get("a", 0.0) is None
+    # A tenant's count forgets the places at the old end whose keep time ran out.
+    places = Places()
+    places.put("old", Place("p", until=5.0, tenant="t"))
+    places.put("new", Place("p", until=50.0, tenant="t"))
+    assert places.open_for("t", 1.0) == 2 and places.open_for("t", 10.0) == 1 and "old" not in places.places
 
 
 def test_a_close_the_engine_did_not_answer_can_be_tried_again_and_no_router_key_is_a_clear_503():

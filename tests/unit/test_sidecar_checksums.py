@@ -37,7 +37,7 @@ def test_p_sums_a_new_tickets_blocks_on_every_rank_and_grants_reads_with_them(tm
     assert pc.decode_answer(pc.ReadStart("t1", "D0", 1, "r/0"), pc.ENCODER.encode(grant)).sums == grant.sums
     # The ticket closes: its sums go with it.
     p.server.answer(pc.ReadEnd("t1", "D0", 1, "r/0", True, True))
-    assert p.ticket_sums("t1") == () and p.summing == {}
+    assert p.ticket_sums("t1") == () and p.block_sums == {}
 
 
 def test_p_with_checksums_off_asks_nothing_and_a_failed_sum_is_counted(tmp_path):

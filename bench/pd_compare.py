@@ -269,6 +269,9 @@ def build_systems(timed: bool, history_bytes: int, cap_blocks: int, block_bytes:
         "kvbaton-gateoff": System("kvbaton-gateoff", "kvbaton", settings={"history_gate": "off"}, timed=timed),
         "kvbaton-nohistory": System("kvbaton-nohistory", "kvbaton", settings={"gpu_history_bytes": 0},
                                     timed=timed),
+        # Both engines sum every handoff's blocks (P when it issues the ticket, D after its read):
+        # what the opt-in integrity check costs.
+        "kvbaton-checksums": System("kvbaton-checksums", "kvbaton", settings={"kv_checksums": True}, timed=timed),
         # The agent scenario's turns without their sessions: history as for any other prompt.
         "kvbaton-nosession": System("kvbaton-nosession", "kvbaton", client_sessions=False, timed=timed),
     }

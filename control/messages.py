@@ -67,6 +67,8 @@ class ReadDone(Msg, tag="rdone"):
     # The rank saw it end by the read's pin deadline (`PostRead.pinned_until_ns`); unsaid: it
     # did not (the read is then confirmed with P before it counts).
     in_pin: bool = False
+    # A synchronous load's step stopped waiting before this read was posted: it never was.
+    abandoned: bool = False
     # The rank summed the blocks it read and they matched P's sums (`PostRead.sums`).
     verified: bool = False
 
@@ -164,6 +166,9 @@ class LoadEnded(Msg, tag="loadend"):
     request: str
     ok: bool
     reason: str = ""
+    # This engine's handoff reads so far, bytes per second of read time (0: none measured): what
+    # decides whether the next load may run synchronously.
+    read_bytes_per_s: float = 0.0
 
 
 class RestoreReply(Msg, tag="rreply"):
@@ -237,6 +242,8 @@ class PostRead(Msg, tag="post"):
     # `dst_blocks`: the rank sums what it read and fails the read when they differ. Empty: not
     # verified.
     sums: tuple[int, ...] = ()
+    # A synchronous load's read: a step waits for it, and vLLM parked nothing (no finished_recving).
+    sync: bool = False
 
 
 class SumBlocks(Msg, tag="sumblocks"):

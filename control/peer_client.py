@@ -362,7 +362,7 @@ class PeerClient:
         if self.sidecar.hooks.hold_post_s:
             await self.io.sleep(self.sidecar.hooks.hold_post_s)
         post = m.PostRead(effect.request, effect.read, effect.engine, effect.src, effect.dst, effect.last,
-                          pinned_until_ns=effect.pinned_until_ns)
+                          pinned_until_ns=effect.pinned_until_ns, sync=effect.sync)
         sources = self.read_sources.get(effect.engine)
         sums = self.read_sums.pop(effect.read, ())
         if self.cfg.checksums and not self.sidecar.hooks.unchecked_reads:

@@ -105,6 +105,7 @@ class Sidecar:
         self.stopping = False
         # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.
         self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        self.read_rate = 0.0  # recent handoff reads, bytes per second of read time (D)
         # `kv_checksums`. P: each open ticket whose sums were asked, with each rank's sums once in.
         # D: reads verified, failed on a mismatch, or unverified (no sums given).
         self.block_sums: dict[str, dict[int, tuple[int, ...]]] = {}
@@ -235,7 +236,7 @@ class Sidecar:
         elif kind is fx.ReportInvalidBlocks:
             self.io.send(WORKER, m.InvalidBlocks(effect.request, effect.blocks))
         elif kind is fx.LoadFinished:
-            self.io.send(SCHEDULER, m.LoadEnded(effect.request, effect.ok, effect.reason))
+            self.io.send(SCHEDULER, m.LoadEnded(effect.request, effect.ok, effect.reason, self.read_rate))
             reported = self.reported.pop(("load", effect.request), ())
             if effect.parked:
                 # Only an allocated (async) load is parked in WAITING_FOR_REMOTE_KVS: vLLM waits
@@ -393,6 +394,11 @@ class Sidecar:
             if msg.ok:
                 stats["bytes"] += msg.nbytes
                 stats["seconds"] += msg.seconds
+                if msg.seconds > 0 and msg.nbytes > 0:
+                    # Recent reads weigh most: one slow read (a new peer's first, which also
+                    # connects) does not keep later loads from running synchronously for long.
+                    rate = msg.nbytes / msg.seconds
+                    self.read_rate = rate if self.read_rate <= 0 else 0.8 * self.read_rate + 0.2 * rate
                 if len(msg.phases) == len(m.READ_PHASES):
                     stats["phased_reads"] = stats.get("phased_reads", 0) + 1
                     for name, seconds in zip(m.READ_PHASES, msg.phases):  # summed: `phased_reads` divides
@@ -408,10 +414,15 @@ class Sidecar:
                 elif self.cfg.ranks > 1:
                     logger.warning("read %s of request %s failed on rank %d: %s; the request recomputes",
                                    msg.read, msg.request, rank, msg.error)
+            if msg.abandoned:
+                stats["sync_wait_passed"] = stats.get("sync_wait_passed", 0) + 1
             ok = self.fan_in.note(("read", msg.request, msg.read), rank, msg.ok)
             in_pin = self.fan_in.note(("pin", msg.request, msg.read), rank, msg.in_pin)
+            # Whether every rank posted it (a rank that gave a synchronous read up did not).
+            posted = self.fan_in.note(("posted", msg.request, msg.read), rank, not msg.abandoned)
             if ok is not None:  # every rank's part has ended
-                self.apply(ev.LoadReadFinished(now, msg.request, msg.read, ok, bool(in_pin)))
+                self.apply(ev.LoadReadFinished(now, msg.request, msg.read, ok, bool(in_pin),
+                                               abandoned=not posted))
         elif kind is m.Stop:
             self.io.spawn(self.io.exit())
         elif kind is m.Debug:
@@ -527,7 +538,7 @@ class Sidecar:
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "layout": self.cfg.layout, "ranks": self.cfg.ranks,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
-                "transfer": dict(self.transfer), "history": self.history_state(), "gate": dict(self.gate_stats),
+                "transfer": {**self.transfer, "read_bytes_per_s": self.read_rate}, "history": self.history_state(), "gate": dict(self.gate_stats),
                 "checksums": dict(self.checksums), "checksum_mismatches": dict(self.checksum_mismatches)}
 
     def metrics_snapshot(self) -> dict:

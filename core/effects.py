@@ -184,6 +184,7 @@ class PostRead(Effect, tag="prd"):
     # By the shell's monotonic clock: a read that ends (ok) by then had P's blocks throughout;
     # one that ends later is confirmed with P before it counts (0: every read is).
     pinned_until_ns: int = 0
+    sync: bool = False  # a synchronous load's (LoadAllocated.sync): a step waits for it
 
 
 class SendReadEnd(Effect, tag="sre"):
@@ -225,8 +226,8 @@ class LoadFinished(Effect, tag="lfn"):
     request: str
     ok: bool
     reason: str  # `core.reasons.LoadOutcome`, possibly with detail
-    # vLLM parked the request for destination blocks (the load was allocated some): it waits for
-    # exactly one report that they were received.
+    # vLLM parked the request for destination blocks (an async load was allocated some): it waits
+    # for exactly one report that they were received.
     parked: bool = False
 
 

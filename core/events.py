@@ -176,6 +176,10 @@ class LoadAllocated(Event, tag="la"):
     # The index of the first granted block that goes into `blocks` (the blocks before it were a
     # local prefix-cache hit and are not read).
     first: int = 0
+    # vLLM runs the request in the step that allocated it (a synchronous load): its workers wait
+    # for the reads before the forward pass and report a failure in that step themselves, so the
+    # core sends no invalid blocks and no `finished_recving` for it (vLLM parked nothing).
+    sync: bool = False
 
 
 class ReadGranted(Event, tag="rg"):
@@ -206,6 +210,9 @@ class LoadReadFinished(Event, tag="lr"):
     read: str
     ok: bool
     in_pin: bool = True
+    # A synchronous load's worker gave the read up before posting it (its wait was over): the
+    # step ran without it and the request recomputes.
+    abandoned: bool = False
 
 
 class ReadEndAnswered(Event, tag="rv"):

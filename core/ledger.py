@@ -32,9 +32,10 @@ SECOND_NS = 1_000_000_000
 # Bump when the snapshot that `state_hash` digests changes shape, or when the ledger answers the
 # same events with another state: replay then still re-checks old logs' invariants but no longer
 # compares their recorded hashes.
-STATE_HASH_VERSION = 8  # 6 (log schema 2): a load keeps what its request holds and what P
+STATE_HASH_VERSION = 9  # 6 (log schema 2): a load keeps what its request holds and what P
 # granted (engine, blocks), and decides itself whether a grant may be read; 7: and until when the
-# read in flight is provably pinned on P; 8: agent sessions and the keys they keep
+# read in flight is provably pinned on P; 8: agent sessions and the keys they keep; 9: a load
+# knows whether it is synchronous
 
 
 class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -37,6 +37,13 @@ unanswered one is a miss and the request recomputes locally (a miss, not an erro
   it still held the read when the read's end reached it; otherwise, or without an answer, its
   blocks are invalid. D never reports a read that P may have let go of as received.
 * FAILED reports the destination blocks as invalid; vLLM recomputes them.
+* A synchronous load (`LoadAllocated.sync`: P had granted the claim when vLLM scheduled the
+  request, and vLLM runs it in the step that allocated its blocks) parks nothing: its workers wait
+  for its reads before that step's forward pass, and themselves report its blocks invalid in that
+  step when a read failed or did not come in time (then they post no read for it, and say so:
+  `LoadReadFinished.abandoned`). So the core sends a synchronous load neither invalid blocks nor a
+  received report, and a read of one that ended past its pin fails it at once: the step that
+  needed it has run.
 """
 
 from __future__ import annotations
@@ -151,6 +158,7 @@ class Load(msgspec.Struct):
     reads: int = 0  # how many reads the allocation asked for (the blocks split evenly)
     # The read in flight counts at once if it ends by then (D's clock; see ReadGranted).
     pinned_until_ns: int = 0
+    sync: bool = False  # vLLM runs the request in the step that allocated it (LoadAllocated.sync)
 
     def is_last_read(self, read: str) -> bool:
         """`read` is the read in flight and the last this load makes."""
@@ -201,7 +209,13 @@ class LoadBook(Book):
         self._terminate(ld, trigger, dest)
         ld.outcome = outcome
         self.counters.add(f"loads.{dest.lower()}")
-        out.append(LoadFinished(ld.request, dest == DONE, outcome, bool(ld.blocks)))
+        out.append(LoadFinished(ld.request, dest == DONE, outcome, bool(ld.blocks) and not ld.sync))
+
+    def _invalid(self, ld: Load) -> list[Effect]:
+        """The destination blocks hold no valid KV: vLLM is told, unless the load is synchronous
+        (its workers told vLLM in the step that needed the blocks)."""
+
+        return [] if ld.sync or not ld.blocks else [ReportInvalidBlocks(ld.request, ld.blocks)]
 
     def _release(self, ld: Load) -> SendRelease:
         return SendRelease(ld.request, ld.ticket, ld.source, ld.epoch)
@@ -228,7 +242,7 @@ class LoadBook(Book):
         lo, hi = len(ld.blocks) * index // count, len(ld.blocks) * (index + 1) // count
         return PostRead(ld.request, ld.ticket, ld.source, ld.read, ld.engine,
                         ld.granted[ld.first + lo:ld.first + hi], ld.blocks[lo:hi], index == count - 1,
-                        ld.pinned_until_ns)
+                        ld.pinned_until_ns, ld.sync)
 
     # -- handlers --------------------------------------------------------------------------------
 
@@ -267,8 +281,8 @@ class LoadBook(Book):
             # P holds the claim for blocks this request must not read: give them back.
             self.counters.add(f"loads.grant_refused.{Reason.head(problem) or 'other'}")
             out: list[Effect] = [LoadResolved(ld.request, False, problem), self._release(ld)]
-            if ld.state == ALLOCATED_EARLY and ld.blocks:
-                out.append(ReportInvalidBlocks(ld.request, ld.blocks))
+            if ld.state == ALLOCATED_EARLY:
+                out += self._invalid(ld)
             self._end(ld, "refused", MISSED, LoadOutcome.GRANT_REFUSED.detail(problem), out)
             return out
         ld.engine, ld.granted = e.engine, tuple(e.blocks)
@@ -292,8 +306,8 @@ class LoadBook(Book):
         if ld.state not in (AWAITING_CLAIM, ALLOCATED_EARLY):
             return [reject(self.counters, "cx", e.request, Reason.LATE_REFUSAL)]
         out: list[Effect] = [LoadResolved(e.request, False, e.reason)]
-        if ld.state == ALLOCATED_EARLY and ld.blocks:
-            out.append(ReportInvalidBlocks(ld.request, ld.blocks))
+        if ld.state == ALLOCATED_EARLY:
+            out += self._invalid(ld)
         self._end(ld, "refused", MISSED, LoadOutcome.CLAIM_REFUSED.detail(e.reason), out)
         return out
 
@@ -307,19 +321,23 @@ class LoadBook(Book):
             return self._refuse_allocation(e, Reason.UNKNOWN_LOAD)
         if ld.state == AWAITING_CLAIM:
             self._move(ld, "allocated", ALLOCATED_EARLY)  # its claim deadline still runs
-            ld.blocks, ld.first = tuple(e.blocks), e.first
+            ld.blocks, ld.first, ld.sync = tuple(e.blocks), e.first, e.sync
             ld.reads_left = max(1, e.reads)
             return []
         if ld.state != CLAIMED:
             if ld.state in SPEC.terminal:
                 return self._refuse_allocation(e, Reason.CONSUMED)
             return [reject(self.counters, "la", e.request, Reason.CONSUMED)]  # allocated twice
-        ld.blocks, ld.first = tuple(e.blocks), e.first
+        ld.blocks, ld.first, ld.sync = tuple(e.blocks), e.first, e.sync
+        if e.sync:
+            self.counters.add("loads.sync")
         return self._start_reads(ld, "allocated", e.reads, now)
 
     def _refuse_allocation(self, e: LoadAllocated, reason: Reason) -> list[Effect]:
         out: list[Effect] = [reject(self.counters, "la", e.request, reason)]
-        if e.blocks:  # a zero-block allocation (a local prefix-cache hit) parks nothing
+        # A zero-block allocation (a local prefix-cache hit) parks nothing, and neither does a
+        # synchronous one (its workers, seeing no read, report its blocks invalid themselves).
+        if e.blocks and not e.sync:
             out.append(ReturnParked(e.request, tuple(e.blocks)))
         return out
 
@@ -336,7 +354,7 @@ class LoadBook(Book):
         if ld.first < 0 or ld.first + len(ld.blocks) > len(ld.granted):
             # More destination blocks than P granted past the local hit: read nothing, and vLLM
             # recomputes them.
-            out = [ReportInvalidBlocks(ld.request, ld.blocks), self._release(ld)]
+            out = [*self._invalid(ld), self._release(ld)]
             self._end(ld, "read_refused", FAILED, LoadOutcome.READ_REFUSED.detail(
                 Reason.GRANT_MISMATCH.detail(f"{len(ld.blocks)} blocks from granted block {ld.first} "
                                              f"of {len(ld.granted)}")), out)
@@ -370,7 +388,7 @@ class LoadBook(Book):
         ld = self.loads.get(e.request)
         if ld is None or ld.state != ALLOCATED or ld.read != e.read:
             return [reject(self.counters, "rx", e.request, Reason.NO_READ_PENDING)]
-        out: list[Effect] = [ReportInvalidBlocks(ld.request, ld.blocks), self._release(ld)]
+        out: list[Effect] = [*self._invalid(ld), self._release(ld)]
         self._end(ld, "read_refused", FAILED, LoadOutcome.READ_REFUSED.detail(e.reason), out)
         return out
 
@@ -388,9 +406,12 @@ class LoadBook(Book):
             self._end(ld, "read_done" if e.ok else "read_failed", CANCELLED,
                       LoadOutcome.CANCELLED_WHILE_LOADING, out)
             return out
-        if not e.ok:
-            out = [self._read_end(ld, e.read, False, True), ReportInvalidBlocks(ld.request, ld.blocks)]
-            self._end(ld, "read_failed", FAILED, LoadOutcome.TRANSPORT_ERROR, out)
+        if not e.ok or (ld.sync and not e.in_pin):
+            # A synchronous read past its pin is not confirmed: its step ran without it.
+            out = [self._read_end(ld, e.read, False, True), *self._invalid(ld)]
+            outcome = (LoadOutcome.SYNC_WAIT_PASSED if e.abandoned else LoadOutcome.TRANSPORT_ERROR if not e.ok
+                       else LoadOutcome.READ_UNPINNED.detail("a synchronous read ended past its pin"))
+            self._end(ld, "read_failed", FAILED, outcome, out)
             return out
         if not e.in_pin:  # ended past its pin: P may have let the blocks go meanwhile; ask it
             self._move(ld, "read_done_late", CONFIRMING)
@@ -421,7 +442,7 @@ class LoadBook(Book):
         if e.held:
             return self._read_counted(ld, "confirmed", now, [])
         self.counters.add("loads.reads_unpinned")
-        out: list[Effect] = [ReportInvalidBlocks(ld.request, ld.blocks), *self._release_unless_sent(ld)]
+        out: list[Effect] = [*self._invalid(ld), *self._release_unless_sent(ld)]
         self._end(ld, "unconfirmed", FAILED, LoadOutcome.READ_UNPINNED.detail(e.reason or "no answer"), out)
         return out
 
@@ -447,8 +468,8 @@ class LoadBook(Book):
         out: list[Effect] = [self._release(ld)]
         if ld.state in (AWAITING_CLAIM, ALLOCATED_EARLY):
             out.append(LoadResolved(ld.request, False, reason))
-        if ld.state == ALLOCATED_EARLY and ld.blocks and tag == "rp":
-            out.append(ReportInvalidBlocks(ld.request, ld.blocks))  # an aborted request's are discarded
+        if ld.state == ALLOCATED_EARLY and tag == "rp":
+            out += self._invalid(ld)  # an aborted request's are discarded
         self._end(ld, "cancel", CANCELLED, reason, out)
         return out
 
@@ -462,19 +483,19 @@ class LoadBook(Book):
         if ld.state in (AWAITING_CLAIM, ALLOCATED_EARLY):
             out.append(self._release(ld))  # in case the grant is only late
             out.append(LoadResolved(ld.request, False, LoadOutcome.CLAIM_UNANSWERED))
-            if ld.state == ALLOCATED_EARLY and ld.blocks:
-                out.append(ReportInvalidBlocks(ld.request, ld.blocks))
+            if ld.state == ALLOCATED_EARLY:
+                out += self._invalid(ld)
             self._end(ld, "expire", MISSED, LoadOutcome.CLAIM_UNANSWERED, out)
         elif ld.state == CLAIMED:
             out.append(self._release(ld))
             self._end(ld, "expire", CANCELLED, LoadOutcome.NEVER_ALLOCATED, out)
         elif ld.state == ALLOCATED:
-            out.append(ReportInvalidBlocks(ld.request, ld.blocks))
+            out.extend(self._invalid(ld))
             out.append(self._release(ld))
             self._end(ld, "expire", FAILED, LoadOutcome.READ_GRANT_UNANSWERED, out)
         elif ld.state == CONFIRMING:
             self.counters.add("loads.reads_unpinned")
-            out.append(ReportInvalidBlocks(ld.request, ld.blocks))
+            out.extend(self._invalid(ld))
             out.extend(self._release_unless_sent(ld))
             self._end(ld, "expire", FAILED, LoadOutcome.READ_UNPINNED.detail("no answer"), out)
 

@@ -105,6 +105,7 @@ class LoadOutcome(StrEnum):
     TRANSPORT_ERROR = "transport error"
     READ_UNPINNED = "read unpinned"  # with detail: P did not confirm a read that ended past its pin
     CANCELLED_WHILE_LOADING = "cancelled while loading"
+    SYNC_WAIT_PASSED = "sync wait passed"  # a synchronous load's step could not wait for its read
     PREEMPTED = "preempted"
     ABORTED = "aborted"
 

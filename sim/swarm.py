@@ -179,6 +179,7 @@ class Swarm:
         self.read_asked: dict[tuple[str, str], int] = {}  # (D, read) -> when D asked P for it
         self.confirming: dict[tuple[str, str], str] = {}  # (D, read) -> request awaiting P's word
         self.tainted: set[tuple[str, str]] = set()  # (D, request): a read ended after P let go
+        self.sync_loads: set[tuple[str, str]] = set()  # (D, request): allocated as a synchronous load
         self.restore_blocks: dict[str, tuple[int, ...]] = {}
         self.lease_requests: dict[str, str] = {}
         self.next_id = 0
@@ -418,6 +419,11 @@ class Swarm:
                 self.clock_jump(self.rng.choice([self.config.reader_silence_ns // 2,
                                                  self.config.reader_silence_ns]) + MS)
             ok = not self.fault("transport_error")
+            if (node.name, effect.request) in self.sync_loads and self.rng.random() < 0.15:
+                # The step's wait was over before the grant reached the worker: it posts nothing.
+                self.at(self.delay(0.05, 1), self.local, node, ev.LoadReadFinished,
+                        {"request": effect.request, "read": effect.read, "ok": False, "abandoned": True})
+                return
             self.at(self.delay(0.2, 10), self.finish_read, node, effect.request, effect.read, ok,
                     effect.pinned_until_ns)
             death = self.profile["decode_death"]
@@ -440,7 +446,14 @@ class Swarm:
                 self.send(P_NAME, ev.ReleaseRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
         elif kind is fx.SendRelease:
             self.send(P_NAME, ev.ReleaseRequested, ticket=effect.ticket, claimer=node.name, epoch=effect.epoch)
+        elif kind is fx.ReportInvalidBlocks and (node.name, effect.request) in self.sync_loads:
+            # Its workers reported its blocks in the step that needed them; a later report would
+            # roll back the recompute that follows.
+            self.fail(node, [f"{node.name}: synchronous load {effect.request} reported invalid blocks after its step"])
         elif kind is fx.LoadFinished:
+            if effect.parked and (node.name, effect.request) in self.sync_loads:
+                self.fail(node, [f"{node.name}: synchronous load {effect.request} reported received (vLLM parked "
+                                 f"nothing)"])
             if effect.ok and (node.name, effect.request) in self.tainted:
                 self.fail(node, [f"{node.name}: load {effect.request} counted a read that ended after P let "
                                  f"its blocks go"])
@@ -470,8 +483,12 @@ class Swarm:
                 self.at(self.delay(5, 100), self.allocate_load, node, request)
             return
         local_hit = self.rng.random() < 0.05
+        # After the grant vLLM may run the request in this very step (a synchronous load).
+        sync = not before_grant and self.rng.random() < 0.3
+        if sync:
+            self.sync_loads.add((node.name, request))
         self.local(node, ev.LoadAllocated, {"request": request, "blocks": () if local_hit else blocks,
-                                            "reads": self.rng.randint(1, 3)})
+                                            "reads": self.rng.randint(1, 3), "sync": sync})
 
     def finish_read(self, node: Node, request: str, read: str, ok: bool, pinned_until_ns: int = 0) -> None:
         if not node.alive:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -47,8 +47,11 @@ logger = logging.getLogger("vllm.kvbaton.connector")
 
 @dataclass
 class KvbatonMetadata(KVConnectorMetadata):
-    """Empty: every decision reaches the workers over the sidecar link as soon as it is made, not
-    with the next step (vLLM still asks for one object per step)."""
+    """The step's synchronous loads (request -> destination blocks), which its workers wait for
+    before the forward pass. Every other decision reaches the workers over the sidecar link as
+    soon as it is made, not with the next step."""
+
+    sync_loads: dict = field(default_factory=dict)
 
 
 class KvbatonConnector(KVConnectorBase_V1):
@@ -94,7 +97,7 @@ class KvbatonConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         self._scheduler.guard(self._scheduler.build_connector_meta, None, scheduler_output)
-        return KvbatonMetadata()
+        return KvbatonMetadata(self._scheduler.take_sync_step())
 
     def request_finished(self, request, block_ids):
         return self._scheduler.guard(self._scheduler.request_finished, (False, None), request, block_ids)
@@ -111,7 +114,9 @@ class KvbatonConnector(KVConnectorBase_V1):
             logger.warning("kvbaton: debug_set(%r) refused: test hooks are off (%s=1 turns them on)",
                            key, TEST_HOOKS_ENV)
             return
-        if self._scheduler is not None:
+        if self._scheduler is not None and key == "sync_loads":  # the scheduler side's own choice
+            self._scheduler.sync_loads = bool(value)
+        elif self._scheduler is not None:
             self._scheduler.sidecar.send(m.Debug(key, float(value)))
 
     # -- worker side -----------------------------------------------------------------------------
@@ -145,7 +150,12 @@ class KvbatonConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self._worker is not None:
             self._worker.step_started()
-            self._worker.guard(self._worker.pump)
+            metadata = getattr(self, "_connector_metadata", None)
+            if isinstance(metadata, KvbatonMetadata) and metadata.sync_loads:
+                # Before the forward pass (vLLM calls this first in a step with synchronous loads).
+                self._worker.wait_sync_loads(metadata.sync_loads)
+            else:
+                self._worker.guard(self._worker.pump)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

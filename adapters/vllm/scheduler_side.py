@@ -26,6 +26,7 @@ from ...control.guard import RateLimitedLog, capability_digest, install_frame_ke
 from ...core import events as ev
 from ...core import gate
 from ...core.reasons import LoadOutcome
+from .history import kv_block_bytes
 from .handoff import (PARAMS_VERSION, SESSION_PARAM, HandoffError, handoff_key, parse_handoff, prompt_digest,
                       session_request, sign_handoff)
 from .settings import EVENT_LOG_HASH_EVERY, parse_peer_networks
@@ -160,6 +161,13 @@ class SchedulerSide:
         self.last_step: tuple[float, int] | None = None  # (when it was scheduled, its tokens)
         # Restores being measured, by request, until both ends of their wait are known.
         self.measuring: dict[str, RestoreTiming] = {}
+        # D: the synchronous loads allocated in the step being scheduled (request -> destination
+        # blocks), for its workers (KvbatonMetadata); and this engine's read rate (bytes per second
+        # of read time, from the sidecar; 0 until a read was measured).
+        self.sync_step: dict[str, tuple[int, ...]] = {}
+        self.sync_loads: bool | None = None  # a test hook (debug_set) overrides the setting
+        self.read_rate = 0.0
+        self.block_bytes = kv_block_bytes(kv_cache_config)
 
     @classmethod
     def attached(cls, conn, sidecar, *, handoff_key: bytes, trusted, router_key: bytes = b"",
@@ -219,6 +227,8 @@ class SchedulerSide:
                     slot.reason = slot.reason or msg.reason  # allocated already: its load ends too
                     logger.info("kvbaton: request %s recomputes locally: %s", msg.request, msg.reason)
             elif kind is m.LoadEnded:
+                if msg.read_bytes_per_s > 0:
+                    self.read_rate = msg.read_bytes_per_s
                 slot = self.slots.get(msg.request)
                 if slot is not None and slot.ticket:
                     slot.state, slot.reason = SlotState.DONE, msg.reason
@@ -299,7 +309,7 @@ class SchedulerSide:
                                           digest, section.get("instance", "")), keepalive=section.get("keepalive", "")):
             slot.ticket, slot.reason = "", "sidecar unreachable"
         else:
-            slot.state = SlotState.CLAIMING
+            slot.state, slot.claimed_at = SlotState.CLAIMING, self.clock()
             self.readers[slot.ticket] = request
         return slot
 
@@ -362,8 +372,11 @@ class SchedulerSide:
                 slot.state, slot.reason = SlotState.LOCAL, "sidecar down"
         if slot.state not in WAITING:
             return 0, False  # no handoff, refused, missed, or already used: a preempted request recomputes
-        if slot.state == SlotState.CLAIMING and not self.allocate_early:
-            return None, False  # P has not answered yet: ask again next step
+        if slot.state == SlotState.CLAIMING and (not self.allocate_early or (
+                self.sync_on and self.clock() - slot.claimed_at < self.conn.settings.sync_claim_wait_s)):
+            # P has not answered yet: ask again next step (an idle engine asks again at once). A
+            # grant in hand by then lets the request run in the step that allocates it.
+            return None, False
         # Granted, or not answered yet (D allocates before the claim is answered): waiting for
         # P's answer would cost the request a whole engine step. The sidecar holds the allocation
         # until P answers; a refused claim then reports the blocks invalid and vLLM recomputes them.
@@ -373,8 +386,33 @@ class SchedulerSide:
             self.send(ev.LoadAllocated(0, request.request_id, ()))
             return 0, False
         slot.local_computed = num_computed_tokens
+        if slot.state == SlotState.GRANTED and self._sync_fits(slot, count):
+            # vLLM computes at least the prompt's last token itself: a grant of the whole prompt
+            # (D's prompt is P's) still reads every block, and the last token's KV is computed
+            # again over what was read.
+            count = min(count, len(request.prompt_token_ids or ()) - 1 - num_computed_tokens)
+            if count > 0:
+                slot.sync, slot.external = True, count
+                return count, False
         slot.external = count
         return count, True
+
+    @property
+    def sync_on(self) -> bool:
+        if self.sync_loads is not None:  # a test hook's choice
+            return self.sync_loads
+        return getattr(getattr(self.conn, "settings", None), "sync_loads", "off") == "auto"
+
+    def _sync_fits(self, slot: Slot, count: int) -> bool:
+        """Whether a granted load runs synchronously: on, and not expected to read for longer
+        than `sync_load_max_s` at this engine's measured read rate (unmeasured: it may)."""
+
+        if not self.sync_on:
+            return False
+        if self.read_rate <= 0 or self.block_bytes <= 0:
+            return True
+        blocks = -(-count // self.conn.block_size)
+        return blocks * self.block_bytes / self.read_rate <= self.conn.settings.sync_load_max_s
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         slot = self.slots.get(request.request_id)
@@ -391,8 +429,20 @@ class SchedulerSide:
         first = slot.local_computed // bs  # never overwrite a local prefix-cache hit
         last = min(math.ceil(slot.num_tokens / bs), len(block_ids))
         dst = tuple(block_ids[first:last])
+        if slot.sync:
+            # This step's workers wait for its reads (booked first: should the sidecar not take
+            # the allocation, they see no read, stop waiting and report the blocks invalid).
+            self.sync_step[request.request_id] = dst
         # The sidecar reads P's granted blocks from index `first` on into `dst`.
-        self.send(ev.LoadAllocated(0, request.request_id, dst, first=first))
+        self.send(ev.LoadAllocated(0, request.request_id, dst, first=first, sync=slot.sync))
+
+    def take_sync_step(self) -> dict[str, tuple[int, ...]]:
+        """The synchronous loads allocated in the step being scheduled, for its workers (the rest
+        reaches them over the sidecar link as soon as it is decided). Never raises: a worker that
+        did not wait for one would run its request on blocks nothing was read into."""
+
+        sync, self.sync_step = self.sync_step, {}
+        return sync
 
     def build_connector_meta(self, scheduler_output) -> None:
         self.drain()

@@ -157,6 +157,24 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "`kvbaton_handoff_checksums_total` and, by P's engine, `kvbaton_handoff_checksum_mismatches_total`). "
         "Both engines need it on; a read granted before P's sums were ready is counted unverified. "
         "Equal tensor parallel sizes only.")] = False
+    sync_loads: Annotated[Literal["auto", "off"], _doc(
+        'D: "auto": when P has granted a handoff by the time vLLM schedules its request (D claims '
+        'as the request arrives, and waits up to `sync_claim_wait_s` for the answer), the request '
+        'runs in that very step: the workers wait for its read before the forward pass (a '
+        'synchronous load) instead of parking it until a later step. A read this engine expects to '
+        'take longer than `sync_load_max_s` (its measured read rate) is parked instead. "off": every '
+        'load is parked (vLLM\'s asynchronous flow).')] = "auto"
+    sync_claim_wait_s: Annotated[float, _doc(
+        "D: how long a request may wait for P's answer to its claim before vLLM schedules it, so "
+        "that it can load synchronously; past it the load is parked.", ge=0)] = 0.02
+    sync_load_wait_s: Annotated[float, _doc(
+        "D: how long a step waits for a synchronous load's read to start (P's read grant); past it "
+        "the step runs without it and the request recomputes its prompt (`sync wait passed`). A "
+        "read that started is waited out: its bytes land in the engine's blocks.", gt=0)] = 0.1
+    sync_load_max_s: Annotated[float, _doc(
+        "D: a load expected to read for longer than this (its bytes at this engine's measured read "
+        "rate) is parked rather than run synchronously, so the other requests in its step do not "
+        "wait for it.", gt=0)] = 0.05
     history_scope: Annotated[Literal["handoff", "all"], _doc(
         'Which finished P requests leave their prompt in history: "handoff" (requests handed to a '
         'decode engine) or "all" (plain requests on P too).')] = "handoff"

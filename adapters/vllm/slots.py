@@ -52,6 +52,8 @@ class Slot:
     local_computed: int = 0  # D's own prefix-cache hit when it allocated
     external: int = 0  # tokens the load was to deliver past that hit
     reader: Any = None  # SIBLING: the request that reads the shared ticket
+    claimed_at: float = 0.0  # when the claim went to P
+    sync: bool = False  # vLLM runs it in the step that allocates its blocks (a synchronous load)
     waiting_since: float = 0.0
     # A restore (P).
     lease: str = ""

@@ -28,6 +28,7 @@ from ...transports.affinity import run_on
 logger = logging.getLogger("vllm.kvbaton.connector")
 
 WAIT_S = 0.05  # how often the thread checks for stop between messages
+ABANDONED_MAX = 4096
 
 class WorkerIo:
     def __init__(self, ipc_dir: str, transport, bad_peers: dict[str, str],
@@ -39,8 +40,8 @@ class WorkerIo:
         self.link = Link(ipc_dir, "worker", rank)  # this thread's own sockets (zmq sockets are per thread)
         self.inbox: collections.deque[m.Msg] = collections.deque()  # for the engine thread
         # transport read id -> (request, last read of its load, the sidecar's read id, its pin
-        # deadline): the engine thread polls these (pump)
-        self.reads: dict[str, tuple[str, bool, str, int]] = {}
+        # deadline, a synchronous load's): the engine thread polls these (pump)
+        self.reads: dict[str, tuple[str, bool, str, int, bool]] = {}
         # A read split over several source ranks: read id -> [reads out, all ok, bytes, slowest
         # seconds, descriptors, first error, slowest phases] (updated from this thread and the
         # engine thread).
@@ -50,6 +51,10 @@ class WorkerIo:
         # read id what its blocks must sum to: (destination blocks, P's sums), checked when it ends.
         self.summer = None
         self.expect: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        # Synchronous loads whose step stopped waiting before their read was posted: a read for
+        # one is never posted (it would land in blocks vLLM recomputes). Bounded: the oldest go.
+        self.abandoned: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.post_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvbaton-worker-io", daemon=True)
 
@@ -115,7 +120,27 @@ class WorkerIo:
             logger.warning("kvbaton worker: could not sum the blocks of ticket %s: %s", msg.ticket, exc)
             return m.BlockSums(msg.ticket, error=str(exc)[:200])
 
+    def give_up_unposted(self, requests) -> list[str]:
+        """(Engine thread.) Of `requests`, the ones with no read posted now: from here on none
+        will be."""
+
+        with self.post_lock:
+            posted = {booked[0] for booked in list(self.reads.values())}
+            gone = [request for request in requests if request not in posted]
+            for request in gone:
+                self.abandoned[request] = None
+            while len(self.abandoned) > ABANDONED_MAX:
+                self.abandoned.popitem(last=False)
+        return gone
+
     def _post(self, msg: m.PostRead) -> None:
+        with self.post_lock:
+            if msg.request in self.abandoned:
+                self.link.send(m.ReadDone(msg.request, msg.read, False, "sync wait passed", abandoned=True))
+                return
+            self._post_locked(msg)
+
+    def _post_locked(self, msg: m.PostRead) -> None:
         sources = msg.peers or (msg.peer,)
         if len(sources) > 1:  # one transport read per source rank, one ReadDone for them all
             with self.parts_lock:
@@ -126,7 +151,7 @@ class WorkerIo:
             if problem is None:
                 # Booked before posting: a read can end inside start_read (CPU copies do), and the
                 # engine thread may poll it before start_read returns.
-                self.reads[read_id] = (msg.request, msg.last, msg.read, msg.pinned_until_ns)
+                self.reads[read_id] = (msg.request, msg.last, msg.read, msg.pinned_until_ns, msg.sync)
                 if msg.sums and len(sources) == 1 and len(msg.sums) == len(msg.dst_blocks):
                     self.expect[read_id] = (tuple(msg.dst_blocks), tuple(msg.sums))
                 try:

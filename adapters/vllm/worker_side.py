@@ -4,6 +4,7 @@ restores, and reports finished sends, receives and load errors back to vLLM."""
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import signal
 import logging
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from .connector import KvbatonConnector
 
 logger = logging.getLogger("vllm.kvbaton.connector")
+
+# Synchronous loads whose reads ended before their step waited, remembered for it (bounded).
+SYNC_ENDED_MAX = 4096
 
 
 def request_amx_permission() -> None:
@@ -82,6 +86,12 @@ class WorkerSide:
         self.thread_cpus: frozenset[int] | None = None  # where our threads run (register_kv_caches)
         self.restorer = None  # P's history restores (on this thread, from pump)
         self.stall_watchdog = False  # see install_stall_watchdog
+        # The step's synchronous loads still waited for (request -> destination blocks), while
+        # `wait_sync_loads` runs; `pump` settles them.
+        self.sync_pending: dict[str, tuple[int, ...]] = {}
+        # Synchronous loads whose reads ended before their step waited: request -> (good, last).
+        self.sync_ended: collections.OrderedDict[str, tuple[bool, bool]] = collections.OrderedDict()
+        self.sync_stats = {"loaded": 0, "failed": 0, "wait_passed": 0}
 
     def guard(self, fn, fallback=None, *args):
         try:
@@ -213,7 +223,7 @@ class WorkerSide:
                     self.recving.add(request)
         if self.io.reads:
             for result in self.transport.poll():
-                request, last, read, pinned_until_ns = self.io.reads.pop(result.read_id, ("", False, "", 0))
+                request, last, read, pinned_until_ns, sync = self.io.reads.pop(result.read_id, ("", False, "", 0, False))
                 expected = self.io.expect.pop(result.read_id, None)
                 if not request:
                     continue
@@ -230,12 +240,80 @@ class WorkerSide:
                 in_pin = time.monotonic_ns() <= pinned_until_ns
                 done = msgspec.structs.replace(done, in_pin=in_pin, verified=verified)
                 self.link.send(done)
+                if sync:
+                    # vLLM parked nothing, so no finished_recving: the step that runs the request
+                    # waits for its reads (a read that failed or ended past its pin fails it).
+                    self._sync_read_ended(request, done.ok and in_pin, last)
+                    continue
                 if done.ok and last and in_pin:
                     # The bytes are in place and were P's throughout: vLLM may schedule the
                     # request next step. The sidecar, told by `done`, sends this rank no
                     # FinishedRecving for it. (Past its pin the sidecar reports it once P
                     # confirmed the read, or with its blocks invalid.)
                     self.recving.add(request)
+
+    def wait_sync_loads(self, loads: dict[str, tuple[int, ...]]) -> None:
+        """Before the forward pass of a step with synchronous loads: wait until each one's reads
+        have ended. A load whose read failed, or was not posted within `sync_load_wait_s` (then
+        it never will be), has its blocks reported invalid in this step, and vLLM recomputes its
+        prompt. A read already posted is waited out, however long it takes: its bytes land in
+        the engine's blocks, which the recompute would write next."""
+
+        if self.link is None or self.io is None:
+            self.load_errors.update(block for blocks in loads.values() for block in blocks)
+            return
+        self.sync_pending = dict(loads)
+        for request in loads:  # reads that ended before this step's wait (a step scheduled ahead)
+            if request in self.sync_ended:
+                self._sync_read_ended(request, *self.sync_ended.pop(request))
+        started = time.monotonic()
+        deadline = started + self.conn.settings.sync_load_wait_s
+        warn_at = started + self.conn.settings.peer_timeout_s
+        pause_s = 20e-6
+        try:
+            while True:
+                self.guard(self.pump)
+                if not self.sync_pending:
+                    return
+                now = time.monotonic()
+                if now >= deadline:
+                    for request in self.io.give_up_unposted(self.sync_pending):
+                        self._sync_failed(request, "wait_passed")
+                    if not self.sync_pending:
+                        return
+                if now >= warn_at:
+                    logger.warning("kvbaton worker: a step has waited %.1f s for the reads of %s (posted, "
+                                   "not ended)", now - started, sorted(self.sync_pending))
+                    warn_at = now + self.conn.settings.peer_timeout_s
+                # Sleeping gives the io thread (which posts reads) and the transport's helper the GIL.
+                time.sleep(pause_s)
+                pause_s = min(pause_s * 2, 500e-6)
+        finally:
+            for request in list(self.sync_pending):  # only after an error: nothing may run on them
+                self._sync_failed(request, "failed")
+
+    def _sync_read_ended(self, request: str, good: bool, last: bool) -> None:
+        """A synchronous load's read ended (`good`: ok, in its pin): the load is loaded (its last
+        read) or failed, in the step that waits for it; or it ended before that step waits (the
+        scheduler may run a step ahead), and the wait takes it from `sync_ended`."""
+
+        if request not in self.sync_pending:
+            if not good or last:
+                self.sync_ended[request] = (good, last)
+                while len(self.sync_ended) > SYNC_ENDED_MAX:
+                    self.sync_ended.popitem(last=False)
+        elif not good:
+            self._sync_failed(request, "failed")
+        elif last:
+            del self.sync_pending[request]
+            self.sync_stats["loaded"] += 1
+
+    def _sync_failed(self, request: str, why: str) -> None:
+        blocks = self.sync_pending.pop(request, ())
+        self.load_errors.update(blocks)
+        self.sync_stats[why] += 1
+        logger.info("kvbaton worker: synchronous load of %s %s; its %d blocks are recomputed", request,
+                    "gave up waiting for its read" if why == "wait_passed" else "failed", len(blocks))
 
     def _check(self, expected: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[bool, str, bool]:
         """`kv_checksums`: whether the blocks a read wrote sum to what P's did: (ok, error,

@@ -8,6 +8,7 @@ checking, from the engines and sidecars themselves, that no block and no ticket 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -110,6 +111,19 @@ def assert_nothing_held(pd, timeout_s: float = 15.0) -> None:
                                  f"{d_state['open']} {d_stats['free_blocks']}/{d_stats['usable_blocks']} "
                                  f"reqs {d_stats['scheduler_requests']}")
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def parked(pd):
+    """D parks every load (vLLM's asynchronous flow), as when P's grant is not in hand when vLLM
+    schedules the request: the tests of a read held past its pin or between reads need the
+    request to wait for its load, not a step to."""
+
+    pd.d.call_connector("debug_set", "sync_loads", 0)
+    try:
+        yield
+    finally:
+        pd.d.call_connector("debug_set", "sync_loads", 1)
 
 
 @pytest.mark.parametrize("length", [5, 31, 32, 33, 100, 700])
@@ -244,22 +258,23 @@ def test_malformed_or_stale_params_recompute_locally(pd, damage):
 
 
 def test_ticket_expires_between_reads(pd):
-    pd.d.call_connector("debug_set", "heartbeat_interval_s", 30)
-    pd.d.call_connector("debug_set", "reads_per_load", 2)
-    pd.d.call_connector("debug_set", "pause_between_reads_s", CLAIM_LEASE_S + 2)
-    time.sleep(1.5)  # let the heartbeat loop pick up the long interval
-    try:
-        prompt = tiny_prompt(400, seed=16)
-        before = counters(pd.d)
-        assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
-        after = counters(pd.d)
-        assert delta(before, after, "loads.failed") == 1
-        assert counters(pd.p).get("tickets.closed.expired", 0) >= 1
-    finally:
-        pd.d.call_connector("debug_set", "reads_per_load", 1)
-        pd.d.call_connector("debug_set", "pause_between_reads_s", 0)
-        pd.d.call_connector("debug_set", "heartbeat_interval_s", 1)
-    assert_nothing_held(pd)
+    with parked(pd):
+        pd.d.call_connector("debug_set", "heartbeat_interval_s", 30)
+        pd.d.call_connector("debug_set", "reads_per_load", 2)
+        pd.d.call_connector("debug_set", "pause_between_reads_s", CLAIM_LEASE_S + 2)
+        time.sleep(1.5)  # let the heartbeat loop pick up the long interval
+        try:
+            prompt = tiny_prompt(400, seed=16)
+            before = counters(pd.d)
+            assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
+            after = counters(pd.d)
+            assert delta(before, after, "loads.failed") == 1
+            assert counters(pd.p).get("tickets.closed.expired", 0) >= 1
+        finally:
+            pd.d.call_connector("debug_set", "reads_per_load", 1)
+            pd.d.call_connector("debug_set", "pause_between_reads_s", 0)
+            pd.d.call_connector("debug_set", "heartbeat_interval_s", 1)
+        assert_nothing_held(pd)
 
 
 def test_a_read_that_ends_past_its_pin_is_used_once_p_confirms_it(pd):
@@ -267,18 +282,19 @@ def test_a_read_that_ends_past_its_pin_is_used_once_p_confirms_it(pd):
     only within half of that. A read held past it (D heartbeating meanwhile) is confirmed with P,
     which still held it: the request uses what it read."""
 
-    pd.d.call_connector("debug_set", "hold_post_s", CLAIM_LEASE_S / 2 + 0.5)
-    try:
-        prompt = tiny_prompt(280, seed=48)
-        before = counters(pd.d)
-        assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
-        after = counters(pd.d)
-    finally:
-        pd.d.call_connector("debug_set", "hold_post_s", 0)
-    assert delta(before, after, "loads.reads_confirmed") == 1 and delta(before, after, "loads.done") == 1
-    assert delta(before, after, "loads.reads_unpinned") == 0
-    assert delta(before, after, "peers.refused.read_unpinned") == 0
-    assert_nothing_held(pd)
+    with parked(pd):
+        pd.d.call_connector("debug_set", "hold_post_s", CLAIM_LEASE_S / 2 + 0.5)
+        try:
+            prompt = tiny_prompt(280, seed=48)
+            before = counters(pd.d)
+            assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
+            after = counters(pd.d)
+        finally:
+            pd.d.call_connector("debug_set", "hold_post_s", 0)
+        assert delta(before, after, "loads.reads_confirmed") == 1 and delta(before, after, "loads.done") == 1
+        assert delta(before, after, "loads.reads_unpinned") == 0
+        assert delta(before, after, "peers.refused.read_unpinned") == 0
+        assert_nothing_held(pd)
 
 
 def test_a_read_p_let_go_of_while_it_landed_is_recomputed(pd):
@@ -286,21 +302,22 @@ def test_a_read_p_let_go_of_while_it_landed_is_recomputed(pd):
     ends the read; D's read still succeeds, but P does not confirm it, so D reports its blocks
     invalid and recomputes them, and the output is still one engine's."""
 
-    pd.d.call_connector("debug_set", "heartbeat_interval_s", 30)
-    pd.d.call_connector("debug_set", "hold_post_s", CLAIM_LEASE_S + 1.5)
-    time.sleep(1.5)  # let the heartbeat loop pick up the long interval
-    try:
-        prompt = tiny_prompt(290, seed=49)
-        before, p_before = counters(pd.d), counters(pd.p)
-        assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
-        after, p_after = counters(pd.d), counters(pd.p)
-    finally:
-        pd.d.call_connector("debug_set", "hold_post_s", 0)
-        pd.d.call_connector("debug_set", "heartbeat_interval_s", 1)
-    assert delta(p_before, p_after, "reads.ended.reader_silent") == 1
-    assert delta(before, after, "loads.reads_unpinned") == 1 and delta(before, after, "loads.failed") == 1
-    assert delta(before, after, "peers.refused.read_unpinned") == 1
-    assert_nothing_held(pd)
+    with parked(pd):
+        pd.d.call_connector("debug_set", "heartbeat_interval_s", 30)
+        pd.d.call_connector("debug_set", "hold_post_s", CLAIM_LEASE_S + 1.5)
+        time.sleep(1.5)  # let the heartbeat loop pick up the long interval
+        try:
+            prompt = tiny_prompt(290, seed=49)
+            before, p_before = counters(pd.d), counters(pd.p)
+            assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
+            after, p_after = counters(pd.d), counters(pd.p)
+        finally:
+            pd.d.call_connector("debug_set", "hold_post_s", 0)
+            pd.d.call_connector("debug_set", "heartbeat_interval_s", 1)
+        assert delta(p_before, p_after, "reads.ended.reader_silent") == 1
+        assert delta(before, after, "loads.reads_unpinned") == 1 and delta(before, after, "loads.failed") == 1
+        assert delta(before, after, "peers.refused.read_unpinned") == 1
+        assert_nothing_held(pd)
 
 
 def wait_for_sums(pd, before: int, timeout_s: float = 10.0) -> None:
@@ -415,21 +432,22 @@ def test_decode_aborted_before_allocation(pd):
 
 
 def test_decode_aborted_while_loading(pd):
-    pd.d.call_connector("debug_set", "hold_post_s", 1.5)
-    try:
-        prompt = tiny_prompt(250, seed=19)
-        params = prefill(pd, prompt)
-        request = f"abort-loading-{uuid.uuid4().hex[:6]}"
-        pd.d.submit(request, prompt, max_tokens=8, kv_transfer_params=params)
-        time.sleep(0.5)
-        state = pd.d.call_connector("debug_state")
-        assert state["open"]["loads"] == 1  # claimed, allocated, read granted: LOADING
-        pd.d.abort(request)
-        time.sleep(2.5)
-    finally:
-        pd.d.call_connector("debug_set", "hold_post_s", 0)
-    assert counters(pd.d).get("loads.cancelled", 0) >= 1
-    assert_nothing_held(pd)
+    with parked(pd):
+        pd.d.call_connector("debug_set", "hold_post_s", 1.5)
+        try:
+            prompt = tiny_prompt(250, seed=19)
+            params = prefill(pd, prompt)
+            request = f"abort-loading-{uuid.uuid4().hex[:6]}"
+            pd.d.submit(request, prompt, max_tokens=8, kv_transfer_params=params)
+            time.sleep(0.5)
+            state = pd.d.call_connector("debug_state")
+            assert state["open"]["loads"] == 1  # claimed, allocated, read granted: LOADING
+            pd.d.abort(request)
+            time.sleep(2.5)
+        finally:
+            pd.d.call_connector("debug_set", "hold_post_s", 0)
+        assert counters(pd.d).get("loads.cancelled", 0) >= 1
+        assert_nothing_held(pd)
 
 
 def test_idle_prefill_engine_does_not_delay_the_handoff(pd):
@@ -445,21 +463,22 @@ def test_idle_prefill_engine_does_not_delay_the_handoff(pd):
 
 
 def test_a_load_aborted_while_its_read_is_held(pd):
-    pd.d.call_connector("debug_set", "hold_post_s", 1.0)
-    try:
-        prompt = tiny_prompt(260, seed=47)
-        params = prefill(pd, prompt)
-        request = f"rw-abort-{uuid.uuid4().hex[:6]}"
-        pd.d.submit(request, prompt, max_tokens=8, kv_transfer_params=params)
-        deadline = time.monotonic() + 10
-        while pd.d.call_connector("debug_state")["open"]["loads"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pd.d.call_connector("debug_state")["open"]["loads"] == 1  # its read is held
-        pd.d.abort(request)
-        time.sleep(1.5)
-    finally:
-        pd.d.call_connector("debug_set", "hold_post_s", 0)
-    assert_nothing_held(pd)
+    with parked(pd):
+        pd.d.call_connector("debug_set", "hold_post_s", 1.0)
+        try:
+            prompt = tiny_prompt(260, seed=47)
+            params = prefill(pd, prompt)
+            request = f"rw-abort-{uuid.uuid4().hex[:6]}"
+            pd.d.submit(request, prompt, max_tokens=8, kv_transfer_params=params)
+            deadline = time.monotonic() + 10
+            while pd.d.call_connector("debug_state")["open"]["loads"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pd.d.call_connector("debug_state")["open"]["loads"] == 1  # its read is held
+            pd.d.abort(request)
+            time.sleep(1.5)
+        finally:
+            pd.d.call_connector("debug_set", "hold_post_s", 0)
+        assert_nothing_held(pd)
 
 
 def test_a_real_ticket_presented_with_another_prompt_loads_nothing(pd):
@@ -542,6 +561,68 @@ def test_a_control_address_answering_a_pickle_runs_nothing_and_the_request_compl
     assert_nothing_held(pd)
 
 
+def test_a_granted_handoff_runs_in_the_step_that_loads_it(pd):
+    """P's grant is in hand when vLLM schedules the request (D claims as it arrives): the
+    request is not parked, its step waits for the read, and its output is one engine's."""
+
+    prompt = tiny_prompt(330, seed=60)
+    params = prefill(pd, prompt)
+    before = counters(pd.d)
+    out = pd.d.generate([prompt], max_tokens=8, kv_transfer_params_list=[params])[0]
+    assert out["token_ids"] == reference(pd, prompt)
+    after = counters(pd.d)
+    assert delta(before, after, "loads.sync") == 1 and delta(before, after, "loads.done") == 1
+    report = out["kv_transfer_params"]["kvbaton_prompt"]
+    assert report["handoff"] == 329 and report["recomputed"] == 1, report  # vLLM computes the last token
+    assert_nothing_held(pd)
+
+
+def test_a_prompt_extended_by_ps_token_loads_synchronously_and_computes_only_that_token(pd):
+    """The router's flow: D's prompt is P's prompt and the token P sampled."""
+
+    prompt = tiny_prompt(300, seed=61)
+    params = prefill(pd, prompt)
+    first = reference(pd, prompt, max_tokens=1)
+    before = counters(pd.d)
+    out = pd.d.generate([prompt + first], max_tokens=7, kv_transfer_params_list=[params])[0]
+    assert first + out["token_ids"] == reference(pd, prompt)
+    assert delta(before, counters(pd.d), "loads.sync") == 1
+    report = out["kv_transfer_params"]["kvbaton_prompt"]
+    assert report["handoff"] == 300 and report["recomputed"] == 1, report
+    assert_nothing_held(pd)
+
+
+def test_a_synchronous_read_that_fails_recomputes_in_its_step(pd):
+    pd.d.call_connector("debug_set", "fail_next_reads", 1)
+    prompt = tiny_prompt(310, seed=62)
+    before = counters(pd.d)
+    assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
+    after = counters(pd.d)
+    assert delta(before, after, "loads.sync") == 1 and delta(before, after, "loads.failed") == 1
+    assert_nothing_held(pd)
+
+
+def test_a_synchronous_load_whose_read_comes_too_late_recomputes_and_is_never_posted(pd):
+    """P's read grant reaches the worker after the step stopped waiting (`sync_load_wait_s`):
+    the step ran without it and the request recomputed its prompt; the late grant posts no read
+    (its bytes would land in blocks the recompute wrote)."""
+
+    pd.d.call_connector("debug_set", "hold_post_s", 0.6)
+    try:
+        prompt = tiny_prompt(320, seed=63)
+        before = counters(pd.d)
+        assert decode(pd, prompt, prefill(pd, prompt)) == reference(pd, prompt)
+        time.sleep(1.0)  # the held grant reaches the worker, which refuses to post it
+        after = counters(pd.d)
+        transfer = pd.d.call_connector("debug_state")["transfer"]
+    finally:
+        pd.d.call_connector("debug_set", "hold_post_s", 0)
+    assert delta(before, after, "loads.sync") == 1 and delta(before, after, "loads.failed") == 1
+    assert transfer.get("sync_wait_passed", 0) >= 1
+    assert_nothing_held(pd)
+
+
+
 def test_engine_logs_replay_without_violations(pd):
     replay_engine_logs(pd.events, engines=2)
 
@@ -566,3 +647,4 @@ def test_decode_killed_after_claiming_lets_p_reclaim(pd):
     stats = pd.p.wait_idle()
     assert pd.p.call_connector("debug_state")["open"]["tickets"] == 0
     assert stats["free_blocks"] == stats["usable_blocks"]
+

@@ -611,3 +611,60 @@ def test_strict_mode_raises_an_internal_error_where_it_happens():
             d.loads._move(load, "read_done", "DONE")
             assert load.state == "AWAITING_CLAIM"
             assert any("undeclared move" in v for v in d.check_invariants())
+
+
+def sync_load(reads=1, pinned_ns=2 * SECOND_NS):
+    """A load vLLM runs in the step that allocated it (P had granted the claim)."""
+
+    d = Ledger(LedgerConfig(read_grant_wait_ns=SECOND_NS))
+    d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2))
+    d.apply(ev.ClaimGranted(1, "r", "t", 1, "P", "", (3, 4)))
+    assert kinds(d.apply(ev.LoadAllocated(2, "r", (7, 8), reads=reads, sync=True))) == ["SendReadStart"]
+    return d
+
+
+def test_a_synchronous_load_that_reads_in_its_pin_is_loaded_and_parks_nothing():
+    d = sync_load()
+    d.apply(ev.ReadGranted(3, "r", "r/0", asked_ns=2, pinned_ns=2 * SECOND_NS))
+    out = d.apply(ev.LoadReadFinished(4, "r", "r/0", True, in_pin=True))
+    assert kinds(out) == ["SendReadEnd", "LoadFinished"]
+    assert out[1].ok and out[1].reason == "loaded" and not out[1].parked  # no finished_recving
+    assert d.counters.get("loads.sync") == 1
+
+
+@pytest.mark.parametrize("how", ["failed", "past_pin", "abandoned", "refused", "unanswered", "preempted"])
+def test_a_synchronous_load_that_fails_sends_vllm_nothing_its_workers_reported_it(how):
+    """Its workers report its blocks invalid in the step that needed them: the core never sends
+    invalid blocks (which would roll back the recompute that follows) or a received report."""
+
+    d = sync_load()
+    if how == "refused":
+        out = d.apply(ev.ReadRefused(3, "r", "r/0", "closed: expired"))
+    elif how == "unanswered":
+        out = d.apply(ev.Tick(2 + SECOND_NS))
+    else:
+        d.apply(ev.ReadGranted(3, "r", "r/0", asked_ns=2, pinned_ns=2 * SECOND_NS))
+        if how == "preempted":
+            assert d.apply(ev.RequestPreempted(4, "r")) == []  # DRAINING: the read in flight ends first
+            out = d.apply(ev.LoadReadFinished(5, "r", "r/0", True))
+        else:
+            out = d.apply(ev.LoadReadFinished(4, "r", "r/0", how == "past_pin", in_pin=how != "past_pin",
+                                              abandoned=how == "abandoned"))
+    assert "ReportInvalidBlocks" not in kinds(out) and "ReturnParked" not in kinds(out)
+    (finished,) = [e for e in out if isinstance(e, fx.LoadFinished)]
+    assert not finished.ok and not finished.parked
+    expected = {"failed": "transport error", "past_pin": "read unpinned", "abandoned": "sync wait passed",
+                "refused": "read refused", "unanswered": "read grant unanswered",
+                "preempted": "cancelled while loading"}[how]
+    assert finished.reason.startswith(expected)
+    if how != "preempted":  # P is told the read is over and the ticket released
+        assert any(isinstance(e, (fx.SendReadEnd, fx.SendRelease)) for e in out)
+    assert d.loads.loads["r"].state in ("FAILED", "CANCELLED")
+
+
+def test_a_synchronous_allocation_of_a_load_that_is_over_returns_nothing_parked():
+    d = Ledger()
+    d.apply(ev.LoadRequested(0, "r", "t", "P", 1, 2))
+    d.apply(ev.ClaimRefused(1, "r", "t", 1, "closed: expired"))
+    out = d.apply(ev.LoadAllocated(2, "r", (7, 8), sync=True))
+    assert kinds(out) == ["Rejected"]  # vLLM parked nothing: its workers see no read and report the blocks

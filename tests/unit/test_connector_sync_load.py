@@ -1,0 +1,87 @@
+"""D's scheduler side chooses how a handoff loads: synchronously when P's grant is in hand as vLLM
+schedules the request (the request runs in the step that allocates its blocks, and that step's
+workers wait for the read), parked otherwise (vLLM's asynchronous flow). Driven with request
+stand-ins and a sidecar that records what it is sent."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvbaton.adapters.vllm.slots import SlotState  # noqa: E402
+from kvbaton.control import messages as m  # noqa: E402
+from kvbaton.core import events as ev  # noqa: E402
+
+from .test_connector_siblings import Blocks, children, scheduler_side  # noqa: E402
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def side_with(sync_loads="auto", rate=0.0, block_bytes=1 << 20):
+    side = scheduler_side()
+    side.conn.settings = SimpleNamespace(sync_loads=sync_loads, sync_claim_wait_s=0.02, sync_load_max_s=0.05)
+    side.clock = Clock()
+    side.read_rate, side.block_bytes = rate, block_bytes
+    return side
+
+
+def granted(side, request, num_tokens):
+    side.sidecar.drain = lambda: [m.Resolved(request.request_id, True, num_tokens=num_tokens)]
+    side.drain()
+    side.sidecar.drain = lambda: []
+
+
+def test_a_granted_handoff_loads_synchronously_leaving_the_last_token_to_compute():
+    side = side_with()
+    (request,) = children(1, tokens=80)  # P's prompt of 80 tokens is the whole of D's: decode's flow
+    assert side.get_num_new_matched_tokens(request, 0) == (None, False)  # the claim is out: wait a little
+    granted(side, request, 80)
+    assert side.get_num_new_matched_tokens(request, 0) == (79, False)  # vLLM computes the last token
+    side.update_state_after_alloc(request, Blocks([10, 11, 12]), 79)
+    (allocated,) = side.sidecar.of(ev.LoadAllocated)
+    assert allocated.sync and allocated.blocks == (10, 11, 12)  # every granted block is read
+    assert side.take_sync_step() == {request.request_id: (10, 11, 12)}
+    assert side.take_sync_step() == {}  # for that step's workers only
+    assert side.slots[request.request_id].state == SlotState.LOADING
+
+
+def test_a_prompt_that_extends_ps_by_its_token_loads_every_granted_token():
+    side = side_with()
+    (request,) = children(1, tokens=80)
+    request.prompt_token_ids = list(range(81))  # P's prompt and the token P sampled
+    side.on_new_request(request)  # D claims as the request arrives
+    granted(side, request, 80)
+    assert side.get_num_new_matched_tokens(request, 0) == (80, False)
+
+
+def test_a_claim_unanswered_past_the_wait_is_parked():
+    side = side_with()
+    (request,) = children(1, tokens=80)
+    assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+    side.clock.now += 0.021
+    assert side.get_num_new_matched_tokens(request, 0) == (80, True)  # allocated early, parked
+    side.update_state_after_alloc(request, Blocks([10, 11, 12]), 80)
+    assert not side.sidecar.of(ev.LoadAllocated)[0].sync and side.take_sync_step() == {}
+
+
+@pytest.mark.parametrize("sync_loads, rate, synchronous", [
+    ("off", 0.0, False),  # off: always parked
+    ("auto", 1e9, True),  # 3 MiB at 1 GB/s: 3 ms
+    ("auto", 1e7, False),  # 3 MiB at 10 MB/s: 300 ms, longer than sync_load_max_s
+])
+def test_how_a_granted_load_runs(sync_loads, rate, synchronous):
+    side = side_with(sync_loads, rate)
+    (request,) = children(1, tokens=80)
+    request.prompt_token_ids = list(range(81))
+    side.get_num_new_matched_tokens(request, 0)
+    granted(side, request, 80)
+    assert side.get_num_new_matched_tokens(request, 0) == (80, not synchronous)

@@ -538,7 +538,8 @@ class Sidecar:
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "layout": self.cfg.layout, "ranks": self.cfg.ranks,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
-                "transfer": {**self.transfer, "read_bytes_per_s": self.read_rate}, "history": self.history_state(), "gate": dict(self.gate_stats),
+                "transfer": {**self.transfer, "read_bytes_per_s": self.read_rate},
+                "history": self.history_state(), "gate": dict(self.gate_stats),
                 "checksums": dict(self.checksums), "checksum_mismatches": dict(self.checksum_mismatches)}
 
     def metrics_snapshot(self) -> dict:

@@ -1,11 +1,13 @@
 """Hypothesis drives D's real scheduler side against its real sidecar (a `ListIo`), a scripted P
 and a modelled engine: requests that carry a handoff, their n > 1 siblings, engine steps that ask,
 allocate (before or after P answered) and preempt, P granting or refusing, reads that succeed or
-fail, aborts and finishes, all in an order hypothesis chooses.
+fail, synchronous loads (P's grant in hand when the step is scheduled: the step waits for the
+read, which succeeds, fails, or is not posted in time and then never is), aborts and finishes, all
+in an order hypothesis chooses.
 
 Oracles, after every step: vLLM's contract (a request hears `finished_recving` only when it was
-parked for a load, and at most once), the ledger's invariants, and invalid blocks only among a
-request's own allocation. After the drain (every request ended, time run past every deadline):
+parked for a load, and at most once), the ledger's invariants, invalid blocks only among a
+request's own allocation and never for a synchronous load after its step. After the drain (every request ended, time run past every deadline):
 nothing open in the ledger, no slot or reader left on the scheduler side, every parked request
 told once, and every ticket P granted given back (released, or its read ended with a release).
 """
@@ -109,8 +111,11 @@ class Blocks:
 
 
 def scheduler_side(link: Link) -> c.SchedulerSide:
+    # A claim not answered by the step that asks is parked at once; an answered one loads
+    # synchronously.
+    settings = SimpleNamespace(sync_loads="auto", sync_claim_wait_s=0.0, sync_load_max_s=0.05)
     conn = SimpleNamespace(is_consumer=True, is_producer=False, layout=LAYOUT, block_size=BLOCK, engine_id="D0",
-                           identity=KvIdentity(LAYOUT, "W", 1))
+                           identity=KvIdentity(LAYOUT, "W", 1), settings=settings)
     return c.SchedulerSide.attached(conn, link, handoff_key=KEY, trusted=parse_peer_networks("127.0.0.0/8"))
 
 
@@ -134,6 +139,8 @@ class DecodeEngine(RuleBasedStateMachine):
         self.told: dict[str, int] = {}  # finished_recving per request
         self.next_block = itertools.count(100)
         self.reads: list = []  # reads the worker has in flight (PostRead)
+        self.sync: set[str] = set()  # requests vLLM ran in the step that allocated them
+        self.abandoned: set[str] = set()  # synchronous loads whose step stopped waiting unposted
         self.violations: list[str] = []
 
     def teardown(self) -> None:
@@ -155,6 +162,11 @@ class DecodeEngine(RuleBasedStateMachine):
             elif kind is m.InvalidBlocks:
                 if not set(msg.blocks) <= set(self.allocated.get(msg.request, ())):
                     self.violations.append(f"{msg.request}: invalid blocks {msg.blocks} it was not allocated")
+                if msg.request in self.sync:  # its step reported them; this would roll back its recompute
+                    self.violations.append(f"{msg.request}: invalid blocks after its synchronous step")
+            elif kind is m.PostRead and msg.request in self.abandoned:  # the worker never posts it
+                self.sidecar.on_message(m.ReadDone(msg.request, msg.read, False, "sync wait passed",
+                                                   abandoned=True), 0)
             elif kind is m.PostRead:
                 self.reads.append(msg)
 
@@ -203,11 +215,13 @@ class DecodeEngine(RuleBasedStateMachine):
         self.settle()
 
     @precondition(lambda self: self.waiting)
-    @rule(local_hit=st.sampled_from([0, 0, BLOCK]), answered=st.booleans())
-    def engine_step(self, local_hit, answered):
+    @rule(local_hit=st.sampled_from([0, 0, BLOCK]), answered=st.booleans(),
+          sync_read=st.sampled_from(["ok", "ok", "fails", "late"]))
+    def engine_step(self, local_hit, answered, sync_read):
         """vLLM's scheduler asks about every waiting request: allocates what the connector
-        offers (parking the request), or runs it (the handoff is over or refused). With
-        `answered`, the sidecar's calls went out and came back before the step."""
+        offers (parking the request, or running it in this step: a synchronous load), or runs it
+        (the handoff is over or refused). With `answered`, the sidecar's calls went out and came
+        back before the step. The step's synchronous loads end as `sync_read` says."""
 
         if answered:
             self.settle()
@@ -228,8 +242,34 @@ class DecodeEngine(RuleBasedStateMachine):
             else:
                 request.status = RequestStatus.RUNNING
         self.side.build_connector_meta(SimpleNamespace(preempted_req_ids=set()))
+        for rid in self.side.take_sync_step():  # what the connector gives the step's workers
+            self.sync_step(rid, sync_read)
         self.deliver_worker_messages()
 
+    def sync_step(self, rid: str, how: str) -> None:
+        """The step's workers wait for a synchronous load: its read is granted and ends well or
+        fails ("late": P's grant comes after the step stopped waiting, so no read is ever
+        posted). vLLM runs the request on what was read, or rolls it back to recompute."""
+
+        request = self.requests[rid]
+        self.sync.add(rid)
+        if how != "late":
+            self.settle()  # the read start goes to P and its grant comes back while the step waits
+        posted = [msg for msg in self.reads if msg.request == rid]
+        runs = False
+        if posted:  # a posted read is waited out
+            self.reads.remove(posted[0])
+            ok = how != "fails"
+            self.sidecar.on_message(m.ReadDone(rid, posted[0].read, ok, "" if ok else "injected", 4096, 0.001,
+                                               in_pin=True), 0)
+            runs = ok and posted[0].last
+        else:
+            self.abandoned.add(rid)
+        if runs:
+            request.status = RequestStatus.RUNNING
+        else:  # its blocks were reported invalid in the step: rolled back, asked again
+            request.status = RequestStatus.WAITING
+            self.waiting.append(rid)
     @precondition(lambda self: self.reads)
     @rule(ok=st.sampled_from([True, True, True, False]), index=st.integers(min_value=0, max_value=100),
           in_pin=st.sampled_from([True, True, False]), let_go=st.booleans())

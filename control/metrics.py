@@ -115,6 +115,12 @@ def families(snap: dict) -> list:
             "(recomputed), cancelled", labels=("outcome",),
             rows=[((o,), counters.get(f"loads.{o}", 0)) for o in LOAD_OUTCOMES])
     transfer = snap.get("transfer", {}) or {}
+    counter("kvbaton_loads_synchronous", "Handoff loads vLLM ran in the step that allocated them (D): "
+            "the step waited for the read (the rest were parked until a later step)",
+            counters.get("loads.sync", 0))
+    counter("kvbaton_loads_sync_wait_passed", "Synchronous loads whose read was not posted within "
+            "sync_load_wait_s (D): the step ran without it, the request recomputed, and the read was never posted "
+            "(one per worker rank)", transfer.get("sync_wait_passed", 0))
     failed = transfer.get("failed", 0)
     counter("kvbaton_handoff_reads", "Handoff reads this engine made (D), by result", labels=("result",),
             rows=[(("ok",), max(0, transfer.get("reads", 0) - failed)), (("failed",), failed)])

@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the sidecars' own code (stamping, effects, claim retries, heartbeats) on a "
                         "virtual clock and a simulated network instead of the core's model of it")
     p.add_argument("--break", dest="broken", choices=("dropped_release", "endless_claim_retry", "lost_finished_recving",
-                                                       "unpinned_reads"),
+                                                       "unpinned_reads", "unsynced_reads"),
                    help="with --shell: a deliberately broken shell the run must catch (exit 1)")
     p.set_defaults(func=cmd_fuzz)
 

@@ -29,8 +29,10 @@ ticket closed by its lease, no load missed).
 `--break` runs a deliberately broken shell, which these oracles must catch: `dropped_release`
 (the sidecar forgets to release a ticket), `endless_claim_retry` (a claim retry that forgets its
 deadline and whether its load still waits), `lost_finished_recving` (an ended load or restore
-never tells vLLM its parked request was received) and `unpinned_reads` (reads posted without their
-pin deadline: a read that ended after P let its blocks go is counted).
+never tells vLLM its parked request was received), `unpinned_reads` (reads posted without their
+pin deadline: a read that ended after P let its blocks go is counted) and `unsynced_reads` (a
+synchronous load's reads posted as a parked load's: the worker tells vLLM of a request it did not
+park, and the step that runs it waits for reads nobody reports to it).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from ..core.machine import InternalError
 MS = SECOND_NS // 1000
 BLOCK_SIZE = 16
 LAYOUT = "sim-layout"
-BREAKS = ("dropped_release", "endless_claim_retry", "lost_finished_recving", "unpinned_reads")
+BREAKS = ("dropped_release", "endless_claim_retry", "lost_finished_recving", "unpinned_reads", "unsynced_reads")
 SHELL_FAULTS = ("lost_call", "lost_answer", "transport_error", "abort", "preempt", "decode_death", "prefill_death",
                 "copy_failure", "restore_abort", "slow_read")
 # Rare paths the faults should reach, counted by the decode engines' ledgers (loads.<name>).
@@ -76,6 +78,8 @@ KV_HEADS = 4  # heads split over 1 or 2 ranks: engines of either size read each 
 # The deployment secret's handoff key: P signs its answers with it, D's scheduler side checks them.
 HANDOFF_SECRET = "6f1d93b2c48e07a5d3b9f26e1c70a84e"
 SIM_NETWORK = "198.18.0.0/15"
+SYNC_LOAD_WAIT_S = 0.1  # how long a step waits for a synchronous load's read to be posted
+STEP_STUCK_S = 30.0  # a step still waiting this long after that has hung the engine
 
 
 @cache
@@ -119,10 +123,15 @@ def decode_scheduler(engine: Engine):
     from ..adapters.vllm.scheduler_side import SchedulerSide
     from ..adapters.vllm.settings import parse_peer_networks
 
+    # Two sequences in three load synchronously what was granted by the step that asks (the
+    # others park every load): derived from the seed, so older seeds' random streams stay the same.
+    settings = SimpleNamespace(sync_loads="auto" if engine.world.seed % 3 else "off", sync_claim_wait_s=0.01,
+                               sync_load_max_s=0.05)
     conn = SimpleNamespace(is_consumer=True, is_producer=False, layout=LAYOUT, block_size=BLOCK_SIZE,
-                           engine_id=engine.name, identity=KvIdentity(LAYOUT, WEIGHTS, engine.ranks, KV_HEADS))
+                           engine_id=engine.name, identity=KvIdentity(LAYOUT, WEIGHTS, engine.ranks, KV_HEADS),
+                           settings=settings)
     return SchedulerSide.attached(conn, SchedulerLink(engine), handoff_key=handoff_key(HANDOFF_SECRET),
-                                  trusted=parse_peer_networks(SIM_NETWORK))
+                                  trusted=parse_peer_networks(SIM_NETWORK), clock=engine.world.loop.time)
 
 
 class Stalled(RuntimeError):
@@ -298,8 +307,19 @@ class UnpinnedReads(Sidecar):
         super().carry(effect)
 
 
+class UnsyncedReads(Sidecar):
+    """Broken on purpose: a synchronous load's reads are posted as a parked load's, so the worker
+    reports them to vLLM (received) instead of to the step that waits for them."""
+
+    def carry(self, effect: fx.Effect) -> None:
+        if type(effect) is fx.PostRead:
+            effect = msgspec.structs.replace(effect, sync=False)
+        super().carry(effect)
+
+
 SIDECAR_CLASSES = {"": Sidecar, "dropped_release": DroppedRelease, "endless_claim_retry": EndlessClaimRetry,
-                   "lost_finished_recving": LostFinishedRecving, "unpinned_reads": UnpinnedReads}
+                   "lost_finished_recving": LostFinishedRecving, "unpinned_reads": UnpinnedReads,
+                   "unsynced_reads": UnsyncedReads}
 
 
 @dataclass
@@ -324,6 +344,12 @@ class DecodeRequest:
     tainted: bool = False  # a read of it ended after P had let its blocks go
     invalid: bool = False  # some of its blocks were reported invalid (vLLM recomputes them)
     request: object = None  # D: the request as vLLM's scheduler hands it to the connector
+    # A synchronous load: vLLM runs it in the step that allocated it, whose workers wait for its
+    # read. Per rank: a read posted for it, how it ended (ok in its pin), or given up unposted.
+    sync: bool = False
+    posted: set = field(default_factory=set)
+    ended: dict = field(default_factory=dict)
+    abandoned: set = field(default_factory=set)
 
 
 class Blocks:
@@ -387,6 +413,7 @@ class Engine:
         self.waiting: list[str] = []  # requests vLLM's scheduler asks about at its next step
         self.preempting: set[str] = set()
         self.step_due = False
+        self.stepping = 0  # synchronous loads the step in progress waits for (no step starts meanwhile)
         self.next_block = 0
         self.inbox_at = 0.0
         self.tickets: dict[str, tuple[str, tuple[int, ...]]] = {}  # P: ticket -> (request, blocks)
@@ -591,6 +618,9 @@ class Engine:
         self.step_due = False
         if not self.alive:
             return
+        if self.stepping:  # the step before waits for its synchronous loads
+            self.step_soon()
+            return
         status = RequestStatus()
         preempted, self.preempting = self.preempting, set()
         self.scheduler.build_connector_meta(SimpleNamespace(preempted_req_ids=preempted))
@@ -611,9 +641,52 @@ class Engine:
                     r.parked = True
                     r.request.status = status.WAITING_FOR_REMOTE_KVS
                     continue
+                if not r.sync and self.scheduler.slots.get(rid) is not None and self.scheduler.slots[rid].sync:
+                    r.sync = True  # it runs in this step, once its workers waited for its read
+                    continue
             r.request.status = status.RUNNING
             self.world.later(self.world.rng.uniform(0.001, 0.05), self.finish, rid)
+        waited = self.scheduler.take_sync_step()  # the step's metadata: what its workers wait for
+        for rid, r in self.requests.items():
+            if r.sync and r.request.status == status.WAITING and rid not in self.waiting and rid not in waited:
+                self.world.violation(self, f"request {rid}: run synchronously with no worker waiting for its read")
+        for rid in waited:
+            self.stepping += 1
+            self.sync_wait(rid, self.world.loop.time() + SYNC_LOAD_WAIT_S)
         if self.waiting:
+            self.step_soon()
+
+    def sync_wait(self, rid: str, deadline: float) -> None:
+        """The step's workers wait for a synchronous load's read: each rank until its read ended,
+        or, with none posted by `deadline`, gives the read up (then never posts it). The request
+        runs on what every rank read well in its pin, or is rolled back to recompute its prompt
+        (its blocks reported invalid in the step)."""
+
+        r = self.requests[rid]
+        status = RequestStatus()
+        if self.world.loop.time() >= deadline + STEP_STUCK_S:
+            self.world.violation(self, f"request {rid}: its step waited {STEP_STUCK_S} s past its bound for reads "
+                                       f"that never ended")
+            r.ended.update({rank: False for rank in range(self.ranks)})
+        if self.world.loop.time() >= deadline:
+            for rank in range(self.ranks):
+                if rank not in r.posted and rank not in r.ended:
+                    r.abandoned.add(rank)
+                    r.ended[rank] = False
+        if len(r.ended) < self.ranks and self.alive and not r.request.status.name.startswith("FINISHED"):
+            self.world.later(0.001, self.sync_wait, rid, deadline)
+            return
+        self.stepping -= 1
+        if r.request.status.name.startswith("FINISHED") or not self.alive:
+            return
+        if all(r.ended.get(rank) for rank in range(self.ranks)):
+            if r.tainted:
+                self.world.violation(self, f"request {rid}: runs on a synchronous read that ended after P let its "
+                                           f"blocks go")
+            r.request.status = status.RUNNING
+            self.world.later(self.world.rng.uniform(0.001, 0.05), self.finish, rid)
+        else:  # rolled back by vLLM: asked again, its handoff consumed, it recomputes
+            self.waiting.append(rid)
             self.step_soon()
 
     def finish(self, rid: str, aborted: bool = False) -> None:
@@ -653,6 +726,14 @@ class Engine:
 
         world = self.world
         r = self.requests.get(msg.request)
+        if r is not None and r.abandoned:
+            ranks = range(self.ranks) if rank is None else (rank,)
+            if any(k in r.abandoned for k in ranks):  # its step gave it up unposted: never posted
+                for k in ranks:
+                    self.send(m.ReadDone(msg.request, msg.read, False, "sync wait passed", abandoned=True), k)
+                return
+        if r is not None and msg.sync:
+            r.posted.update(range(self.ranks) if rank is None else (rank,))
         alive = r is not None and r.handoff.source.alive
         if alive and not self.source_holds(r, msg):
             ticket = r.handoff.source.sidecar.ledger.tickets.tickets.get(r.handoff.ticket)
@@ -672,7 +753,10 @@ class Engine:
             if ok and not self.source_holds(r, msg):
                 r.tainted = True
             in_pin = world.clock.now_ns <= msg.pinned_until_ns
-            if ok and msg.last and in_pin:  # the worker tells vLLM itself, in the step its last read ends
+            if r is not None and msg.sync:  # its step waits for it: nothing is reported to vLLM
+                if rank not in r.ended and (not (ok and in_pin) or msg.last):
+                    r.ended[rank] = ok and in_pin
+            elif ok and msg.last and in_pin:  # the worker tells vLLM itself, in the step its last read ends
                 self.received(msg.request, rank)
             return m.ReadDone(msg.request, msg.read, ok, "" if ok else "simulated transport error", nbytes, 0.001,
                               in_pin=in_pin)
@@ -717,6 +801,8 @@ class Engine:
                 self.received(msg.request, r)
         elif kind is m.InvalidBlocks:
             r = self.requests.get(msg.request)
+            if r is not None and r.sync:  # its step reported them: this would roll back its recompute
+                world.violation(self, f"request {msg.request}: invalid blocks after its synchronous step")
             if r is not None:
                 r.invalid = True
 

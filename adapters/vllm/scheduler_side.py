@@ -390,10 +390,10 @@ class SchedulerSide:
             # vLLM computes at least the prompt's last token itself: a grant of the whole prompt
             # (D's prompt is P's) still reads every block, and the last token's KV is computed
             # again over what was read.
-            count = min(count, len(request.prompt_token_ids or ()) - 1 - num_computed_tokens)
-            if count > 0:
-                slot.sync, slot.external = True, count
-                return count, False
+            in_step = min(count, len(request.prompt_token_ids or ()) - 1 - num_computed_tokens)
+            if in_step > 0:  # (else only the last token is left to read: parked, as vLLM's flow)
+                slot.sync, slot.external = True, in_step
+                return in_step, False
         slot.external = count
         return count, True
 

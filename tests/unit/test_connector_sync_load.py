@@ -85,3 +85,14 @@ def test_how_a_granted_load_runs(sync_loads, rate, synchronous):
     side.get_num_new_matched_tokens(request, 0)
     granted(side, request, 80)
     assert side.get_num_new_matched_tokens(request, 0) == (80, not synchronous)
+
+
+def test_a_grant_of_only_the_last_token_past_the_local_hit_is_parked():
+    """vLLM must compute one token in the step: with only the prompt's last token left past D's
+    own cache there is nothing to load in the step, so the load is parked (vLLM's flow)."""
+
+    side = side_with()
+    (request,) = children(1, tokens=33)
+    side.on_new_request(request)
+    granted(side, request, 33)
+    assert side.get_num_new_matched_tokens(request, 32) == (1, True)

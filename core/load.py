@@ -314,7 +314,8 @@ class LoadBook(Book):
     def allocated(self, e: LoadAllocated, now: int) -> list[Effect]:
         """From CLAIMED → ALLOCATED, first read asked (no blocks: DONE, a local hit); from
         AWAITING_CLAIM → ALLOCATED_EARLY (held until P answers); else Rejected(UNKNOWN_LOAD |
-        CONSUMED), and blocks vLLM parked for a load that is over (or never was) are returned."""
+        CONSUMED), and blocks vLLM parked for a load that is over (or never was) are returned (a
+        synchronous allocation parked nothing: its workers find no read and report the blocks)."""
 
         ld = self.loads.get(e.request)
         if ld is None:

@@ -386,6 +386,7 @@ class SchedulerSide:
             self.send(ev.LoadAllocated(0, request.request_id, ()))
             return 0, False
         slot.local_computed = num_computed_tokens
+        slot.sync = False  # decided again at every ask: vLLM allocates after the last one
         if slot.state == SlotState.GRANTED and self._sync_fits(slot, count):
             # vLLM computes at least the prompt's last token itself: a grant of the whole prompt
             # (D's prompt is P's) still reads every block, and the last token's KV is computed

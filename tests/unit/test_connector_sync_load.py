@@ -96,3 +96,20 @@ def test_a_grant_of_only_the_last_token_past_the_local_hit_is_parked():
     side.on_new_request(request)
     granted(side, request, 33)
     assert side.get_num_new_matched_tokens(request, 32) == (1, True)
+
+
+def test_each_ask_decides_again_so_an_allocation_after_a_parked_answer_is_parked():
+    """vLLM may ask, not allocate (no room), and ask again next step: the allocation follows the
+    last answer. A load first answered as synchronous and then as parked must be parked, or its
+    request would wait for a received report that never comes."""
+
+    side = side_with(rate=1e9)
+    (request,) = children(1, tokens=80)
+    request.prompt_token_ids = list(range(81))
+    side.on_new_request(request)
+    granted(side, request, 80)
+    assert side.get_num_new_matched_tokens(request, 0) == (80, False)  # no room: not allocated
+    side.read_rate = 1e6  # reads have turned slow meanwhile
+    assert side.get_num_new_matched_tokens(request, 0) == (80, True)
+    side.update_state_after_alloc(request, Blocks([10, 11, 12]), 80)
+    assert not side.sidecar.of(ev.LoadAllocated)[0].sync and side.take_sync_step() == {}

@@ -157,6 +157,9 @@ class Resolved(Msg, tag="resolved"):
     hit: bool
     reason: str = ""
     num_tokens: int = 0  # on a hit: the prompt tokens P granted (its blocks hold them)
+    # On a hit: this engine has read from P's engine before (its transport is connected, its
+    # calls answered), so a read can start within a step's wait.
+    warm: bool = False
 
 
 class LoadEnded(Msg, tag="loadend"):

@@ -62,6 +62,7 @@ SCHEDULER_EVENTS = frozenset({
 
 
 # Effects that are calls to peers: the peer client makes them.
+READ_FROM_MAX = 4096  # P engines remembered as read from (past it, new ones load parked)
 PEER_CALLS = frozenset({fx.SendClaim, fx.SendReadStart, fx.PostRead, fx.SendReadEnd, fx.SendRelease})
 
 
@@ -106,6 +107,7 @@ class Sidecar:
         # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.
         self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
         self.read_rate = 0.0  # recent handoff reads, bytes per second of read time (D)
+        self.read_from: set[str] = set()  # P engines this engine has read from (D)
         # `kv_checksums`. P: each open ticket whose sums were asked, with each rank's sums once in.
         # D: reads verified, failed on a mismatch, or unverified (no sums given).
         self.block_sums: dict[str, dict[int, tuple[int, ...]]] = {}
@@ -230,7 +232,9 @@ class Sidecar:
             if self.block_sums:
                 self.block_sums.pop(effect.ticket, None)
         elif kind is fx.LoadResolved:
-            self.io.send(SCHEDULER, m.Resolved(effect.request, effect.hit, effect.reason, effect.num_tokens))
+            load = self.ledger.loads.loads.get(effect.request) if effect.hit else None
+            warm = load is not None and load.engine in self.read_from
+            self.io.send(SCHEDULER, m.Resolved(effect.request, effect.hit, effect.reason, effect.num_tokens, warm))
         elif kind in PEER_CALLS:
             self.client.carry(effect)
         elif kind is fx.ReportInvalidBlocks:
@@ -421,6 +425,8 @@ class Sidecar:
             # Whether every rank posted it (a rank that gave a synchronous read up did not).
             posted = self.fan_in.note(("posted", msg.request, msg.read), rank, not msg.abandoned)
             if ok is not None:  # every rank's part has ended
+                if ok and load is not None and len(self.read_from) < READ_FROM_MAX:
+                    self.read_from.add(load.engine)
                 self.apply(ev.LoadReadFinished(now, msg.request, msg.read, ok, bool(in_pin),
                                                abandoned=not posted))
         elif kind is m.Stop:

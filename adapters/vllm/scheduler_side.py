@@ -218,7 +218,7 @@ class SchedulerSide:
                     continue
                 if msg.hit:
                     if slot.state == SlotState.CLAIMING:
-                        slot.state = SlotState.GRANTED
+                        slot.state, slot.warm = SlotState.GRANTED, msg.warm
                         # P's grant decides how much is read (the sidecar's core checked it).
                         slot.num_tokens = min(slot.num_tokens, msg.num_tokens)
                 else:
@@ -387,7 +387,7 @@ class SchedulerSide:
             return 0, False
         slot.local_computed = num_computed_tokens
         slot.sync = False  # decided again at every ask: vLLM allocates after the last one
-        if slot.state == SlotState.GRANTED and self._sync_fits(slot, count):
+        if slot.state == SlotState.GRANTED and self._sync_fits(request, slot, count):
             # vLLM computes at least the prompt's last token itself: a grant of the whole prompt
             # (D's prompt is P's) still reads every block, and the last token's KV is computed
             # again over what was read.
@@ -404,11 +404,16 @@ class SchedulerSide:
             return self.sync_loads
         return getattr(getattr(self.conn, "settings", None), "sync_loads", "off") == "auto"
 
-    def _sync_fits(self, slot: Slot, count: int) -> bool:
-        """Whether a granted load runs synchronously: on, and not expected to read for longer
-        than `sync_load_max_s` at this engine's measured read rate (unmeasured: it may)."""
+    def _sync_fits(self, request, slot: Slot, count: int) -> bool:
+        """Whether a granted load runs synchronously: on; from a P engine this engine has read
+        from before (a first read also connects, which may outlast the step's wait); not a seeded
+        request (a load that fails in its step costs the request a draw of its generator, so its
+        output would no longer be one engine's); and not expected to read for longer than
+        `sync_load_max_s` at this engine's measured read rate (unmeasured: it may)."""
 
-        if not self.sync_on:
+        if not (self.sync_on and slot.warm):
+            return False
+        if getattr(getattr(request, "sampling_params", None), "seed", None) is not None:
             return False
         if self.read_rate <= 0 or self.block_bytes <= 0:
             return True

@@ -54,6 +54,7 @@ class Slot:
     reader: Any = None  # SIBLING: the request that reads the shared ticket
     claimed_at: float = 0.0  # when the claim went to P
     sync: bool = False  # vLLM runs it in the step that allocates its blocks (a synchronous load)
+    warm: bool = False  # P granted it, and this engine has read from P's engine before
     waiting_since: float = 0.0
     # A restore (P).
     lease: str = ""

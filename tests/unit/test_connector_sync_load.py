@@ -34,8 +34,8 @@ def side_with(sync_loads="auto", rate=0.0, block_bytes=1 << 20):
     return side
 
 
-def granted(side, request, num_tokens):
-    side.sidecar.drain = lambda: [m.Resolved(request.request_id, True, num_tokens=num_tokens)]
+def granted(side, request, num_tokens, warm=True):
+    side.sidecar.drain = lambda: [m.Resolved(request.request_id, True, num_tokens=num_tokens, warm=warm)]
     side.drain()
     side.sidecar.drain = lambda: []
 
@@ -113,3 +113,22 @@ def test_each_ask_decides_again_so_an_allocation_after_a_parked_answer_is_parked
     assert side.get_num_new_matched_tokens(request, 0) == (80, True)
     side.update_state_after_alloc(request, Blocks([10, 11, 12]), 80)
     assert not side.sidecar.of(ev.LoadAllocated)[0].sync and side.take_sync_step() == {}
+
+
+def test_a_first_read_from_a_p_engine_and_a_seeded_request_are_parked():
+    """A first read from a P engine also connects to it, which may outlast the step's wait; a
+    seeded request whose load failed in its step would lose a draw of its generator (its output
+    would no longer be one engine's): both load parked."""
+
+    side = side_with()
+    (cold,) = children(1, tokens=80)
+    cold.prompt_token_ids = list(range(81))
+    side.on_new_request(cold)
+    granted(side, cold, 80, warm=False)
+    assert side.get_num_new_matched_tokens(cold, 0) == (80, True)
+    (seeded,) = children(1, tokens=80)
+    seeded.prompt_token_ids = list(range(81))
+    seeded.sampling_params = SimpleNamespace(seed=7)
+    side.on_new_request(seeded)
+    granted(side, seeded, 80)
+    assert side.get_num_new_matched_tokens(seeded, 0) == (80, True)

@@ -268,3 +268,23 @@ def test_a_confirmation_that_gets_no_answer_recomputes_and_still_releases_the_ti
     assert load.state == "FAILED" and load.outcome == "read unpinned: source unreachable"
     assert a.refused["read_unpinned"] == 1
     assert pc.Release("t1", "D", 1) in p.calls
+
+
+def resolved(a) -> list[m.Resolved]:
+    return [msg for sock, msg in a.io.sent if sock == "scheduler" and type(msg) is m.Resolved]
+
+
+def test_a_grant_says_whether_this_engine_has_read_from_ps_engine_before(sidecar):
+    """D loads synchronously only from a P engine it has read from (a first read also connects)."""
+
+    requested(sidecar)
+    granted(sidecar)
+    assert [msg.warm for msg in resolved(sidecar)] == [False]
+    allocated(sidecar, (10, 11))
+    read = sidecar.ledger.loads.loads["r1"].read
+    sidecar.apply(ev.ReadGranted(sidecar.io.now_ns(), "r1", read))
+    sidecar.on_message(m.ReadDone("r1", read, True, "", 4096, 0.001, in_pin=True), 0)
+    sidecar.on_message(m.Apply((ev.LoadRequested(0, "r2", "t2", "127.0.0.1:2", 2, 2, 32, DIGEST),)))
+    sidecar.apply(ev.ClaimGranted(sidecar.io.now_ns(), "r2", "t2", 2, GRANT.engine, GRANT.instance, GRANT.blocks,
+                                  GRANT.num_tokens, GRANT.digest, GRANT.layout))
+    assert [msg.warm for msg in resolved(sidecar)] == [False, True]

@@ -169,9 +169,11 @@ class LoadEnded(Msg, tag="loadend"):
     request: str
     ok: bool
     reason: str = ""
-    # This engine's handoff reads so far, bytes per second of read time (0: none measured): what
-    # decides whether the next load may run synchronously.
+    # This engine's handoff reads so far, bytes per second of read time (0: none measured), and
+    # how long this load took from its allocation to its last read's end (0: it did not load):
+    # what decides whether the next load may run synchronously.
     read_bytes_per_s: float = 0.0
+    load_seconds: float = 0.0
 
 
 class RestoreReply(Msg, tag="rreply"):

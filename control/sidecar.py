@@ -62,6 +62,7 @@ SCHEDULER_EVENTS = frozenset({
 
 
 # Effects that are calls to peers: the peer client makes them.
+ALLOCATED_AT_MAX = 4096  # loads allocated and not ended (D) whose wait is measured
 READ_FROM_MAX = 4096  # P engines remembered as read from (past it, new ones load parked)
 PEER_CALLS = frozenset({fx.SendClaim, fx.SendReadStart, fx.PostRead, fx.SendReadEnd, fx.SendRelease})
 
@@ -108,6 +109,8 @@ class Sidecar:
         self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
         self.read_rate = 0.0  # recent handoff reads, bytes per second of read time (D)
         self.read_from: set[str] = set()  # P engines this engine has read from (D)
+        # D: when each load was allocated, for its wait (bounded: the oldest go first).
+        self.allocated_at: collections.OrderedDict[str, int] = collections.OrderedDict()
         # `kv_checksums`. P: each open ticket whose sums were asked, with each rank's sums once in.
         # D: reads verified, failed on a mismatch, or unverified (no sums given).
         self.block_sums: dict[str, dict[int, tuple[int, ...]]] = {}
@@ -240,7 +243,9 @@ class Sidecar:
         elif kind is fx.ReportInvalidBlocks:
             self.io.send(WORKER, m.InvalidBlocks(effect.request, effect.blocks))
         elif kind is fx.LoadFinished:
-            self.io.send(SCHEDULER, m.LoadEnded(effect.request, effect.ok, effect.reason, self.read_rate))
+            allocated_at = self.allocated_at.pop(effect.request, None)
+            took = (self.io.now_ns() - allocated_at) / 1e9 if effect.ok and allocated_at is not None else 0.0
+            self.io.send(SCHEDULER, m.LoadEnded(effect.request, effect.ok, effect.reason, self.read_rate, took))
             reported = self.reported.pop(("load", effect.request), ())
             if effect.parked:
                 # Only an allocated (async) load is parked in WAITING_FOR_REMOTE_KVS: vLLM waits
@@ -482,8 +487,13 @@ class Sidecar:
         new_load = kind is ev.LoadRequested and event.request not in self.ledger.loads.loads
         if new_load:
             event = msgspec.structs.replace(event, layout=self.cfg.layout)
-        elif kind is ev.LoadAllocated and self.hooks.reads_per_load > 1:
-            event = msgspec.structs.replace(event, reads=self.hooks.reads_per_load)
+        elif kind is ev.LoadAllocated:
+            if event.blocks:
+                self.allocated_at[event.request] = now
+                while len(self.allocated_at) > ALLOCATED_AT_MAX:
+                    self.allocated_at.popitem(last=False)
+            if self.hooks.reads_per_load > 1:
+                event = msgspec.structs.replace(event, reads=self.hooks.reads_per_load)
         elif kind in (ev.RequestPreempted, ev.RequestAborted) and event.request not in self.ledger.loads.loads:
             return  # a request whose handoff never became a load (its claim could not be sent)
         elif kind is ev.LeaseReleased:

@@ -38,6 +38,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvbaton.connector")
 
 
+def ewma(mean: float, sample: float, weight: float = 0.2) -> float:
+    """A running mean in which recent samples weigh most (the first sample is the mean)."""
+
+    return sample if mean <= 0 else (1 - weight) * mean + weight * sample
+
+
 # How long P's first handoff waits for its sidecar to say where it listens (once, at start).
 SIDECAR_READY_WAIT_S = 5.0
 # P gives up waiting for its own sidecar's answer to a restore after this long (then recomputes).
@@ -167,6 +173,13 @@ class SchedulerSide:
         self.sync_step: dict[str, tuple[int, ...]] = {}
         self.sync_loads: bool | None = None  # a test hook (debug_set) overrides the setting
         self.read_rate = 0.0
+        # What a synchronous load costs the other requests of its step, and what it saves its own:
+        # how long loads wait from allocation to their last read (recent loads weigh most), how
+        # many requests the last step ran, and how long a step takes (both measured here).
+        self.load_wait_s = 0.0
+        self.last_batch = 0
+        self.step_s = 0.0
+        self.step_at: float | None = None
         self.block_bytes = kv_block_bytes(kv_cache_config)
 
     @classmethod
@@ -229,6 +242,8 @@ class SchedulerSide:
             elif kind is m.LoadEnded:
                 if msg.read_bytes_per_s > 0:
                     self.read_rate = msg.read_bytes_per_s
+                if msg.load_seconds > 0:
+                    self.load_wait_s = ewma(self.load_wait_s, msg.load_seconds)
                 slot = self.slots.get(msg.request)
                 if slot is not None and slot.ticket:
                     slot.state, slot.reason = SlotState.DONE, msg.reason
@@ -408,12 +423,18 @@ class SchedulerSide:
         """Whether a granted load runs synchronously: on; from a P engine this engine has read
         from before (a first read also connects, which may outlast the step's wait); not a seeded
         request (a load that fails in its step costs the request a draw of its generator, so its
-        output would no longer be one engine's); and not expected to read for longer than
-        `sync_load_max_s` at this engine's measured read rate (unmeasured: it may)."""
+        output would no longer be one engine's); worth it (the requests of the last step, each
+        waiting a load's measured wait, wait no longer together than the step it saves this
+        one); and not expected to read for longer than `sync_load_max_s` at this engine's
+        measured read rate (unmeasured: it may)."""
 
         if not (self.sync_on and slot.warm):
             return False
         if getattr(getattr(request, "sampling_params", None), "seed", None) is not None:
+            return False
+        if self.last_batch * self.load_wait_s > self.step_s:
+            # Its step's other requests would each wait for its read longer, together, than the
+            # step a parked load costs it: parked (a busy engine keeps its pace).
             return False
         if self.read_rate <= 0 or self.block_bytes <= 0:
             return True
@@ -442,6 +463,17 @@ class SchedulerSide:
         # The sidecar reads P's granted blocks from index `first` on into `dst`.
         self.send(ev.LoadAllocated(0, request.request_id, dst, first=first, sync=slot.sync))
 
+    def _measure_pace(self, scheduler_output) -> None:
+        """D: how many requests the step being scheduled runs, and the time since the last step
+        that ran any (a step's time while the engine is busy; an idle gap is not one)."""
+
+        now = self.clock()
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        if self.step_at is not None and self.last_batch > 0:
+            self.step_s = ewma(self.step_s, now - self.step_at)
+        self.last_batch = len(scheduled)
+        self.step_at = now if scheduled else None
+
     def take_sync_step(self) -> dict[str, tuple[int, ...]]:
         """The synchronous loads allocated in the step being scheduled, for its workers (the rest
         reaches them over the sidecar link as soon as it is decided). Never raises: a worker that
@@ -451,6 +483,8 @@ class SchedulerSide:
         return sync
 
     def build_connector_meta(self, scheduler_output) -> None:
+        if self.conn.is_consumer:
+            self._measure_pace(scheduler_output)
         self.drain()
         if self.history_on and self.gate_on:
             self._measure_step(scheduler_output)

@@ -132,3 +132,21 @@ def test_a_first_read_from_a_p_engine_and_a_seeded_request_are_parked():
     side.on_new_request(seeded)
     granted(side, seeded, 80)
     assert side.get_num_new_matched_tokens(seeded, 0) == (80, True)
+
+
+@pytest.mark.parametrize("batch, synchronous", [(0, True), (1, True), (2, False), (32, False)])
+def test_a_busy_engine_parks_loads_whose_wait_would_cost_its_other_requests_more_than_a_step(batch, synchronous):
+    """A synchronous load holds every request of its step for its wait (3 ms measured here); a
+    parked one costs its own request a step (4 ms measured here). The last step ran `batch`."""
+
+    side = side_with()
+    side.load_wait_s = 0.003
+    for _ in range(3):  # steps 4 ms apart, each running `batch` requests
+        side.build_connector_meta(SimpleNamespace(preempted_req_ids=set(),
+                                                  num_scheduled_tokens={f"r{i}": 1 for i in range(batch)}))
+        side.clock.now += 0.004
+    (request,) = children(1, tokens=80)
+    request.prompt_token_ids = list(range(81))
+    side.on_new_request(request)
+    granted(side, request, 80)
+    assert side.get_num_new_matched_tokens(request, 0) == (80, not synchronous)

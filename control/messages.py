@@ -198,6 +198,12 @@ class LeaseEnded(Msg, tag="lended"):
     cpu_blocks: int = 0
 
 
+class LoadModeChosen(Msg, tag="lmode"):
+    """D's scheduler side: how an allocated, granted load runs (`core.reasons.LoadMode`)."""
+
+    mode: str
+
+
 class GateStats(Msg, tag="hgate"):
     """P's scheduler side: the restore gate's measurements and how often it chose each way
     (core/gate.py), for the engine's metrics."""
@@ -328,7 +334,7 @@ AnyMsg = Union[
     AddPeer, PostRead, InvalidBlocks, FinishedRecving, FinishedSending, Stop, Debug,
     StageDone, DemotesDone, PromotesDone, RestoreDone, BlockSums, SumBlocks,
     SlotStats, RestoreReply, LeaseEnded, GateStats, StageCopies, DemoteCopies, PromoteCopies, DropSlot,
-    RestoreCopies,
+    RestoreCopies, LoadModeChosen,
 ]
 
 ENCODER = msgspec.msgpack.Encoder()

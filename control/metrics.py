@@ -118,6 +118,9 @@ def families(snap: dict) -> list:
     counter("kvbaton_loads_synchronous", "Handoff loads vLLM ran in the step that allocated them (D): "
             "the step waited for the read (the rest were parked until a later step)",
             counters.get("loads.sync", 0))
+    counter("kvbaton_loads_mode", "How D ran its granted loads: in_step (synchronous) or parked, and why "
+            "parked (off, cold_peer, seeded, busy, long_read)", labels=("mode",),
+            rows=[((mode,), n) for mode, n in sorted((snap.get("load_modes") or {}).items())])
     counter("kvbaton_loads_sync_wait_passed", "Synchronous loads whose read was not posted within "
             "sync_load_wait_s (D): the step ran without it, the request recomputed, and the read was never posted "
             "(one per worker rank)", transfer.get("sync_wait_passed", 0))

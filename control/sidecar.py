@@ -39,6 +39,7 @@ from ..core import lease as leases
 from ..core import ticket as tickets
 from ..core.ledger import Ledger
 from ..core.log import LogRecordError, LogWriter
+from ..core.reasons import LoadMode
 from . import messages as m
 from . import peer as pc
 from .config import SidecarConfig
@@ -63,6 +64,7 @@ SCHEDULER_EVENTS = frozenset({
 
 # Effects that are calls to peers: the peer client makes them.
 ALLOCATED_AT_MAX = 4096  # loads allocated and not ended (D) whose wait is measured
+LOAD_MODES = frozenset(str(mode) for mode in LoadMode)
 READ_FROM_MAX = 4096  # P engines remembered as read from (past it, new ones load parked)
 PEER_CALLS = frozenset({fx.SendClaim, fx.SendReadStart, fx.PostRead, fx.SendReadEnd, fx.SendRelease})
 
@@ -89,6 +91,7 @@ class Sidecar:
         # Handoffs the scheduler refused, by reason (m.HandoffRefused): D's sections refused before
         # claiming, P's requests without the router's capability.
         self.handoffs_refused: collections.Counter = collections.Counter()
+        self.load_modes: collections.Counter = collections.Counter()  # D: how granted loads ran (LoadMode)
         self.refusal_log = RateLimitedLog(logger)
         # Connections the process's pool dropped before a call reached us (sidecar_main.py).
         self.frame_refusals: collections.Counter = collections.Counter()
@@ -297,6 +300,9 @@ class Sidecar:
                 self.scheduler_event(now, event, msg.keepalive)
         elif kind is m.GateStats:
             self.gate_stats = msgspec.structs.asdict(msg)
+        elif kind is m.LoadModeChosen:
+            if msg.mode in LOAD_MODES:  # from the connector: only the modes it can choose are counted
+                self.load_modes[msg.mode] += 1
         elif kind is m.HandoffRefused:
             if len(self.handoffs_refused) < 32 or msg.reason in self.handoffs_refused:
                 self.handoffs_refused[msg.reason[:32]] += 1
@@ -548,6 +554,7 @@ class Sidecar:
         refused = self.refused + self.frame_refusals
         counters.update({f"peers.refused.{reason}": n for reason, n in refused.items()})
         counters.update({f"handoffs.refused.{reason}": n for reason, n in self.handoffs_refused.items()})
+        counters.update({f"loads.mode.{mode}": n for mode, n in self.load_modes.items()})
         if self.fan_in.dropped:  # rank reports forgotten at the bound: those reads or copies never ended here
             counters["ranks.dropped"] = self.fan_in.dropped
         return {"open": self.ledger.open_counts(), "counters": counters, "state_hash": self.ledger.state_hash(),
@@ -579,6 +586,7 @@ class Sidecar:
             "counters": dict(self.ledger.counters),
             "refused": dict(self.refused + self.frame_refusals),
             "handoffs_refused": dict(self.handoffs_refused),
+            "load_modes": dict(self.load_modes),
             "transfer": dict(self.transfer),
             "history_io": dict(self.history_io),
             "gate": dict(self.gate_stats),

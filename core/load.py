@@ -76,7 +76,7 @@ from .events import (
     RequestPreempted,
 )
 from .machine import Book, MachineSpec
-from .reasons import LoadOutcome, Reason
+from .reasons import LoadMode, LoadOutcome, Reason
 
 AWAITING_CLAIM = "AWAITING_CLAIM"
 CLAIMED = "CLAIMED"
@@ -167,6 +167,31 @@ class Load(msgspec.Struct):
 
 
 KIND_LOAD = 1
+
+
+def load_mode(*, on: bool, warm: bool, seeded: bool, batch: int, load_wait_s: float, step_s: float,
+              read_s: float, read_max_s: float) -> LoadMode:
+    """Whether D runs a granted load in the step that allocates its blocks (its workers wait for
+    the read before the forward pass) or parks it until a later step, and why. In the step only
+    when: on; P's engine is one this engine has read from (a first read also connects, which can
+    outlast the step's wait); the request is unseeded (a load that fails in its step costs the
+    request a draw of its generator, so its output would no longer be one engine's); the last
+    step's `batch` requests, each waiting `load_wait_s` (how long recent loads took from
+    allocation to their last read), wait no longer together than the step (`step_s`) a parked
+    load costs its own request; and the read is not expected to take longer than `read_max_s`.
+    Unmeasured figures (0) do not park a load."""
+
+    if not on:
+        return LoadMode.OFF
+    if not warm:
+        return LoadMode.COLD_PEER
+    if seeded:
+        return LoadMode.SEEDED
+    if batch * load_wait_s > step_s:
+        return LoadMode.BUSY
+    if read_s > read_max_s:
+        return LoadMode.LONG_READ
+    return LoadMode.IN_STEP
 
 
 def grant_problem(ld: Load, grant: ClaimGranted) -> str:

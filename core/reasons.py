@@ -113,6 +113,18 @@ class LoadOutcome(StrEnum):
         return self + ": " + more
 
 
+class LoadMode(StrEnum):
+    """How D runs a granted load (`core.load.load_mode`): in the step that allocates its blocks,
+    or parked until a later step, and why parked."""
+
+    IN_STEP = "in_step"  # a synchronous load: the step waits for its read
+    OFF = "off"  # sync_loads is off
+    COLD_PEER = "cold_peer"  # a first read from P's engine (it also connects)
+    SEEDED = "seeded"  # a failed load in its step would cost the request a draw of its generator
+    BUSY = "busy"  # the step's other requests would wait longer together than the step it saves
+    LONG_READ = "long_read"  # the read is expected to outlast sync_load_max_s
+
+
 class LeaseOutcome(StrEnum):
     """How a restore lease ended (`LeaseDone.reason`)."""
 

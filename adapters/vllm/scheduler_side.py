@@ -25,7 +25,8 @@ from ...control.router_door import handoff_capability_problem, router_key
 from ...control.guard import RateLimitedLog, capability_digest, install_frame_key, mint_capability, resolve_secret
 from ...core import events as ev
 from ...core import gate
-from ...core.reasons import LoadOutcome
+from ...core.load import load_mode
+from ...core.reasons import LoadMode, LoadOutcome
 from .history import kv_block_bytes
 from .handoff import (PARAMS_VERSION, SESSION_PARAM, HandoffError, handoff_key, parse_handoff, prompt_digest,
                       session_request, sign_handoff)
@@ -401,7 +402,7 @@ class SchedulerSide:
             self.send(ev.LoadAllocated(0, request.request_id, ()))
             return 0, False
         slot.local_computed = num_computed_tokens
-        slot.sync = False  # decided again at every ask: vLLM allocates after the last one
+        slot.sync, slot.mode = False, ""  # decided again at every ask: vLLM allocates after the last one
         if slot.state == SlotState.GRANTED and self._sync_fits(request, slot, count):
             # vLLM computes at least the prompt's last token itself: a grant of the whole prompt
             # (D's prompt is P's) still reads every block, and the last token's KV is computed
@@ -420,26 +421,17 @@ class SchedulerSide:
         return getattr(getattr(self.conn, "settings", None), "sync_loads", "off") == "auto"
 
     def _sync_fits(self, request, slot: Slot, count: int) -> bool:
-        """Whether a granted load runs synchronously: on; from a P engine this engine has read
-        from before (a first read also connects, which may outlast the step's wait); not a seeded
-        request (a load that fails in its step costs the request a draw of its generator, so its
-        output would no longer be one engine's); worth it (the requests of the last step, each
-        waiting a load's measured wait, wait no longer together than the step it saves this
-        one); and not expected to read for longer than `sync_load_max_s` at this engine's
-        measured read rate (unmeasured: it may)."""
+        """Whether a granted load runs in the step that allocates it (core/load.py `load_mode`,
+        on what this engine measured); each load's mode is counted once, by its last ask."""
 
-        if not (self.sync_on and slot.warm):
-            return False
-        if getattr(getattr(request, "sampling_params", None), "seed", None) is not None:
-            return False
-        if self.last_batch * self.load_wait_s > self.step_s:
-            # Its step's other requests would each wait for its read longer, together, than the
-            # step a parked load costs it: parked (a busy engine keeps its pace).
-            return False
-        if self.read_rate <= 0 or self.block_bytes <= 0:
-            return True
         blocks = -(-count // self.conn.block_size)
-        return blocks * self.block_bytes / self.read_rate <= self.conn.settings.sync_load_max_s
+        read_s = blocks * self.block_bytes / self.read_rate if self.read_rate > 0 else 0.0
+        mode = load_mode(on=self.sync_on, warm=slot.warm,
+                         seeded=getattr(getattr(request, "sampling_params", None), "seed", None) is not None,
+                         batch=self.last_batch, load_wait_s=self.load_wait_s, step_s=self.step_s, read_s=read_s,
+                         read_max_s=getattr(getattr(self.conn, "settings", None), "sync_load_max_s", 0.0))
+        slot.mode = mode
+        return mode == LoadMode.IN_STEP
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         slot = self.slots.get(request.request_id)
@@ -456,6 +448,8 @@ class SchedulerSide:
         first = slot.local_computed // bs  # never overwrite a local prefix-cache hit
         last = min(math.ceil(slot.num_tokens / bs), len(block_ids))
         dst = tuple(block_ids[first:last])
+        if slot.mode:
+            self.sidecar.send(m.LoadModeChosen(str(slot.mode)))  # counted: kvbaton_loads_mode
         if slot.sync:
             # This step's workers wait for its reads (booked first: should the sidecar not take
             # the allocation, they see no read, stop waiting and report the blocks invalid).

@@ -55,6 +55,7 @@ class Slot:
     claimed_at: float = 0.0  # when the claim went to P
     sync: bool = False  # vLLM runs it in the step that allocates its blocks (a synchronous load)
     warm: bool = False  # P granted it, and this engine has read from P's engine before
+    mode: str = ""  # a granted load: how it runs (core.reasons.LoadMode), by the last ask
     waiting_since: float = 0.0
     # A restore (P).
     lease: str = ""

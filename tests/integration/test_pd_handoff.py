@@ -572,6 +572,7 @@ def test_a_granted_handoff_runs_in_the_step_that_loads_it(pd):
     assert out["token_ids"] == reference(pd, prompt)
     after = counters(pd.d)
     assert delta(before, after, "loads.sync") == 1 and delta(before, after, "loads.done") == 1
+    assert delta(before, after, "loads.mode.in_step") == 1  # counted as D chose it
     report = out["kv_transfer_params"]["kvbaton_prompt"]
     assert report["handoff"] == 329 and report["recomputed"] == 1, report  # vLLM computes the last token
     assert_nothing_held(pd)

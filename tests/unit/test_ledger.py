@@ -668,3 +668,20 @@ def test_a_synchronous_allocation_of_a_load_that_is_over_returns_nothing_parked(
     d.apply(ev.ClaimRefused(1, "r", "t", 1, "closed: expired"))
     out = d.apply(ev.LoadAllocated(2, "r", (7, 8), sync=True))
     assert kinds(out) == ["Rejected"]  # vLLM parked nothing: its workers see no read and report the blocks
+
+
+def test_how_a_granted_load_runs_follows_what_d_measured():
+    from kvbaton.core.load import load_mode
+    from kvbaton.core.reasons import LoadMode
+
+    idle = dict(on=True, warm=True, seeded=False, batch=0, load_wait_s=0.003, step_s=0.004, read_s=0.002,
+                read_max_s=0.05)
+    assert load_mode(**idle) == LoadMode.IN_STEP
+    assert load_mode(**{**idle, "on": False}) == LoadMode.OFF
+    assert load_mode(**{**idle, "warm": False}) == LoadMode.COLD_PEER
+    assert load_mode(**{**idle, "seeded": True}) == LoadMode.SEEDED
+    assert load_mode(**{**idle, "batch": 1}) == LoadMode.IN_STEP  # 3 ms of waiting saves a 4 ms step
+    assert load_mode(**{**idle, "batch": 2}) == LoadMode.BUSY  # 6 ms of waiting for a 4 ms step
+    assert load_mode(**{**idle, "read_s": 0.06}) == LoadMode.LONG_READ
+    # Unmeasured (a fresh engine): nothing parks it.
+    assert load_mode(**{**idle, "batch": 8, "load_wait_s": 0.0, "step_s": 0.0, "read_s": 0.0}) == LoadMode.IN_STEP

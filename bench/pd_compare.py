@@ -262,9 +262,11 @@ def build_systems(timed: bool, history_bytes: int, cap_blocks: int, block_bytes:
         # The ceiling: one engine doing prefill and decode, no transfer, P's and D's KV together.
         "single": System("single", "single", history=False),
         "kvbaton": System("kvbaton", "kvbaton", timed=timed),
-        # D parks every load until a later step (vLLM's asynchronous flow), where kvbaton runs a
-        # load whose grant is in hand in the step that allocates it (sync_loads).
+        # D parks every load until a later step (vLLM's asynchronous flow, the default), and D
+        # runs a load whose grant is in hand in the step that allocates it where that pays
+        # (sync_loads auto, opt-in).
         "kvbaton-parked": System("kvbaton-parked", "kvbaton", settings={"sync_loads": "off"}, timed=timed),
+        "kvbaton-sync": System("kvbaton-sync", "kvbaton", settings={"sync_loads": "auto"}, timed=timed),
         # D computes the first token too (the router's --first-token decode, vLLM's own flow).
         "kvbaton-decode": System("kvbaton-decode", "kvbaton", first_token="decode", timed=timed),
         # History restores whatever it holds (the restore gate off), and no history at all: what

@@ -65,7 +65,7 @@ SCHEDULER_EVENTS = frozenset({
 # Effects that are calls to peers: the peer client makes them.
 ALLOCATED_AT_MAX = 4096  # loads allocated and not ended (D) whose wait is measured
 LOAD_MODES = frozenset(str(mode) for mode in LoadMode)
-READ_FROM_MAX = 4096  # P engines remembered as read from (past it, new ones load parked)
+READ_FROM_MAX = 4096  # P engine instances remembered as read from (the least recent go first)
 PEER_CALLS = frozenset({fx.SendClaim, fx.SendReadStart, fx.PostRead, fx.SendReadEnd, fx.SendRelease})
 
 
@@ -111,7 +111,8 @@ class Sidecar:
         # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.
         self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
         self.read_rate = 0.0  # recent handoff reads, bytes per second of read time (D)
-        self.read_from: set[str] = set()  # P engines this engine has read from (D)
+        # P engine instances this engine has read from lately (D; an LRU).
+        self.read_from: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         # D: when each load was allocated, for its wait (bounded: the oldest go first).
         self.allocated_at: collections.OrderedDict[str, int] = collections.OrderedDict()
         # `kv_checksums`. P: each open ticket whose sums were asked, with each rank's sums once in.
@@ -239,7 +240,7 @@ class Sidecar:
                 self.block_sums.pop(effect.ticket, None)
         elif kind is fx.LoadResolved:
             load = self.ledger.loads.loads.get(effect.request) if effect.hit else None
-            warm = load is not None and load.engine in self.read_from
+            warm = load is not None and (load.engine, load.source_instance) in self.read_from
             self.io.send(SCHEDULER, m.Resolved(effect.request, effect.hit, effect.reason, effect.num_tokens, warm))
         elif kind in PEER_CALLS:
             self.client.carry(effect)
@@ -431,13 +432,18 @@ class Sidecar:
                                    msg.read, msg.request, rank, msg.error)
             if msg.abandoned:
                 stats["sync_wait_passed"] = stats.get("sync_wait_passed", 0) + 1
+                if load is not None:  # P's grants come too late for a step's wait: its loads park again
+                    self.read_from.pop((load.engine, load.source_instance), None)
             ok = self.fan_in.note(("read", msg.request, msg.read), rank, msg.ok)
             in_pin = self.fan_in.note(("pin", msg.request, msg.read), rank, msg.in_pin)
             # Whether every rank posted it (a rank that gave a synchronous read up did not).
             posted = self.fan_in.note(("posted", msg.request, msg.read), rank, not msg.abandoned)
             if ok is not None:  # every rank's part has ended
-                if ok and load is not None and len(self.read_from) < READ_FROM_MAX:
-                    self.read_from.add(load.engine)
+                if ok and load is not None:
+                    self.read_from[(load.engine, load.source_instance)] = None
+                    self.read_from.move_to_end((load.engine, load.source_instance))
+                    while len(self.read_from) > READ_FROM_MAX:
+                        self.read_from.popitem(last=False)
                 self.apply(ev.LoadReadFinished(now, msg.request, msg.read, ok, bool(in_pin),
                                                abandoned=not posted))
         elif kind is m.Stop:
@@ -494,7 +500,8 @@ class Sidecar:
         if new_load:
             event = msgspec.structs.replace(event, layout=self.cfg.layout)
         elif kind is ev.LoadAllocated:
-            if event.blocks:
+            load = self.ledger.loads.loads.get(event.request)
+            if event.blocks and load is not None and load.state == "CLAIMED":  # its wait starts now
                 self.allocated_at[event.request] = now
                 while len(self.allocated_at) > ALLOCATED_AT_MAX:
                     self.allocated_at.popitem(last=False)

@@ -170,10 +170,12 @@ KIND_LOAD = 1
 
 
 def load_mode(*, on: bool, warm: bool, seeded: bool, batch: int, load_wait_s: float, step_s: float,
-              read_s: float, read_max_s: float) -> LoadMode:
+              read_s: float, read_max_s: float, scheduled_ahead: bool = False) -> LoadMode:
     """Whether D runs a granted load in the step that allocates its blocks (its workers wait for
     the read before the forward pass) or parks it until a later step, and why. In the step only
-    when: on; P's engine is one this engine has read from (a first read also connects, which can
+    when: on; vLLM does not schedule a step ahead (`scheduled_ahead`: it would have scheduled
+    the request's next step before learning that the load failed, and that step's token would
+    stand); P's engine is one this engine has read from (a first read also connects, which can
     outlast the step's wait); the request is unseeded (a load that fails in its step costs the
     request a draw of its generator, so its output would no longer be one engine's); the last
     step's `batch` requests, each waiting `load_wait_s` (how long recent loads took from
@@ -183,6 +185,8 @@ def load_mode(*, on: bool, warm: bool, seeded: bool, batch: int, load_wait_s: fl
 
     if not on:
         return LoadMode.OFF
+    if scheduled_ahead:
+        return LoadMode.SCHEDULED_AHEAD
     if not warm:
         return LoadMode.COLD_PEER
     if seeded:

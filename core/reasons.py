@@ -119,6 +119,7 @@ class LoadMode(StrEnum):
 
     IN_STEP = "in_step"  # a synchronous load: the step waits for its read
     OFF = "off"  # sync_loads is off
+    SCHEDULED_AHEAD = "scheduled_ahead"  # vLLM schedules a step ahead: a failed load's step could not be undone
     COLD_PEER = "cold_peer"  # a first read from P's engine (it also connects)
     SEEDED = "seeded"  # a failed load in its step would cost the request a draw of its generator
     BUSY = "busy"  # the step's other requests would wait longer together than the step it saves

@@ -153,7 +153,7 @@ class KvbatonConnector(KVConnectorBase_V1):
             metadata = getattr(self, "_connector_metadata", None)
             if isinstance(metadata, KvbatonMetadata) and metadata.sync_loads:
                 # Before the forward pass (vLLM calls this first in a step with synchronous loads).
-                self._worker.wait_sync_loads(metadata.sync_loads)
+                self._worker.guard(self._worker.wait_sync_loads, None, metadata.sync_loads)
             else:
                 self._worker.guard(self._worker.pump)
 

@@ -122,6 +122,10 @@ class SchedulerSide:
         self.sidecar = SidecarHandle.start(config, s.event_log_dir or os.getcwd(), secret)
         self._books(plan, kv_cache_config)
         self.step_budget = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
+        self.scheduled_ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        if self.scheduled_ahead and s.sync_loads == "auto":
+            logger.info("kvbaton: vLLM schedules a step ahead (async scheduling): every handoff load is parked "
+                        "(sync_loads needs a failed load's step to be undone before the next is scheduled)")
         logger.info("kvbaton: engine %s (%s), control on %s (port %s), num_blocks %d, event log %s, "
                     "metrics %s", conn.engine_id, role, s.control_host, s.control_port or "chosen at bind",
                     num_blocks, log_path or "off",
@@ -181,6 +185,7 @@ class SchedulerSide:
         self.last_batch = 0
         self.step_s = 0.0
         self.step_at: float | None = None
+        self.scheduled_ahead = False  # vLLM's async scheduling (read from its config at start)
         self.block_bytes = kv_block_bytes(kv_cache_config)
 
     @classmethod
@@ -389,9 +394,11 @@ class SchedulerSide:
         if slot.state not in WAITING:
             return 0, False  # no handoff, refused, missed, or already used: a preempted request recomputes
         if slot.state == SlotState.CLAIMING and (not self.allocate_early or (
-                self.sync_on and self.clock() - slot.claimed_at < self.conn.settings.sync_claim_wait_s)):
+                self.sync_on and self.clock() - slot.claimed_at < self.conn.settings.sync_claim_wait_s
+                and self._mode(request, True, 0.0) == LoadMode.IN_STEP)):
             # P has not answered yet: ask again next step (an idle engine asks again at once). A
-            # grant in hand by then lets the request run in the step that allocates it.
+            # grant in hand by then lets the request run in the step that allocates it (a load
+            # that could not, as far as is known before the grant, is allocated at once).
             return None, False
         # Granted, or not answered yet (D allocates before the claim is answered): waiting for
         # P's answer would cost the request a whole engine step. The sidecar holds the allocation
@@ -411,6 +418,7 @@ class SchedulerSide:
             if in_step > 0:  # (else only the last token is left to read: parked, as vLLM's flow)
                 slot.sync, slot.external = True, in_step
                 return in_step, False
+            slot.mode = ""
         slot.external = count
         return count, True
 
@@ -426,12 +434,14 @@ class SchedulerSide:
 
         blocks = -(-count // self.conn.block_size)
         read_s = blocks * self.block_bytes / self.read_rate if self.read_rate > 0 else 0.0
-        mode = load_mode(on=self.sync_on, warm=slot.warm,
+        slot.mode = self._mode(request, slot.warm, read_s)
+        return slot.mode == LoadMode.IN_STEP
+
+    def _mode(self, request, warm: bool, read_s: float) -> LoadMode:
+        return load_mode(on=self.sync_on, warm=warm, scheduled_ahead=self.scheduled_ahead,
                          seeded=getattr(getattr(request, "sampling_params", None), "seed", None) is not None,
                          batch=self.last_batch, load_wait_s=self.load_wait_s, step_s=self.step_s, read_s=read_s,
                          read_max_s=getattr(getattr(self.conn, "settings", None), "sync_load_max_s", 0.0))
-        slot.mode = mode
-        return mode == LoadMode.IN_STEP
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         slot = self.slots.get(request.request_id)

@@ -158,14 +158,16 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "Both engines need it on; a read granted before P's sums were ready is counted unverified. "
         "Equal tensor parallel sizes only.")] = False
     sync_loads: Annotated[Literal["auto", "off"], _doc(
-        'D: "auto": when P has granted a handoff by the time vLLM schedules its request (D claims '
+        'D: "auto" (opt-in): when P has granted a handoff by the time vLLM schedules its request (D claims '
         'as the request arrives, and waits up to `sync_claim_wait_s` for the answer), the request '
         'runs in that very step: the workers wait for its read before the forward pass (a '
         'synchronous load) instead of parking it until a later step. A first read from a P engine, '
         'a seeded request, a load whose wait would cost the other requests of a busy step more than '
         'the step it saves (measured), and a read this engine expects to take longer than '
         '`sync_load_max_s` (its measured read rate) are parked instead. "off": every load is parked '
-        '(vLLM\'s asynchronous flow).')] = "auto"
+        '(vLLM\'s asynchronous flow), the default: a synchronous load that fails leaves its blocks in '
+        'vLLM\'s prefix cache until the request recomputes them, and vLLM\'s async scheduling is refused '
+        '(PROTOCOL.md, "How D loads a handoff").')] = "off"
     sync_claim_wait_s: Annotated[float, _doc(
         "D: how long a request may wait for P's answer to its claim before vLLM schedules it, so "
         "that it can load synchronously; past it the load is parked.", ge=0)] = 0.02

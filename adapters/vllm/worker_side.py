@@ -29,6 +29,8 @@ logger = logging.getLogger("vllm.kvbaton.connector")
 
 # Synchronous loads whose reads ended before their step waited, remembered for it (bounded).
 SYNC_ENDED_MAX = 4096
+# A step stops waiting for its synchronous loads (failing them) once its pump has failed this often.
+PUMP_ERRORS_MAX = 100
 
 
 def request_amx_permission() -> None:
@@ -270,9 +272,12 @@ class WorkerSide:
         deadline = started + self.conn.settings.sync_load_wait_s
         warn_at = started + self.conn.settings.peer_timeout_s
         pause_s = 20e-6
+        errors = self.errors
         try:
             while True:
                 self.guard(self.pump)
+                if self.errors - errors > PUMP_ERRORS_MAX:  # logged each time: something is broken here
+                    raise RuntimeError(f"the worker's pump failed {self.errors - errors} times in a step's wait")
                 if not self.sync_pending:
                     return
                 now = time.monotonic()

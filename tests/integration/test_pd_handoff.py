@@ -48,6 +48,10 @@ def pd(tmp_path_factory):
     d = EngineProcess("D", model, cpu_core=1, log_dir=root,
                       kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {
                           "event_log_dir": str(events), "kv_checksums": True,
+                          # A granted handoff runs in the step that loads it (opt-in), so every
+                          # test here proves that path too; `parked` turns it off for the tests of
+                          # a load that waits for its read across steps.
+                          "sync_loads": "auto",
                           # Every read that fits goes through D's landing area (packed, then
                           # scattered), so these tests prove that path on real engines too.
                           "test_hooks": {"heartbeat_interval_s": 1.0, "landing_bytes": 32 << 20}}})

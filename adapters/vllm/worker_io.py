@@ -165,6 +165,8 @@ class WorkerIo:
             done = self.part_done(msg.request, msg.read, False, problem)
             if done is not None:
                 self.link.send(done)
+                if msg.sync:  # a step may be waiting for it: it learns now, not at its bound
+                    self.inbox.append(done)
 
     def part_done(self, request: str, read: str, ok: bool, error: str = "", nbytes: int = 0,
                   seconds: float = 0.0, descriptors: int = 0, landed: bool = False,

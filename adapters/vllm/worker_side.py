@@ -211,6 +211,8 @@ class WorkerSide:
                 self.recving.add(msg.request)
             elif kind is m.InvalidBlocks:
                 self.load_errors.update(msg.blocks)
+            elif kind is m.ReadDone:  # a synchronous load's read that failed to start (worker_io)
+                self._sync_read_ended(msg.request, False, True)
             elif kind is m.RestoreCopies:
                 self._restore(msg)
             elif kind is m.Debug and msg.key.startswith("history_") and self.restorer is not None:

@@ -184,3 +184,16 @@ def test_a_synchronous_read_that_ended_before_its_step_waits_is_taken_by_the_wai
     side.wait_sync_loads({"r1": (4, 5)})
     assert time.monotonic() - started < 0.05  # not waited for again
     assert side.load_errors == (set() if ok else {4, 5}) and side.recving == set()
+
+
+def test_a_synchronous_read_that_fails_to_start_fails_its_step_at_once():
+    side = worker()
+    io = side.io
+    io.bad_peers, io.hooks = {"P": "layout mismatch"}, None
+    io._post(m.PostRead("r1", "r1/0", "P", (1, 2), (4, 5), last=True, sync=True))
+    started = time.monotonic()
+    side.wait_sync_loads({"r1": (4, 5)})
+    assert time.monotonic() - started < 0.05  # not its whole wait
+    assert side.load_errors == {4, 5} and side.sync_stats["failed"] == 1
+    (done,) = io.link.sent
+    assert type(done) is m.ReadDone and not done.ok  # the sidecar is told too

@@ -45,7 +45,7 @@ LOAD_OUTCOMES = ("done", "missed", "failed", "cancelled")
 LEASE_OUTCOMES = ("released", "expired", "cancelled")
 TIERS = ("gpu", "cpu")
 CHECKSUM_RESULTS = ("summed", "sum_failed", "verified", "mismatch", "check_failed", "unverified")
-SESSION_EVENTS = ("opened", "turns", "prefetches", "expired", "closed", "keep_clamped")
+SESSION_EVENTS = ("opened", "turns", "prefetches", "refreshed", "expired", "closed", "keep_clamped")
 
 
 def _prefixed(counters: dict, prefix: str) -> Iterable[tuple[str, float]]:
@@ -188,7 +188,8 @@ def families(snap: dict) -> list:
             "the GPU tier (P), by result", labels=("result",),
             rows=[(("ok",), counters.get("history.promoted", 0)),
                   (("failed",), counters.get("history.promotions_failed", 0))])
-    counter("kvbaton_sessions", "Agent sessions (P): opened, turns kept, prefetches, and how they "
+    counter("kvbaton_sessions", "Agent sessions (P): opened, turns kept, prefetches, keep times refreshed by "
+            "the router (a turn D alone served), and how they "
             "ended (expired, closed)", labels=("event",),
             rows=[((e,), counters.get(f"sessions.{e}", 0)) for e in SESSION_EVENTS])
     counter("kvbaton_sessions_trimmed_blocks", "Blocks a session turn could not keep (P), by bound: "

@@ -127,11 +127,12 @@ class Residency(PeerCall, tag="residency"):
 
 class Session(PeerCall, tag="session"):
     """The router's word on an agent session P keeps: its client's tool call is done and the next
-    turn is coming ("prefetch": bring its blocks back to the GPU tier), or it is over ("close").
+    turn is coming ("prefetch": bring its blocks back to the GPU tier), a turn went to the decode
+    engine alone ("keep": keep it its keep time from now, nothing moved), or it is over ("close").
     Only the router asks this (router_door.py); no peer engine may."""
 
     session: Id
-    action: Annotated[str, msgspec.Meta(pattern=r"^(prefetch|close)$")]
+    action: Annotated[str, msgspec.Meta(pattern=r"^(prefetch|keep|close)$")]
 
 
 AnyPeerCall = Union[Claim, ReadStart, ReadEnd, Release, Heartbeat, Abandon, Metadata, State, Residency]

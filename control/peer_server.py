@@ -238,8 +238,8 @@ class PeerServer:
             reset, seq, events = self.sidecar.residency.answer(since)
             return pc.ResidencyAnswer(self.sidecar.instance, seq, reset, events)
         if kind is pc.Session:
-            event = (ev.SessionPrefetchRequested(now, request.session) if request.action == "prefetch"
-                     else ev.SessionClosed(now, request.session))
+            event = (ev.SessionClosed(now, request.session) if request.action == "close" else
+                     ev.SessionPrefetchRequested(now, request.session, promote=request.action == "prefetch"))
             refused = _reply(self.sidecar.apply(event), fx.Rejected)
             return pc.Answer(refused is None, refused.reason if refused is not None else "")
         raise TypeError(f"no handler for {kind.__name__}")

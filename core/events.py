@@ -281,9 +281,12 @@ class SessionKept(Event, tag="sk"):
 
 class SessionPrefetchRequested(Event, tag="sf"):
     """The session's next turn is coming (it arrived, or its client said a tool call is done):
-    bring its CPU-tier blocks back to the GPU tier, and keep it for its keep time from now."""
+    bring its CPU-tier blocks back to the GPU tier, and keep it for its keep time from now. With
+    `promote` False only the keep time is refreshed: a turn the decode engine served alone (it
+    holds the prefix) shows the session is alive without needing P's blocks now."""
 
     session: str
+    promote: bool = True
 
 
 class SessionClosed(Event, tag="sc"):

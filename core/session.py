@@ -45,7 +45,7 @@ SPEC = MachineSpec(
     terminal=[EXPIRED, CLOSED],
     transitions=[
         {"trigger": "keep", "source": KEPT, "dest": "="},
-        {"trigger": "prefetch", "source": KEPT, "dest": "="},
+        {"trigger": "prefetch", "source": KEPT, "dest": "="},  # (or only refreshed)
         {"trigger": "expire", "source": KEPT, "dest": EXPIRED},
         {"trigger": "close", "source": KEPT, "dest": CLOSED},
     ],
@@ -145,15 +145,18 @@ class SessionBook(Book):
         return keys
 
     def prefetched(self, e: SessionPrefetchRequested, now: int) -> list[Effect]:
-        """A KEPT session's next turn is coming: its deadline is refreshed and its CPU-tier blocks
-        promoted (`PromoteHistory`); else Rejected(UNKNOWN_SESSION)."""
+        """A KEPT session's next turn is coming: its deadline is refreshed and (`promote`) its
+        CPU-tier blocks promoted (`PromoteHistory`); else Rejected(UNKNOWN_SESSION)."""
 
         se = self.sessions.get(e.session)
         if se is None or se.state != KEPT:
             return [reject(self.counters, "sf", e.session, Reason.UNKNOWN_SESSION)]
         self._move(se, "prefetch", KEPT)
-        se.prefetches += 1
         self._set_deadline(se, now + se.keep_ns)
+        if not e.promote:
+            self.counters.add("sessions.refreshed")
+            return []
+        se.prefetches += 1
         out: list[Effect] = []
         why = self.history.promote(se.keys, out)
         self.counters.add("sessions.prefetches")

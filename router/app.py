@@ -293,7 +293,8 @@ class Router:
                                 "Agent session turns and calls: placed on the P that keeps the session (kept), "
                                 "a first turn (new), served by D alone (decode), a keeping P gone (moved), a tenant "
                                 "with as many sessions as it may (tenant_limit: served without one), "
-                                "the client's prefetch or close (prefetch, close, with _unknown or _failed)",
+                                "the client's prefetch or close (prefetch, close, with _unknown or _failed), P told to keep a session "
+                                "whose turns D alone serves (keep, with _unknown or _failed)",
                                 ["outcome"], registry=self.registry)
         self.session_places = Places()
         # With tenants: the most sessions one tenant may have open (P's session bounds are per P).
@@ -561,6 +562,11 @@ class Router:
         pick.session = session
         if pick.p_url is None:
             self.sessions.labels("decode").inc()
+            if place is not None and place.door and place.until - now < place.keep_s / 2:
+                # The conversation goes on, on D alone: P keeps the session its keep time from
+                # now, so a turn that needs P later still finds it (once per half keep time).
+                place.until = now + place.keep_s
+                asyncio.get_running_loop().create_task(self._keep_session(session, place))
             return
         if place is None:
             self.sessions.labels("new").inc()
@@ -569,6 +575,23 @@ class Router:
             self.sessions.labels("kept").inc()
         else:
             self.sessions.labels("moved").inc()
+
+    async def _keep_session(self, session, place) -> None:
+        from ..control import peer as pc
+
+        try:
+            answer = await self.call_sidecar(place.door, pc.Session(session.key, "keep"), to=place.instance,
+                                             timeout_s=5.0)
+        except Exception as exc:  # the next turn that needs P tries again (or recomputes)
+            logger.debug("could not keep session on %s: %r", place.door, exc)
+            place.until = time.monotonic()
+            self.sessions.labels("keep_failed").inc()
+            return
+        if not answer.ok:  # P let it go meanwhile: the next turn starts it again
+            self.session_places.pop(session.key)
+            self.sessions.labels("keep_unknown").inc()
+            return
+        self.sessions.labels("keep").inc()
 
     def session_kept(self, pick: Pick, p_url: str, section) -> None:
         """P answered a session's turn: remember that it keeps the session, and where to reach it."""

@@ -626,8 +626,12 @@ class Swarm:
             open_sessions = sorted(k for k, se in self.p.ledger.sessions.sessions.items() if se.state == "KEPT")
             session = (srng.choice(open_sessions) if open_sessions and srng.random() < 0.8
                        else f"s-{srng.choice(self.docs + ['unknown'])}")
-            event_type = ev.SessionPrefetchRequested if srng.random() < 0.7 else ev.SessionClosed
-            self.local(self.p, event_type, {"session": session})
+            # (A turn the decode engine served alone only refreshes its keep time.)
+            roll = srng.random()
+            if roll < 0.7:
+                self.local(self.p, ev.SessionPrefetchRequested, {"session": session, "promote": roll < 0.55})
+            else:
+                self.local(self.p, ev.SessionClosed, {"session": session})
         if srng.random() < 0.08 and not self.draining:
             self.other_traffic(srng)
         if self.fault("stale_message") and self.sent:

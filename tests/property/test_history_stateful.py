@@ -87,10 +87,12 @@ class HistoryPolicy(RuleBasedStateMachine):
     def session_turn(self, doc, length, keep):
         self.apply(ev.SessionKept(self.now, f"s-{doc}", tuple(f"{doc}{i}" for i in range(length)), keep))
 
-    @rule(doc=st.sampled_from(DOCS + ["nobody"]), close=st.booleans())
-    def session_prefetch_or_close(self, doc, close):
-        event = ev.SessionClosed if close else ev.SessionPrefetchRequested
-        self.apply(event(self.now, f"s-{doc}"))
+    @rule(doc=st.sampled_from(DOCS + ["nobody"]), what=st.sampled_from(["prefetch", "keep", "close"]))
+    def session_prefetch_keep_or_close(self, doc, what):
+        if what == "close":
+            self.apply(ev.SessionClosed(self.now, f"s-{doc}"))
+        else:  # "keep": a turn the decode engine served alone refreshes the keep time only
+            self.apply(ev.SessionPrefetchRequested(self.now, f"s-{doc}", promote=what == "prefetch"))
 
     @precondition(lambda self: self.promoting)
     @rule(ok=st.booleans(), index=st.integers(0, 5))

@@ -191,6 +191,8 @@ def test_a_session_call_goes_through_the_door_and_a_peer_engine_cannot_send_one(
     unknown, = through_door(p, pc.Session("s-1", "prefetch"))
     assert not unknown.ok and unknown.reason == "unknown session"
     assert p.ledger.counters["rejected.unknown session"] == 1
+    unknown, = through_door(p, pc.Session("s-1", "keep"))  # a turn D alone served: refresh only
+    assert not unknown.ok and p.ledger.counters["rejected.unknown session"] == 2
     # A decode engine's frame holds peer calls only: a session call does not decode there.
     body = pc.ENCODER.encode(pc.Envelope("D0", p.instance, time.time_ns(), "f" * 32, pc.Session("s-1", "close")))
     with pytest.raises(msgspec.ValidationError):

@@ -196,3 +196,38 @@ def test_a_tenant_past_its_session_limit_is_served_without_new_sessions():
     assert named == [True, True, False, True, True]
     assert router.sessions.labels("tenant_limit")._value.get() == 1
     assert router.session_places.by_tenant == {"a": 2, "b": 1}
+
+
+def test_a_conversation_served_by_d_alone_keeps_its_session_on_p():
+    """Turns that D alone serves (it holds the prefix) tell P to keep the session its keep time
+    from now, once per half keep time, so a later turn that needs P still finds it."""
+
+    import time
+
+    from kvbaton.router.routing import Pick
+
+    async def go():
+        router = Router(P_URLS, [D_URL], models=["tiny"], router_key=rd.router_key("s"))
+        calls = []
+
+        async def fake_door(address, call, *, to="", timeout_s=5.0):
+            calls.append((address, call.action, call.session, to))
+            return pc.Answer(len(calls) < 2, "" if len(calls) < 2 else "unknown session")
+
+        router.call_sidecar = fake_door
+        session = session_ask({"kvbaton_session": {"id": "c", "keep_s": 60}}, {}, "", router.session_key)
+        place = Place(P_URLS[0], time.monotonic() + 20, "p-0-door:1", "ab" * 16, 60.0, "")
+        router.session_places.put(session.key, place)
+        for _ in range(2):  # the second, right after, is within half the keep time: no call
+            router.place_session(Pick(None, D_URL, "none"), session)
+            await asyncio.sleep(0.01)
+        assert calls == [("p-0-door:1", "keep", session.key, "ab" * 16)]
+        assert place.until > time.monotonic() + 59
+        assert router.sessions.labels("keep")._value.get() == 1
+        place.until = time.monotonic() + 10  # half the keep time has passed again; P forgot it meanwhile
+        router.place_session(Pick(None, D_URL, "none"), session)
+        await asyncio.sleep(0.01)
+        assert len(calls) == 2 and router.session_places.get(session.key, time.monotonic()) is None
+        assert router.sessions.labels("keep_unknown")._value.get() == 1
+
+    asyncio.run(go())

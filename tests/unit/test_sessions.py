@@ -204,3 +204,20 @@ def test_a_block_let_go_while_it_moves_enters_its_tier_as_the_oldest():
     demoted(p, [fx.DemoteHistory("a0")], 4)
     assert list(p.history.cpu_lru)[0] == "a0" and p.history.released == set()
     assert p.check_invariants() == []
+
+
+def test_a_keep_refresh_moves_the_deadline_and_nothing_else():
+    """A turn the decode engine served alone: P keeps the session its keep time from now, and
+    moves none of its blocks (a prefetch would bring its CPU-tier blocks back)."""
+
+    p = ledger(gpu_blocks=2, cpu_blocks=4)
+    p.apply(ev.SessionKept(1, "s", ("a0",), 10 * SECOND_NS))
+    demoted(p, retain(p, "a", ("a0",), 1), 1)
+    assert p.apply(ev.SessionPrefetchRequested(8 * SECOND_NS, "s", promote=False)) == []
+    assert p.counters["sessions.refreshed"] == 1 and p.sessions.sessions["s"].prefetches == 0
+    p.apply(ev.Tick(11 * SECOND_NS))  # past the first deadline: still kept
+    assert p.sessions.sessions["s"].state == "KEPT"
+    p.apply(ev.Tick(18 * SECOND_NS))
+    assert p.sessions.sessions["s"].state == "EXPIRED"
+    assert [e.reason for e in p.apply(ev.SessionPrefetchRequested(19 * SECOND_NS, "s", promote=False))] == [
+        "unknown session"]

@@ -566,7 +566,7 @@ class Router:
                 # The conversation goes on, on D alone: P keeps the session its keep time from
                 # now, so a turn that needs P later still finds it (once per half keep time).
                 place.until = now + place.keep_s
-                asyncio.get_running_loop().create_task(self._keep_session(session, place))
+                self.spawn(self._keep_session(session, place))
             return
         if place is None:
             self.sessions.labels("new").inc()

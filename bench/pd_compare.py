@@ -266,7 +266,9 @@ def build_systems(timed: bool, history_bytes: int, cap_blocks: int, block_bytes:
         # runs a load whose grant is in hand in the step that allocates it where that pays
         # (sync_loads auto, opt-in).
         "kvbaton-parked": System("kvbaton-parked", "kvbaton", settings={"sync_loads": "off"}, timed=timed),
-        "kvbaton-sync": System("kvbaton-sync", "kvbaton", settings={"sync_loads": "auto"}, timed=timed),
+        # (vLLM's async scheduling parks every load: D runs without it, as a user of the mode must.)
+        "kvbaton-sync": System("kvbaton-sync", "kvbaton", settings={"sync_loads": "auto"}, timed=timed,
+                               decode_engine_args=("async_scheduling=false",)),
         # D computes the first token too (the router's --first-token decode, vLLM's own flow).
         "kvbaton-decode": System("kvbaton-decode", "kvbaton", first_token="decode", timed=timed),
         # History restores whatever it holds (the restore gate off), and no history at all: what

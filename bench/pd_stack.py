@@ -103,6 +103,8 @@ class System:
     # The agent scenario's client names its sessions (and says when a tool call is done) for a
     # kvbaton system; False sends the same turns without them.
     client_sessions: bool = True
+    # Engine arguments of D's engine on top of everyone's (key=value).
+    decode_engine_args: tuple[str, ...] = ()
 
     @property
     def router_first_token(self) -> str:
@@ -286,7 +288,7 @@ class Stack:
 
 def engine_args_for(s: Settings, system: System, role: str) -> list[str]:
     """The engine arguments (key=value) of one engine: the same for every system but for the
-    block cap a system asks for."""
+    block cap a system asks for and what it sets on D's engine."""
 
     args = [f"block_size={s.block_size}", f"max_model_len={s.max_model_len}",
             f"kv_cache_memory_bytes={s.kv_cache_bytes}", f"max_num_seqs={s.max_num_seqs}",
@@ -306,6 +308,8 @@ def engine_args_for(s: Settings, system: System, role: str) -> list[str]:
             # launching ~400 kernels from Python. Captured up to the largest decode batch used.
             args += ["enforce_eager=false", "compilation_config=" + json.dumps(
                 {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": s.max_num_seqs})]
+    if role == "decode":
+        args += list(system.decode_engine_args)
     return args
 
 

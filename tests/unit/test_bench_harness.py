@@ -92,6 +92,13 @@ def test_both_connectors_get_the_same_engine_arguments():
     capped = System("native", "native", num_blocks=1024)
     for role in ("prefill", "decode"):
         assert parse_engine_args(engine_args_for(gpu, capped, role))["num_gpu_blocks_override"] == 1024
+    # Synchronous loads need D without vLLM's async scheduling; P is everyone's.
+    from kvbaton.bench.pd_compare import build_systems
+
+    sync = build_systems(False, 1 << 20, 1024, 1 << 16)["kvbaton-sync"]
+    assert parse_engine_args(engine_args_for(gpu, sync, "decode"))["async_scheduling"] is False
+    assert engine_args_for(gpu, sync, "prefill") == engine_args_for(gpu, kvbaton, "prefill")
+
 
 
 def test_history_io_line_reports_per_operation_times_and_how_demotions_copied():

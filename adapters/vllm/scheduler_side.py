@@ -47,6 +47,8 @@ def ewma(mean: float, sample: float, weight: float = 0.2) -> float:
 
 # How long P's first handoff waits for its sidecar to say where it listens (once, at start).
 SIDECAR_READY_WAIT_S = 5.0
+# How long a finished request waits for its synchronous load's end, for its prompt report.
+SYNC_REPORT_WAIT_S = 0.05
 # P gives up waiting for its own sidecar's answer to a restore after this long (then recomputes).
 RESTORE_REPLY_WAIT_S = 5.0
 # A sibling of an n > 1 request waits for the reader's load at most this long, then computes
@@ -502,6 +504,13 @@ class SchedulerSide:
         slot = self.slots.get(rid)
         if slot is not None and (slot.ticket or slot.lease):
             self.drain()  # the end of its load or lease may have been reported in this step
+            if slot.sync and slot.state == SlotState.LOADING and self.usable():
+                # A synchronous load's request can finish before its load's end reaches this side
+                # (it ran in the step that read it): its report waits for that, briefly.
+                deadline = time.monotonic() + SYNC_REPORT_WAIT_S
+                while slot.state == SlotState.LOADING and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+                    self.drain()
         slot = self.slots.pop(rid, None) or Slot()
         self.measuring.pop(rid, None)
         if self.last_step is not None:

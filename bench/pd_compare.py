@@ -106,6 +106,7 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
         for scenario in scenarios:
             t0 = time.perf_counter()
             hooks_before = hook_timing.read_snapshot(hook_dir) if system.timed else {}
+            hops_before = router_hops(stack.router_url) if system.connector != "single" else {}
             if scenario == "throughput":
                 for c in plan["concurrency"]:
                     procs = client_processes_for(plan, c)
@@ -146,6 +147,10 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
                 stop = s.log_dir / system.name / "load.stop"
                 stop.unlink(missing_ok=True)
                 result["revisitload"] = revisit_under_load(stack.router_url, plan, str(stop))
+            if hops_before:
+                # The router's hop after P's answer, this scenario's requests only.
+                result.setdefault("router_hops", {})[scenario] = hop_summary(
+                    hops_before, router_hops(stack.router_url))
             if system.timed:
                 time.sleep(1.2)  # the engines write their hook figures every 0.5 s
                 result.setdefault("hooks", {})[scenario] = hook_timing.difference(
@@ -188,6 +193,70 @@ def router_first_tokens(url: str) -> dict:
         return {"error": repr(exc)}
     found = re.findall(r'kvbaton_router_first_token_total\{reason="([^"]+)",source="([^"]+)"\} ([0-9.]+)', text)
     return {"first_token": {f"{source}/{reason}": int(float(value)) for reason, source, value in found}}
+
+
+HOP_HISTOGRAMS = {"kvbaton_router_handoff_hop_seconds": "phase", "kvbaton_router_loop_lag_seconds": None}
+
+
+def router_hops(url: str) -> dict:
+    """The router's hop histograms as {name: {"buckets": [(le, cumulative count)], "sum", "count"}}
+    (names: answer_to_post, post_to_first_byte, loop_lag); {} when the router does not answer."""
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    found: dict[str, dict] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in HOP_HISTOGRAMS:
+            continue
+        label = HOP_HISTOGRAMS[family.name]
+        for sample in family.samples:
+            name = sample.labels.get(label, "") if label else "loop_lag"
+            entry = found.setdefault(name, {"buckets": [], "sum": 0.0, "count": 0.0})
+            if sample.name.endswith("_bucket"):
+                entry["buckets"].append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_sum"):
+                entry["sum"] = sample.value
+            elif sample.name.endswith("_count"):
+                entry["count"] = sample.value
+    return found
+
+
+def hop_summary(before: dict, after: dict) -> dict:
+    """Per hop, what was observed between two `router_hops` reads: count, mean, and P50 / P90
+    interpolated within the histogram's buckets (ms)."""
+
+    summary = {}
+    for name, entry in after.items():
+        old = before.get(name, {"buckets": [], "sum": 0.0, "count": 0.0})
+        count = entry["count"] - old["count"]
+        if count <= 0:
+            continue
+        earlier = dict(old["buckets"])
+        buckets = sorted((le, n - earlier.get(le, 0.0)) for le, n in entry["buckets"])
+        row = {"count": int(count), "mean_ms": round((entry["sum"] - old["sum"]) / count * 1e3, 3)}
+        for q in (0.5, 0.9):
+            row[f"p{int(q * 100)}_ms"] = round(bucket_quantile(buckets, count * q) * 1e3, 3)
+        summary[name] = row
+    return summary
+
+
+def bucket_quantile(buckets: list[tuple[float, float]], rank: float) -> float:
+    """The value at `rank` in cumulative (le, count) buckets, linear within its bucket."""
+
+    lower, below = 0.0, 0.0
+    for le, cumulative in buckets:
+        if cumulative >= rank:
+            if math.isinf(le):
+                return lower
+            inside = cumulative - below
+            return lower + (le - lower) * ((rank - below) / inside if inside else 0.0)
+        lower, below = le, cumulative
+    return lower
 
 
 def model_tokenizer(model: Path) -> str | None:

@@ -137,6 +137,9 @@ class LoadRequested(Event, tag="lq"):
     digest: str = ""
     source_instance: str = ""
     layout: str = ""
+    # How long D's engine held the request before the connector first saw it (vLLM's arrival
+    # stamp to the scheduler's first look: its API server and its input queue); 0 when unknown.
+    queued_ns: int = 0
 
 
 class ClaimGranted(Event, tag="cg"):

@@ -22,6 +22,8 @@ P, per history restore (a revisit):
   p.revisit_miss           the same when it did not (P computed the whole prompt): a hit slower
                            than a miss means history costs this model more than it saves
 D (decode), per load:
+  d.queued                 vLLM's arrival stamp -> the connector's first look (D's API server
+                           and its engine's input queue, as vLLM measured them)
   d.request_to_claim       load requested -> claim granted
   d.claim_to_allocated     claim granted -> vLLM allocated the destination blocks
   d.allocated_to_read      allocated -> read granted
@@ -47,7 +49,7 @@ from .ledger import Ledger, LedgerConfig
 PHASES = (
     "p.issued_to_claim", "p.claim_to_release", "p.retention", "p.demotion",
     "p.restore_to_allocated", "p.restore_copy", "p.restored_to_ticket", "p.revisit_hit", "p.revisit_miss",
-    "d.request_to_claim", "d.claim_to_allocated", "d.allocated_to_read", "d.read", "d.request_to_read_end",
+    "d.queued", "d.request_to_claim", "d.claim_to_allocated", "d.allocated_to_read", "d.read", "d.request_to_read_end",
     "pd.ticket_to_load",
 )
 COUNTER_PREFIXES = ("history.", "restores.", "tickets.closed.", "leases.", "loads.")
@@ -123,6 +125,8 @@ def _decode(events: Iterable[ev.Event], phases: _Phases, requested: dict[str, in
         if kind is ev.LoadRequested:
             loads[e.request] = {"asked": e.at_ns}
             requested.setdefault(e.ticket, e.at_ns)
+            if e.queued_ns > 0:
+                phases.add("d.queued", e.queued_ns / 1e6)
             continue
         load = loads.get(getattr(e, "request", None))
         if load is None:

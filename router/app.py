@@ -155,6 +155,10 @@ def split_prompts(body: dict) -> list[dict]:
     return bodies
 
 
+HOP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.25, 0.5, 1, 2.5)
+
+
 class Held:
     """One handoff's ticket while the router answers for its prompt. It is D's once D answered
     for the prompt (D claimed it, or its claim was refused and D recomputed); before that, any
@@ -164,6 +168,7 @@ class Held:
         self.router = router
         self.params: dict | None = None
         self.open = False
+        self.answered: float | None = None  # when P's answer was read (perf_counter), for the hop's timing
         self.keep(params)
 
     def keep(self, params: dict | None) -> None:
@@ -289,6 +294,16 @@ class Router:
         self.prefill_time = Histogram("kvbaton_router_prefill_seconds", "Time P took to answer",
                                       registry=self.registry,
                                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        # The hop between P's answer and D's: where a handed-off request's time goes after P
+        # answered (with the first token from P, the client waits through it for its second).
+        self.handoff_hop = Histogram("kvbaton_router_handoff_hop_seconds",
+                                     "A handed-off request after P answered: P's answer read -> D's request sent "
+                                     "(answer_to_post), D's request sent -> D's first bytes (post_to_first_byte)",
+                                     ["phase"], registry=self.registry, buckets=HOP_BUCKETS)
+        # The router's own loop: a late wake-up delays every request it carries.
+        self.loop_lag = Histogram("kvbaton_router_loop_lag_seconds",
+                                  "How late the router's event loop ran a timer it set (sampled every 50 ms)",
+                                  registry=self.registry, buckets=HOP_BUCKETS)
         self.sessions = Counter("kvbaton_router_sessions",
                                 "Agent session turns and calls: placed on the P that keeps the session (kept), "
                                 "a first turn (new), served by D alone (decode), a keeping P gone (moved), a tenant "
@@ -658,6 +673,8 @@ class Router:
             first = self._first_token(endpoint, body, answer)
         # (p_url None: D alone, it holds most of the prompt; no handoff, nothing to abandon.)
         held = Held(self, params)
+        if p_url is not None:
+            held.answered = time.perf_counter()
         if first is not None:
             return await self._continue(request, endpoint, body, d_url, params, held, first, started)
         d_body = with_handoff(body, params)
@@ -815,6 +832,14 @@ class Router:
             self.placement.watch_history(p_url, section["router"])
         return params, reply_json if isinstance(reply_json, dict) else None
 
+    def _hop(self, held: Held, phase: str) -> None:
+        """Time the hop after P's answer (`phase`: answer_to_post, then post_to_first_byte)."""
+
+        if held.answered is not None:
+            now = time.perf_counter()
+            self.handoff_hop.labels(phase).observe(now - held.answered)
+            held.answered = now if phase == "answer_to_post" else None
+
     async def _decode(self, endpoint: str, d_url: str, d_body: dict, held: Held,
                       started: float, observe: bool = True) -> httpx.Response | tuple[str, Response]:
         """D's answer (status 200; the handoff is then D's), or (outcome, the error Response for
@@ -824,7 +849,9 @@ class Router:
         for attempt, url in enumerate(self._decode_order(d_url)):
             try:
                 with self.placement.busy(url):
+                    self._hop(held, "answer_to_post")
                     d_reply = await self.client.post(f"{url}{endpoint}", json=d_body)
+                    self._hop(held, "post_to_first_byte")
                 break
             except httpx.TransportError as exc:
                 # D is down. The handoff is still good for another D: unclaimed, it is claimed
@@ -857,6 +884,7 @@ class Router:
             for attempt, url in enumerate(order):
                 try:
                     with self.placement.busy(url):
+                        self._hop(held, "answer_to_post")
                         async with self.client.stream("POST", f"{url}{endpoint}", json=d_body) as reply:
                             if reply.status_code != 200:
                                 outcome = f"decode_{reply.status_code}"
@@ -867,6 +895,7 @@ class Router:
                                 return
                             async for chunk in reply.aiter_bytes():
                                 if not sent:
+                                    self._hop(held, "post_to_first_byte")
                                     if observe:
                                         self.ttft.observe(time.perf_counter() - started)
                                     sent = True
@@ -1235,12 +1264,26 @@ def upstream_error(status: int, content: bytes, role: str, url: str) -> JSONResp
                         kind="upstream_error")
 
 
+async def sample_loop_lag(histogram, every_s: float = 0.05) -> None:
+    """Observe how late the loop wakes a timer, every `every_s`, until cancelled."""
+
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + every_s
+        await asyncio.sleep(every_s)
+        histogram.observe(max(0.0, loop.time() - due))
+
+
 def build_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.placement.start()  # the KV event feeds run on the server's loop
-        yield
-        await router.close()
+        lag = asyncio.get_running_loop().create_task(sample_loop_lag(router.loop_lag))
+        try:
+            yield
+        finally:
+            lag.cancel()
+            await router.close()
 
     app = FastAPI(title="kvbaton router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 

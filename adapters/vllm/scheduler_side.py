@@ -329,7 +329,8 @@ class SchedulerSide:
         logger.debug("kvbaton: request %s claims ticket %s from %s", rid, pc.short(slot.ticket), slot.control)
         num_blocks = -(-num_tokens // self.conn.block_size)
         if not self.send(ev.LoadRequested(0, rid, slot.ticket, slot.control, slot.epoch, num_blocks, num_tokens,
-                                          digest, section.get("instance", "")), keepalive=section.get("keepalive", "")):
+                                          digest, section.get("instance", ""), queued_ns=queued_ns(request)),
+                         keepalive=section.get("keepalive", "")):
             slot.ticket, slot.reason = "", "sidecar unreachable"
         else:
             slot.state, slot.claimed_at = SlotState.CLAIMING, self.clock()
@@ -824,3 +825,13 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.sidecar.stop()
+
+
+def queued_ns(request) -> int:
+    """How long vLLM held `request` before the connector's first look, from vLLM's arrival stamp
+    (wall clock, set as its API server hands the request to the engine); 0 when it has none."""
+
+    arrival = getattr(request, "arrival_time", None)
+    if not isinstance(arrival, (int, float)) or arrival <= 0:
+        return 0
+    return max(0, int((time.time() - arrival) * 1e9))

@@ -128,3 +128,26 @@ def test_read_phases_line_reports_per_read_phases_size_and_descriptors():
     books["settle_seconds"] = 0.012
     assert read_phases_line(books).endswith("; seen done 4.00 ms after transfer() was called "
                                             "(at least 0.5 GB/s)")
+
+
+def test_the_router_times_the_hop_after_p_s_answer_and_the_bench_reads_one_scenario_s_share(routed):
+    from kvbaton.bench.pd_compare import hop_summary, router_hops
+
+    before = router_hops(routed)
+    result = throughput_in_processes(routed, [[5] * 8] * 3, concurrency=2, max_tokens=4, processes=1)
+    assert result["failed"] == 0
+    hops = hop_summary(before, router_hops(routed))
+    # Each of the three requests went P, then D: both hops once each, in this scenario's share.
+    assert hops["answer_to_post"]["count"] == 3 and hops["post_to_first_byte"]["count"] == 3
+    assert 0 <= hops["answer_to_post"]["p50_ms"] <= hops["answer_to_post"]["p90_ms"]
+    assert hops["post_to_first_byte"]["mean_ms"] > 0
+    assert router_hops(routed)["loop_lag"]["count"] > 0  # sampled from the router's start
+
+
+def test_bucket_quantiles_interpolate_within_the_bucket_that_holds_the_rank():
+    from kvbaton.bench.pd_compare import bucket_quantile
+
+    buckets = [(0.001, 0.0), (0.002, 4.0), (0.004, 8.0), (float("inf"), 10.0)]
+    assert bucket_quantile(buckets, 2.0) == pytest.approx(0.0015)
+    assert bucket_quantile(buckets, 6.0) == pytest.approx(0.003)
+    assert bucket_quantile(buckets, 9.5) == 0.004  # past the last finite bound: that bound

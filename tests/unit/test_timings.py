@@ -35,7 +35,7 @@ def prefill_events():
 
 def decode_events():
     return [
-        ev.LoadRequested(1 * MS, "q1", "t1", "p", 1, 2),  # 1 ms after P issued t1
+        ev.LoadRequested(1 * MS, "q1", "t1", "p", 1, 2, queued_ns=MS // 2),  # 1 ms after P issued t1
         ev.ClaimGranted(3 * MS, "q1", "t1", 1, "p", "", (1, 2)),
         ev.LoadAllocated(3 * MS + MS // 2, "q1", (8, 9)),
         ev.ReadGranted(4 * MS, "q1", "x"),
@@ -58,6 +58,8 @@ def test_phases_split_a_handoff_a_retention_and_a_restore():
     assert p50["p.restored_to_ticket"] == 15.0
     assert p50["p.revisit_hit"] == 20.0 and "p.revisit_miss" not in p50
     assert p50["d.request_to_claim"] == 2.0
+    # vLLM held q1 0.5 ms before the connector saw it; q2 came without an arrival stamp.
+    assert result["phases"]["d.queued"] == {"count": 1, "p50_ms": 0.5, "p90_ms": 0.5, "max_ms": 0.5}
     assert result["phases"]["d.claim_to_allocated"] == {"count": 2, "p50_ms": 1.0, "p90_ms": 1.0, "max_ms": 1.0}
     assert result["phases"]["d.read"]["count"] == 1 and result["phases"]["d.request_to_claim"]["count"] == 2
     assert p50["d.read"] == 2.0 and p50["d.request_to_read_end"] == 5.0

@@ -30,8 +30,11 @@ def fake_engine_app(tpot_s: float):
     async def completions(request: Request):
         body = await request.json()
         if not body.get("stream"):  # P: one token and the handoff's parameters
-            return JSONResponse({"choices": [{"index": 0, "text": "", "token_ids": [7], "finish_reason": "length"}],
-                                 "kv_transfer_params": {"fake": True}})
+            choice = {"index": 0, "text": "", "token_ids": [7], "finish_reason": "length"}
+            prompt = body.get("prompt")
+            if body.get("return_token_ids") and isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+                choice["prompt_token_ids"] = prompt  # as vLLM: the router's first-token path reads it
+            return JSONResponse({"choices": [choice], "kv_transfer_params": {"fake": True}})
         max_tokens = int(body.get("max_tokens") or 16)
 
         async def events():

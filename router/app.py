@@ -1274,6 +1274,37 @@ async def sample_loop_lag(histogram, every_s: float = 0.05) -> None:
         histogram.observe(max(0.0, loop.time() - due))
 
 
+class RequireKey:
+    """Answers 401 to an HTTP request without the router's API key (or, for /metrics, its
+    metrics key); everything else passes through untouched."""
+
+    def __init__(self, app, router: Router) -> None:
+        self.app, self.router = app, router
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            request = Request(scope)
+            refusal = self.refusal(request)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, request: Request) -> Response | None:
+        router = self.router
+        path = request.url.path
+        if path == "/metrics" and router.metrics_key is not None:
+            if not router.metrics_authorized(request):
+                router.requests.labels("metrics", "unauthorized").inc()
+                return openai_error(401, "missing or wrong metrics key (Authorization: Bearer KEY)",
+                                    kind="invalid_request_error", code="invalid_api_key")
+        elif path != "/health" and not router.authorized(request):
+            router.requests.labels("any", "unauthorized").inc()
+            return openai_error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                kind="invalid_request_error", code="invalid_api_key")
+        return None
+
+
 def build_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1287,19 +1318,10 @@ def build_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="kvbaton router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        path = request.url.path
-        if path == "/metrics" and router.metrics_key is not None:
-            if not router.metrics_authorized(request):
-                router.requests.labels("metrics", "unauthorized").inc()
-                return openai_error(401, "missing or wrong metrics key (Authorization: Bearer KEY)",
-                                    kind="invalid_request_error", code="invalid_api_key")
-        elif path != "/health" and not router.authorized(request):
-            router.requests.labels("any", "unauthorized").inc()
-            return openai_error(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                kind="invalid_request_error", code="invalid_api_key")
-        return await call_next(request)
+    # A plain ASGI wrapper, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware moves
+    # every streamed chunk through a memory stream and a task switch, a cost per token on the
+    # router's one thread.
+    app.add_middleware(RequireKey, router=router)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

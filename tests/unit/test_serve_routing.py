@@ -99,3 +99,18 @@ def test_the_api_key_file_must_be_private_and_not_empty(tmp_path):
         read_api_key_file(str(path))
     with pytest.raises(ValueError, match="No such file"):
         read_api_key_file(str(tmp_path / "missing"))
+
+
+def test_the_router_runs_on_uvloop_where_installed_and_says_when_it_was_asked_for_and_is_missing(monkeypatch):
+    import sys
+
+    from kvbaton.deploy.serve import ServeError, event_loop_factory
+
+    assert event_loop_factory("asyncio") is None
+    uvloop = pytest.importorskip("uvloop")
+    assert event_loop_factory("auto") is uvloop.new_event_loop
+    assert event_loop_factory("uvloop") is uvloop.new_event_loop
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed
+    assert event_loop_factory("auto") is None
+    with pytest.raises(ServeError, match="uvloop is not installed"):
+        event_loop_factory("uvloop")

@@ -412,14 +412,14 @@ class SchedulerSide:
             self.send(ev.LoadAllocated(0, request.request_id, ()))
             return 0, False
         slot.local_computed = num_computed_tokens
-        slot.sync, slot.mode = False, ""  # decided again at every ask: vLLM allocates after the last one
+        slot.mode = ""  # decided again at every ask: vLLM allocates after the last one
         if slot.state == SlotState.GRANTED and self._sync_fits(request, slot, count):
             # vLLM computes at least the prompt's last token itself: a grant of the whole prompt
             # (D's prompt is P's) still reads every block, and the last token's KV is computed
             # again over what was read.
             in_step = min(count, len(request.prompt_token_ids or ()) - 1 - num_computed_tokens)
             if in_step > 0:  # (else only the last token is left to read: parked, as vLLM's flow)
-                slot.sync, slot.external = True, in_step
+                slot.external = in_step  # (the mode: in_step, a synchronous load)
                 return in_step, False
             slot.mode = ""
         slot.external = count

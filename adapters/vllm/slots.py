@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from ...core.reasons import LoadMode
+
 
 class SlotState(StrEnum):
     # A decode engine's handoff.
@@ -53,7 +55,6 @@ class Slot:
     external: int = 0  # tokens the load was to deliver past that hit
     reader: Any = None  # SIBLING: the request that reads the shared ticket
     claimed_at: float = 0.0  # when the claim went to P
-    sync: bool = False  # vLLM runs it in the step that allocates its blocks (a synchronous load)
     warm: bool = False  # P granted it, and this engine has read from P's engine before
     mode: str = ""  # a granted load: how it runs (core.reasons.LoadMode), by the last ask
     waiting_since: float = 0.0
@@ -68,6 +69,12 @@ class Slot:
     gated: bool = False  # P: the restore gate chose to recompute what history holds (`reason`)
     gate_reason: str = ""  # P: why the restore gate chose as it did when history was asked
     session: tuple[str, float, bool] | None = None  # P: the agent session it is a turn of (id, keep s, resume)
+
+    @property
+    def sync(self) -> bool:
+        """vLLM runs the load in the step that allocates its blocks (a synchronous load)."""
+
+        return self.mode == LoadMode.IN_STEP
 
     def restore_report(self, prompt_tokens: int, block_size: int) -> dict:
         """Where P's prompt tokens came from: its own prefix cache, the history tiers, or

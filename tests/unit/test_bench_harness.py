@@ -151,3 +151,14 @@ def test_bucket_quantiles_interpolate_within_the_bucket_that_holds_the_rank():
     assert bucket_quantile(buckets, 2.0) == pytest.approx(0.0015)
     assert bucket_quantile(buckets, 6.0) == pytest.approx(0.003)
     assert bucket_quantile(buckets, 9.5) == 0.004  # past the last finite bound: that bound
+
+
+def test_router_load_counts_every_streamed_token_and_the_router_s_own_cpu():
+    from kvbaton.bench.router_load import run
+
+    result = run(concurrency=2, requests=4, prompt_tokens=50, max_tokens=5, tpot_s=0.001)
+    # P's token and D's four, for each request, each once.
+    assert result["requests"] == 4 and result["tokens"] == 20
+    assert result["router_cpu_us_per_token"] > 0 and 0 < result["router_cpu_share"] <= 2
+    assert result["hops"]["answer_to_post"]["count"] == 4
+    assert result["t2_gap_p50_ms"] > 0

@@ -350,7 +350,7 @@ def cmd_timings(args) -> int:
         story = request_story(logs, args.request)
         print(json.dumps(story, indent=1) if args.json else format_story(story))
         return 0 if story["events"] else 1
-    result = timings([log[1:] for log in logs])
+    result = timings([log[1:] for log in logs], slowest=args.slowest)
     result["logs"] = [str(p) for p in paths]
     print(json.dumps(result, indent=1) if args.json else format_timings(result))
     return 0
@@ -382,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request", help="one request's story instead (P's or D's request id; the other "
                                      "side joins by ticket): each event, what came of it, how its load "
                                      "or restore ended")
+    p.add_argument("--slowest", type=int, default=5, metavar="N",
+                   help="also the N loads that ended last after P issued their ticket, each split into "
+                        "its phases (default 5; 0: none)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_timings)
 

@@ -118,12 +118,15 @@ def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int]
                     restored_at[r["request"]] = e.at_ns
 
 
-def _decode(events: Iterable[ev.Event], phases: _Phases, requested: dict[str, int]) -> None:
+def _decode(events: Iterable[ev.Event], phases: _Phases, requested: dict[str, int]) -> dict[str, dict]:
+    """D's phases; returns each load's marks (ns) by request: asked, claimed, allocated, granted,
+    read_end, with its ticket and vLLM's queue time (ms)."""
+
     loads: dict[str, dict] = {}
     for e in events:
         kind = type(e)
         if kind is ev.LoadRequested:
-            loads[e.request] = {"asked": e.at_ns}
+            loads[e.request] = {"asked": e.at_ns, "ticket": e.ticket, "queued_ms": e.queued_ns / 1e6}
             requested.setdefault(e.ticket, e.at_ns)
             if e.queued_ns > 0:
                 phases.add("d.queued", e.queued_ns / 1e6)
@@ -151,6 +154,30 @@ def _decode(events: Iterable[ev.Event], phases: _Phases, requested: dict[str, in
         if "granted" in load and "read_end" in load:
             phases.add("d.read", _ms(load["read_end"], load["granted"]))
             phases.add("d.request_to_read_end", _ms(load["read_end"], load["asked"]))
+    return loads
+
+
+def _slowest(loads: dict[str, dict], issued: dict[str, int], count: int) -> list[dict]:
+    """The `count` loads that ended last after their ticket was issued (after D asked, where P's
+    log is not there), each split into its phases (ms; a phase it never reached is absent)."""
+
+    marks = ("asked", "claimed", "allocated", "granted", "read_end")
+    rows = []
+    for request, load in loads.items():
+        if "read_end" not in load:
+            continue
+        start = issued.get(load["ticket"], load["asked"])
+        row = {"request": request, "ticket": load["ticket"], "total_ms": round(_ms(load["read_end"], start), 3)}
+        if load["ticket"] in issued:
+            row["ticket_to_load_ms"] = round(_ms(load["asked"], start), 3)
+        if load["queued_ms"] > 0:
+            row["queued_ms"] = round(load["queued_ms"], 3)
+        reached = [mark for mark in marks if mark in load]
+        for earlier, later in zip(reached, reached[1:]):
+            row[f"{earlier}_to_{later}_ms"] = round(_ms(load[later], load[earlier]), 3)
+        rows.append(row)
+    rows.sort(key=lambda row: -row["total_ms"])
+    return rows[:count]
 
 
 def _summary(values: list[float]) -> dict:
@@ -167,21 +194,24 @@ def engine_stream(header, records) -> tuple[str, LedgerConfig, list[ev.Event]]:
     return header.role, header.config, [r.event for r in records if r.event is not None]
 
 
-def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]]) -> dict:
+def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]], slowest: int = 0) -> dict:
     """Phase latencies and counters of engines' event streams: `logs` is (role, config, events)
     per engine ("producer"/"prefill", "consumer"/"decode" or "both"). Returns {"phases": {name:
-    summary}, "counters": {role: {name: n}}}; a phase no event reached is absent."""
+    summary}, "counters": {role: {name: n}}}; a phase no event reached is absent. With `slowest`,
+    also {"slowest": [...]}: that many loads that ended last after P issued their ticket, each
+    split into its phases (a tail in P50/P90 names its requests there)."""
 
     phases = _Phases()
     issued: dict[str, int] = {}
     requested: dict[str, int] = {}
+    loads: dict[str, dict] = {}
     counters: dict[str, dict[str, int]] = {}
     for role, config, events in logs:
         events = list(events)
         if role in ("producer", "prefill", "both"):
             _prefill(events, phases, issued)
         if role in ("consumer", "decode", "both"):
-            _decode(events, phases, requested)
+            loads.update(_decode(events, phases, requested))
         ledger = Ledger(config)
         demoting: dict[str, list] = {}  # key -> its admission's [start, keys still demoting]
         history = ledger.history
@@ -211,8 +241,11 @@ def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]]) -> dict:
     for ticket, at in requested.items():
         if ticket in issued:
             phases.add("pd.ticket_to_load", _ms(at, issued[ticket]))
-    return {"phases": {name: _summary(phases[name]) for name in PHASES if phases.get(name)},
-            "counters": {role: dict(sorted(c.items())) for role, c in counters.items()}}
+    result = {"phases": {name: _summary(phases[name]) for name in PHASES if phases.get(name)},
+              "counters": {role: dict(sorted(c.items())) for role, c in counters.items()}}
+    if slowest > 0:
+        result["slowest"] = _slowest(loads, issued, slowest)
+    return result
 
 
 def format_timings(result: dict) -> str:
@@ -222,6 +255,11 @@ def format_timings(result: dict) -> str:
     for role, counts in result["counters"].items():
         if counts:
             lines.append(f"{role}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    if result.get("slowest"):
+        lines.append("slowest loads (P's ticket -> D's last read ended), ms:")
+        for row in result["slowest"]:
+            parts = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith("_ms") and k != "total_ms")
+            lines.append(f"  {row['request']} (ticket {row['ticket'][:8]}): {row['total_ms']:.1f}: {parts}")
     return "\n".join(lines)
 
 

@@ -142,3 +142,25 @@ def test_cli_reads_a_folder_of_logs_and_names_a_folder_without_any(tmp_path, cap
     (tmp_path / "corrupt.kvlog").write_bytes(bytes(broken))
     assert main(["timings", str(tmp_path / "corrupt.kvlog")]) == 2
     assert "checksum" in capsys.readouterr().err
+
+
+def test_the_slowest_loads_name_their_requests_and_where_their_time_went():
+    result = timings([("producer", CONFIG, prefill_events()), ("consumer", CONFIG, decode_events())], slowest=5)
+    # q1 is the one load that ended (q2 was aborted before its read ended): P issued t1 at 0, D
+    # asked at 1 (0.5 ms in vLLM's queue before that), claim at 3, blocks at 3.5, read 4..6.
+    assert result["slowest"] == [{
+        "request": "q1", "ticket": "t1", "total_ms": 6.0, "ticket_to_load_ms": 1.0, "queued_ms": 0.5,
+        "asked_to_claimed_ms": 2.0, "claimed_to_allocated_ms": 0.5, "allocated_to_granted_ms": 0.5,
+        "granted_to_read_end_ms": 2.0}]
+    assert "slowest" not in timings([("consumer", CONFIG, decode_events())])  # only when asked
+
+
+def test_cli_prints_the_slowest_loads(tmp_path, capsys):
+    for name, role, events in (("p", "producer", prefill_events()), ("d", "consumer", decode_events())):
+        writer = LogWriter.open(str(tmp_path / f"{name}.kvlog"), LogHeader(engine=name, role=role, config=CONFIG))
+        for event in events:
+            writer.append(event)
+        writer.close()
+    assert main(["timings", str(tmp_path), "--slowest", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "slowest loads" in out and "q1 (ticket t1): 6.0: ticket_to_load 1.0, queued 0.5" in out

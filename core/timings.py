@@ -172,7 +172,8 @@ def _slowest(loads: dict[str, dict], issued: dict[str, int], count: int) -> list
             row["ticket_to_load_ms"] = round(_ms(load["asked"], start), 3)
         if load["queued_ms"] > 0:
             row["queued_ms"] = round(load["queued_ms"], 3)
-        reached = [mark for mark in marks if mark in load]
+        # In the order they happened (D may allocate before P's claim answer comes).
+        reached = sorted((mark for mark in marks if mark in load), key=lambda mark: (load[mark], marks.index(mark)))
         for earlier, later in zip(reached, reached[1:]):
             row[f"{earlier}_to_{later}_ms"] = round(_ms(load[later], load[earlier]), 3)
         rows.append(row)

@@ -164,3 +164,14 @@ def test_cli_prints_the_slowest_loads(tmp_path, capsys):
     assert main(["timings", str(tmp_path), "--slowest", "1"]) == 0
     out = capsys.readouterr().out
     assert "slowest loads" in out and "q1 (ticket t1): 6.0: ticket_to_load 1.0, queued 0.5" in out
+
+
+def test_a_slow_load_s_phases_follow_the_order_its_marks_happened_in():
+    early = [ev.LoadRequested(1 * MS, "q", "t", "p", 1, 2),
+             ev.LoadAllocated(2 * MS, "q", (8, 9)),  # D allocated before P's claim answer came
+             ev.ClaimGranted(5 * MS, "q", "t", 1, "p", "", (1, 2)),
+             ev.ReadGranted(6 * MS, "q", "x"),
+             ev.LoadReadFinished(9 * MS, "q", "x", True)]
+    (row,) = timings([("consumer", CONFIG, early)], slowest=3)["slowest"]
+    assert row == {"request": "q", "ticket": "t", "total_ms": 8.0, "asked_to_allocated_ms": 1.0,
+                   "allocated_to_claimed_ms": 3.0, "claimed_to_granted_ms": 1.0, "granted_to_read_end_ms": 3.0}

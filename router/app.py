@@ -270,8 +270,13 @@ class Router:
         self.door_client = httpx.AsyncClient(timeout=httpx.Timeout(10.0), limits=httpx.Limits(max_connections=32))
         # The engines' API key (kvbaton serve gives each deployment's engines one): every call to an
         # engine carries it, so only the router reaches their /v1 routes.
+        # Every request in flight may hold a connection to P and one to D: the pool never makes
+        # one wait for another's (httpx's default is 100, with 20 kept open between requests, so
+        # a few dozen streams already reopened connections to D for every request).
+        connections = 2 * self.max_in_flight + 64
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=(
-            {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else None))
+            {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else None),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
         self.registry = CollectorRegistry()
         self.requests = Counter("kvbaton_router_requests", "Requests by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=self.registry)

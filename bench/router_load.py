@@ -17,14 +17,11 @@ cores, and the CPU time per token is the steadier figure.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -35,40 +32,10 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[list[float]]:
-    """Each prompt streamed once, `concurrency` at a time: per request, the arrival time of each
-    chunk that carries tokens (seconds from its start)."""
-
-    import httpx
-
-    queue: asyncio.Queue = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
-    results: list[list[float]] = []
-
-    async def one(client: httpx.AsyncClient, prompt: list[int]) -> list[float]:
-        started, times = time.perf_counter(), []
-        body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
-            reply.raise_for_status()
-            async for line in reply.aiter_lines():
-                if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                    times.append(time.perf_counter() - started)  # a chunk per token
-        return times
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while not queue.empty():
-            results.append(await one(client, queue.get_nowait()))
-
-    limits = httpx.Limits(max_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    return results
-
-
 def run(concurrency: int = 32, requests: int = 400, prompt_tokens: int = 2000, max_tokens: int = 128,
-        tpot_s: float = 0.004, first_token: str = "prefill", loop: str = "auto") -> dict:
+        tpot_s: float = 0.004, first_token: str = "prefill", loop: str = "auto", client_processes: int = 1) -> dict:
     from .fake_engine import spawn_fake_engine, stop
+    from .pd_clients import throughput_in_processes
     from .pd_compare import hop_summary, router_hops
     from .pd_stack import router_command, wait_healthy
     from ..testing.ports import free_port
@@ -83,22 +50,22 @@ def run(concurrency: int = 32, requests: int = 400, prompt_tokens: int = 2000, m
             for engine_url, process in ((p_url, engines[0]), (d_url, engines[1]), (url, router)):
                 wait_healthy(engine_url, 60, process)
             prompts = [[3 + (i + k) % 500 for k in range(prompt_tokens)] for i in range(requests)]
-            before, cpu_before, started = router_hops(url), process_cpu_s(router.pid), time.perf_counter()
-            results = asyncio.run(closed_loop(url, prompts, concurrency, max_tokens))
-            wall, cpu = time.perf_counter() - started, process_cpu_s(router.pid) - cpu_before
+            before, cpu_before = router_hops(url), process_cpu_s(router.pid)
+            # Load generators in processes of their own, so the clients' parsing stays off the
+            # router's share of the machine's cores.
+            load = throughput_in_processes(url, prompts, concurrency, max_tokens, client_processes)
+            cpu = process_cpu_s(router.pid) - cpu_before
             hops = hop_summary(before, router_hops(url))
         finally:
             for process in (router, *engines):
                 stop(process)
-    tokens = sum(len(times) for times in results)
-    gaps = [times[1] - times[0] for times in results if len(times) > 1]
+    tokens = round(load["output_tok_s"] * load["wall_s"])
     return {
-        "concurrency": concurrency, "requests": len(results), "first_token": first_token, "loop": loop,
-        "tokens": tokens, "tok_s": round(tokens / wall, 1),
+        "concurrency": concurrency, "requests": load["requests"], "failed": load["failed"],
+        "first_token": first_token, "loop": loop, "tokens": tokens, "tok_s": round(load["output_tok_s"], 1),
         "router_cpu_us_per_token": round(cpu / tokens * 1e6, 1) if tokens else None,
-        "router_cpu_share": round(cpu / wall, 3),
-        "ttft_p50_ms": round(statistics.median(times[0] for times in results if times) * 1e3, 3),
-        "t2_gap_p50_ms": round(statistics.median(gaps) * 1e3, 3) if gaps else None,
+        "router_cpu_share": round(cpu / load["wall_s"], 3),
+        "ttft_p50_ms": round(load["ttft_p50_ms"], 3), "t2_gap_p50_ms": round(load["t2_gap_p50_ms"], 3),
         "hops": hops,
     }
 
@@ -112,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tpot-ms", type=float, default=4.0, help="the fake D's time per token")
     parser.add_argument("--first-token", choices=("prefill", "decode"), default="prefill")
     parser.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto")
+    parser.add_argument("--client-processes", type=int, default=1, help="load generator processes")
     parser.add_argument("--out", default="", help="also write the result here (JSON)")
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.requests < 1 or args.max_tokens < 2:
         parser.error("--concurrency and --requests must be at least 1, --max-tokens at least 2")
     result = run(args.concurrency, args.requests, args.prompt_tokens, args.max_tokens, args.tpot_ms / 1e3,
-                 args.first_token, args.loop)
+                 args.first_token, args.loop, args.client_processes)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -168,7 +168,9 @@ class Held:
         self.router = router
         self.params: dict | None = None
         self.open = False
-        self.answered: float | None = None  # when P's answer was read (perf_counter), for the hop's timing
+        # When P's answer was read and D's request sent (perf_counter), for the hop's timings.
+        self.answered: float | None = None
+        self.posted: float | None = None
         self.keep(params)
 
     def keep(self, params: dict | None) -> None:
@@ -840,10 +842,12 @@ class Router:
     def _hop(self, held: Held, phase: str) -> None:
         """Time the hop after P's answer (`phase`: answer_to_post, then post_to_first_byte)."""
 
-        if held.answered is not None:
+        since = held.answered if phase == "answer_to_post" else held.posted
+        if since is not None:
             now = time.perf_counter()
-            self.handoff_hop.labels(phase).observe(now - held.answered)
-            held.answered = now if phase == "answer_to_post" else None
+            self.handoff_hop.labels(phase).observe(now - since)
+            # Each once per handoff: a retry on the next D is not a second hop.
+            held.answered, held.posted = None, (now if phase == "answer_to_post" else None)
 
     async def _decode(self, endpoint: str, d_url: str, d_body: dict, held: Held,
                       started: float, observe: bool = True) -> httpx.Response | tuple[str, Response]:

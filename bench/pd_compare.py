@@ -163,8 +163,9 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
         if stack.controls:
             time.sleep(1.0)
             states = stack.sidecar_states()
-            result["sidecars"] = {role: {k: state.get(k) for k in ("open", "counters", "violations", "transfer", "history", "gate")
-                                         if k in state} for role, state in states.items()}
+            kept = ("open", "counters", "violations", "transfer", "history", "gate", "loop_lag")
+            result["sidecars"] = {role: {k: state.get(k) for k in kept if k in state}
+                                  for role, state in states.items()}
     except Exception as exc:  # noqa: BLE001 - record it, stop the engines, go on to the next system
         result["error"] = repr(exc)
         print(f"[{system.name}] FAILED: {exc!r}", flush=True)

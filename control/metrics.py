@@ -23,7 +23,7 @@ import asyncio
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..core import lease as lease_machine
 from ..core import load as load_machine
@@ -85,6 +85,15 @@ def families(snap: dict) -> list:
                              labels=["engine", "role"])
     info.add_metric([engine, str(snap.get("role", ""))], 1)
     out.append(info)
+    lag = snap.get("loop_lag") or {}
+    if lag.get("buckets"):
+        late = HistogramMetricFamily(
+            "kvbaton_sidecar_loop_lag_seconds", "How late the sidecar's timer woke, every tick_interval_s: "
+            "facts from the engine and peer calls wait on the same loop, so lag here delays claims and loads",
+            labels=["engine"])
+        late.add_metric([engine], [(str(bound), n) for bound, n in lag["buckets"]] + [("+Inf", lag["count"])],
+                        sum_value=lag.get("sum_s", 0.0))
+        out.append(late)
 
     def by_state(kind: str, known: tuple) -> list[tuple[tuple, float]]:
         states = dict.fromkeys(known, 0)

@@ -26,7 +26,9 @@ The process around it (the xoscar pool, the actor that is peers' one door, the e
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import logging
 import os
 import secrets
@@ -67,6 +69,28 @@ ALLOCATED_AT_MAX = 4096  # loads allocated and not ended (D) whose wait is measu
 LOAD_MODES = frozenset(str(mode) for mode in LoadMode)
 READ_FROM_MAX = 4096  # P engine instances remembered as read from (the least recent go first)
 PEER_CALLS = frozenset({fx.SendClaim, fx.SendReadStart, fx.PostRead, fx.SendReadEnd, fx.SendRelease})
+
+
+class LoopLag:
+    """How late the sidecar's timer wakes, as a cumulative histogram (seconds; `le` bounds)."""
+
+    BOUNDS_S = (0.001, 0.005, 0.02, 0.1, 0.25, 1.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BOUNDS_S) + 1)  # per bucket, the last one past every bound
+        self.sum_s = 0.0
+        self.max_s = 0.0
+
+    def observe(self, late_ns: int) -> None:
+        late = max(0, late_ns) / 1e9
+        self.sum_s += late
+        self.max_s = max(self.max_s, late)
+        self.counts[bisect.bisect_left(self.BOUNDS_S, late)] += 1
+
+    def summary(self) -> dict:
+        cumulative = list(itertools.accumulate(self.counts))
+        return {"buckets": [[bound, n] for bound, n in zip(self.BOUNDS_S, cumulative)],
+                "count": cumulative[-1], "sum_s": self.sum_s, "max_s": self.max_s}
 
 
 class Sidecar:
@@ -110,6 +134,9 @@ class Sidecar:
         self.stopping = False
         # Shell measurements (not lifecycle state, so not in the ledger): bytes and seconds moved.
         self.transfer = {"reads": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        # How late the timer's wake-ups come: every fact from the engine and every peer call waits
+        # on this one loop, so a loop that falls behind delays loads that no phase measures.
+        self.loop_lag = LoopLag()
         self.read_rate = 0.0  # recent handoff reads, bytes per second of read time (D)
         # P engine instances this engine has read from lately (D; an LRU).
         self.read_from: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
@@ -548,8 +575,10 @@ class Sidecar:
     async def timer_loop(self) -> None:
         interval = self.cfg.tick_interval_s
         while True:
+            due = self.io.now_ns() + int(interval * 1e9)
             await self.io.sleep(interval)
             now = self.io.now_ns()
+            self.loop_lag.observe(now - due)
             # Every deadline is the core's, a silent reader's included (`reader_silence_ns`).
             if self.ledger.deadlines.next_ns() <= now:
                 self.apply(ev.Tick(now))
@@ -570,7 +599,8 @@ class Sidecar:
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},
                 "transfer": {**self.transfer, "read_bytes_per_s": self.read_rate},
                 "history": self.history_state(), "gate": dict(self.gate_stats),
-                "checksums": dict(self.checksums), "checksum_mismatches": dict(self.checksum_mismatches)}
+                "checksums": dict(self.checksums), "checksum_mismatches": dict(self.checksum_mismatches),
+                "loop_lag": self.loop_lag.summary()}
 
     def metrics_snapshot(self) -> dict:
         """What the Prometheus endpoint shows (control/metrics.py): counts only, no ids. Cheaper
@@ -595,6 +625,7 @@ class Sidecar:
             "handoffs_refused": dict(self.handoffs_refused),
             "load_modes": dict(self.load_modes),
             "transfer": dict(self.transfer),
+            "loop_lag": self.loop_lag.summary(),
             "history_io": dict(self.history_io),
             "gate": dict(self.gate_stats),
             "history": {"gpu_used_bytes": history.gpu_used, "cpu_used_bytes": history.cpu_used,

@@ -290,3 +290,43 @@ def test_the_restore_gate_shows_its_choices_and_what_it_chose_from(tmp_path):
     assert sample(text, "kvbaton_history_gate_step_seconds", part="per_token") == 1.5e-6
     assert sample(text, "kvbaton_history_gate_restore_seconds", part="per_block_cpu") == 9e-5
     assert sample(text, "kvbaton_history_gate_samples", kind="restores") == 4
+
+
+def test_the_sidecar_times_its_own_loop_and_renders_the_lag_as_a_histogram(tmp_path):
+    a = listed_sidecar(tmp_path, "D0", "consumer")
+    for late_ms in (0, 3, 3, 40, 700, 5000):
+        a.loop_lag.observe(int(late_ms * 1e6))
+    a.loop_lag.observe(-10)  # woke early: no lag
+    text = metrics.render(a.metrics_snapshot()).decode()
+
+    assert sample(text, "kvbaton_sidecar_loop_lag_seconds_bucket", engine="D0", le="0.001") == 2
+    assert sample(text, "kvbaton_sidecar_loop_lag_seconds_bucket", engine="D0", le="0.005") == 4
+    assert sample(text, "kvbaton_sidecar_loop_lag_seconds_bucket", engine="D0", le="0.1") == 5
+    assert sample(text, "kvbaton_sidecar_loop_lag_seconds_bucket", engine="D0", le="1.0") == 6
+    assert sample(text, "kvbaton_sidecar_loop_lag_seconds_bucket", engine="D0", le="+Inf") == 7
+    assert sample(text, "kvbaton_sidecar_loop_lag_seconds_count", engine="D0") == 7
+    assert sample(text, "kvbaton_sidecar_loop_lag_seconds_sum", engine="D0") == pytest.approx(5.746)
+    assert a.debug_state()["loop_lag"]["max_s"] == pytest.approx(5.0)
+
+
+def test_the_timer_measures_how_late_it_woke(tmp_path):
+    a = listed_sidecar(tmp_path, "D0", "consumer", tick_interval_s=0.02)
+    # Each tick reads the clock before its sleep and after it: late by 7 ms, then on time.
+    clock = iter([0, 27_000_000, 27_000_000, 47_000_000, 47_000_000])
+    slept = []
+
+    class Stop(Exception):
+        pass
+
+    async def sleep(seconds):
+        if len(slept) == 2:
+            raise Stop
+        slept.append(seconds)
+
+    a.io.now_ns = lambda: next(clock)
+    a.io.sleep = sleep
+    with pytest.raises(Stop):
+        asyncio.run(a.timer_loop())
+    lag = a.loop_lag.summary()
+    assert slept == [0.02, 0.02]
+    assert lag["count"] == 2 and lag["max_s"] == pytest.approx(0.007) and lag["sum_s"] == pytest.approx(0.007)

@@ -374,7 +374,7 @@ def round_order(systems: list[str], index: int, how: str) -> list[str]:
 def build_plan(args, vocab: int) -> dict:
     rng = random.Random(args.seed)
     small = args.small
-    n = 24 if small else args.requests
+    n = args.requests or (24 if small else 300)
     low, high = (200, 600) if small else (args.prompt_min, args.prompt_max)
     doc = 600 if small else args.doc_tokens
     cycles = 2 if small else args.cycles
@@ -562,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="native-xlayer,kvbaton,single")
     parser.add_argument("--scenarios", default="throughput,cold")
     parser.add_argument("--small", action="store_true", help="a quick smoke run (CPU)")
-    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--requests", type=int, default=0, help="throughput: requests per concurrency "
+                        "(default 300; 24 with --small)")
     parser.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[32])
     parser.add_argument("--prompt-min", type=int, default=1000)
     parser.add_argument("--prompt-max", type=int, default=3000)

@@ -160,7 +160,7 @@ def run_demo(args) -> int:
     ]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name="tiny",
                             log_dir=log_dir, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
-                            extra_engine_args=[])
+                            extra_engine_args=[], shutdown_timeout_s=1)
     router = None
     latencies: list[float] = []
     ttfts: list[float] = []

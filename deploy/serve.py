@@ -86,7 +86,7 @@ class Deployment:
                  extra_engine_args: list[str], attach_prefill: list[str] | None = None,
                  attach_decode: list[str] | None = None, routing=None,
                  attach_prefill_events: list[str] | None = None,
-                 attach_decode_events: list[str] | None = None) -> None:
+                 attach_decode_events: list[str] | None = None, shutdown_timeout_s: float = 5.0) -> None:
         from ..router.routing import RoutingConfig
 
         self.model = model
@@ -98,6 +98,9 @@ class Deployment:
         self.max_model_len = max_model_len
         self.load_format = load_format
         self.extra_engine_args = extra_engine_args
+        # On stop, how long each engine lets its requests finish and its engine process exit before
+        # it kills them (vLLM's --shutdown-timeout).
+        self.shutdown_timeout_s = shutdown_timeout_s
         self.attach_prefill = attach_prefill or []
         self.attach_decode = attach_decode or []
         self.engines: list[Engine] = []
@@ -130,7 +133,7 @@ class Deployment:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--served-model-name", self.served_model_name, "--port", str(spec.port), "--host", spec.host,
                "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
-               "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--shutdown-timeout", "5",
+               "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--shutdown-timeout", f"{self.shutdown_timeout_s:g}",
                "--kv-transfer-config", json.dumps(kv_config)]
         if self.tokenizer:
             cmd += ["--tokenizer", self.tokenizer]
@@ -263,13 +266,26 @@ class Deployment:
                 engine.process.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))  # children exit after the server
+        # The API server exits first; its engine process and the sidecar follow (at most 2 s more).
+        settle = min(time.monotonic() + 2.0, deadline)
+        while time.monotonic() < settle and any(_group_alive(engine.process.pid) for engine in started):
+            time.sleep(0.05)
         for engine in started:
             try:
                 os.killpg(engine.process.pid, signal.SIGKILL)  # whatever is left of the group
             except ProcessLookupError:
                 pass
             engine.process.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def _aligned(events: list[str] | None, urls: list[str], flag: str) -> list[str]:
@@ -442,6 +458,9 @@ def add_serve_arguments(parser) -> None:
                              "router's /metrics has its routing counters either way)")
     parser.add_argument("--log-dir", default="runs/serve")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra argument for every engine")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                        help="on Ctrl-C or SIGTERM, how long each engine lets its requests finish before it is "
+                             "stopped (vLLM's --shutdown-timeout)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $KVBATON_API_KEY; none: open). On the command line every "
@@ -521,7 +540,7 @@ def deployment_from_args(args) -> Deployment:
                       max_model_len=args.max_model_len, load_format=load_format,
                       extra_engine_args=list(args.engine_arg), attach_prefill=args.prefill_url,
                       attach_decode=args.decode_url, routing=routing, attach_prefill_events=args.prefill_events,
-                      attach_decode_events=args.decode_events)
+                      attach_decode_events=args.decode_events, shutdown_timeout_s=args.shutdown_timeout)
 
 
 def read_api_key_file(path: str | None) -> str | None:

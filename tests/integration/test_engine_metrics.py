@@ -36,7 +36,7 @@ def stack(tmp_path_factory):
     ]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
-                            extra_engine_args=[])
+                            extra_engine_args=[], shutdown_timeout_s=1)
     router = None
     try:
         deployment.start(lambda text: None, timeout_s=400)

@@ -77,7 +77,7 @@ def _stack(root: Path, model_dir: Path, hosts: Hosts):
                          hooks={"hold_first_read_s": HOLD_S, "hold_post_s": HOLD_S})]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
-                            extra_engine_args=[])
+                            extra_engine_args=[], shutdown_timeout_s=1)
     router = None
     router_log = open(root / "router.log", "wb")
     try:
@@ -269,7 +269,7 @@ def restart_p(hosts, deployment) -> None:
     deployment.engines.remove(engine)
     restarted = Deployment(deployment.model, tokenizer=deployment.tokenizer, served_model_name=MODEL,
                            log_dir=deployment.log_dir / "restart", specs=[engine.spec], block_size=32,
-                           max_model_len=2048, load_format="dummy", extra_engine_args=[])
+                           max_model_len=2048, load_format="dummy", extra_engine_args=[], shutdown_timeout_s=1)
     restarted.start(lambda text: None, timeout_s=400)  # at the same address and ports
     deployment.engines[:0] = restarted.engines  # first again: prefill_urls keeps its order
 

@@ -44,7 +44,7 @@ def pair(tmp_path_factory):
                         dict(settings), env=env)]
     deployment = Deployment(str(model), tokenizer=str(model / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048,
-                            load_format="dummy", extra_engine_args=[])
+                            load_format="dummy", extra_engine_args=[], shutdown_timeout_s=1)
     try:
         deployment.start(lambda text: None, timeout_s=400)
         yield deployment

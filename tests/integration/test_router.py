@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 
 from kvbaton.deploy.demo import RouterThread  # noqa: E402
 from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
-from kvbaton.router.app import STATE_REFRESH_S  # noqa: E402
+from kvbaton.router import app as router_app  # noqa: E402
 from kvbaton.testing.ports import free_port  # noqa: E402
 from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
 from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
@@ -40,8 +40,11 @@ def stack(tmp_path_factory):
     ]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
-                            extra_engine_args=[])
+                            extra_engine_args=[], shutdown_timeout_s=1)
     router = None
+    patch = pytest.MonkeyPatch()
+    # The tests read ticket counts through the router's /metrics: it refreshes them this often.
+    patch.setattr(router_app, "STATE_REFRESH_S", 0.5)
     try:
         deployment.start(lambda text: None, timeout_s=400)
         router = RouterThread(deployment, free_port())
@@ -51,6 +54,7 @@ def stack(tmp_path_factory):
         if router is not None:
             router.stop()
         deployment.stop()
+        patch.undo()
 
 
 def client_for(router) -> "openai.OpenAI":
@@ -97,7 +101,7 @@ def ticket_baseline(router) -> tuple[int, int]:
 
     client_for(router).completions.create(model=MODEL, prompt=words_for(tiny_prompt(5, seed=610)), max_tokens=1)
     wait_no_open_tickets(router)
-    time.sleep(STATE_REFRESH_S + 0.5)
+    time.sleep(router_app.STATE_REFRESH_S + 0.5)
     return ticket_counts(router)
 
 

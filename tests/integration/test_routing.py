@@ -51,7 +51,7 @@ def fleet(tmp_path_factory):
     ]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=BLOCK, max_model_len=1024,
-                            load_format="dummy", extra_engine_args=[])
+                            load_format="dummy", extra_engine_args=[], shutdown_timeout_s=1)
     try:
         deployment.start(lambda text: None, timeout_s=500)
         warm_up(deployment)

@@ -114,7 +114,11 @@ class Metadata(PeerCall, tag="metadata"):
 
 
 class State(PeerCall, tag="state"):
-    """Counters, open records and tier usage, for the router's metrics and for tests."""
+    """Counters, open records and tier usage, for the router's metrics and for tests. `summary`:
+    open counts, counters and transfer books only (the router's /metrics), without the state hash
+    and the invariant check, whose cost grows with every history block the engine holds."""
+
+    summary: bool = False
 
 
 class Residency(PeerCall, tag="residency"):

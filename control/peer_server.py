@@ -231,7 +231,7 @@ class PeerServer:
         if kind is pc.Metadata:
             return pc.MetadataAnswer(self.cfg.engine_id, self.sidecar.metadata, self.sidecar.instance)
         if kind is pc.State:
-            return pc.StateAnswer(self.sidecar.debug_state())
+            return pc.StateAnswer(self.sidecar.summary_state() if request.summary else self.sidecar.debug_state())
         if kind is pc.Residency:
             # A count from another instance of this sidecar means nothing here: a snapshot.
             since = request.since if request.instance == self.sidecar.instance else -1

@@ -585,7 +585,7 @@ class Sidecar:
             if self.log is not None:
                 self.log.flush()
 
-    def debug_state(self) -> dict:
+    def counters(self) -> dict[str, int]:
         counters = dict(self.ledger.counters)
         refused = self.refused + self.frame_refusals
         counters.update({f"peers.refused.{reason}": n for reason, n in refused.items()})
@@ -593,7 +593,17 @@ class Sidecar:
         counters.update({f"loads.mode.{mode}": n for mode, n in self.load_modes.items()})
         if self.fan_in.dropped:  # rank reports forgotten at the bound: those reads or copies never ended here
             counters["ranks.dropped"] = self.fan_in.dropped
-        return {"open": self.ledger.open_counts(), "counters": counters, "state_hash": self.ledger.state_hash(),
+        return counters
+
+    def summary_state(self) -> dict:
+        """What the router's /metrics shows of this engine: as cheap as counts can be, since it
+        runs on the loop every claim and read waits on, at every scrape."""
+
+        return {"open": self.ledger.open_counts(), "counters": self.counters(),
+                "transfer": {**self.transfer, "read_bytes_per_s": self.read_rate}}
+
+    def debug_state(self) -> dict:
+        return {"open": self.ledger.open_counts(), "counters": self.counters(), "state_hash": self.ledger.state_hash(),
                 "violations": self.ledger.check_invariants(), "log_path": self.cfg.log_path,
                 "layout": self.cfg.layout, "ranks": self.cfg.ranks,
                 "load_blocks": {r: list(ld.blocks) for r, ld in self.ledger.loads.loads.items()},

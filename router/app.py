@@ -383,7 +383,7 @@ class Router:
         self._states_at = time.monotonic()
         for engine, address in list(self.controls.items()):
             try:
-                answer = await self.call_sidecar(address, pc.State(), timeout_s=2.0)
+                answer = await self.call_sidecar(address, pc.State(summary=True), timeout_s=2.0)
                 self._states[engine] = answer.state
             except Exception as exc:
                 logger.warning("could not read the state of sidecar %s: %r", address, exc)

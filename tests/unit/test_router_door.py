@@ -62,6 +62,13 @@ def test_the_router_gives_a_ticket_back_and_reads_counts(p):
     assert p.ledger.tickets.tickets["t1"].state == "CLOSED"
 
 
+def test_the_router_s_summary_is_the_counts_its_metrics_show_without_the_costly_checks(p):
+    summary, full = through_door(p, pc.State(summary=True), pc.State())
+    assert set(summary.state) == {"open", "counters", "transfer"}
+    assert {k: summary.state[k] for k in ("open", "counters")} == {k: full.state[k] for k in ("open", "counters")}
+    assert "state_hash" in full.state and "violations" in full.state
+
+
 def test_a_call_without_the_router_key_is_refused_counted_and_changes_nothing(p):
     (refused,) = through_door(p, pc.Abandon("t1", ABANDON), key=rd.router_key("another secret"))
     assert isinstance(refused, PermissionError) and "403" in str(refused)

@@ -75,13 +75,24 @@ def tokenizer_args(model: str, tokenizer: str = "") -> dict:
     return {"skip_tokenizer_init": False, "tokenizer": found}
 
 
+# Requests whose moments this server keeps for `GET /bench/stamps` (the most recent).
+STAMPS_KEPT = 4096
+
+
 def build_app(engine, model_name: str, takes_text: bool | None = None):
+    from collections import deque
+
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     app = FastAPI()
+    # Each request's moments on this host's monotonic clock (the one kvbaton's event logs use):
+    # received (the handler ran), started (the engine was handed the request) and answered (the
+    # whole answer, or a stream's first chunk). The benchmark joins them with the event logs'
+    # slowest loads by request id: vLLM's id for a request is this server's id plus a suffix.
+    stamps: deque = deque(maxlen=STAMPS_KEPT)
     if takes_text is None:
         # Text prompts need the engine's tokenizer (one built with skip_tokenizer_init has none).
         takes_text = not getattr(getattr(engine, "model_config", None), "skip_tokenizer_init", True)
@@ -95,12 +106,17 @@ def build_app(engine, model_name: str, takes_text: bool | None = None):
         await engine.check_health()
         return JSONResponse({})
 
+    @app.get("/bench/stamps")
+    async def bench_stamps():
+        return JSONResponse({"stamps": list(stamps)})
+
     @app.get("/v1/models")
     async def models():
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model"}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        received_ns = time.monotonic_ns()
         try:
             body = await request.json()
         except ValueError:
@@ -132,6 +148,8 @@ def build_app(engine, model_name: str, takes_text: bool | None = None):
             seed=body.get("seed"), extra_args=extra_args or None,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         request_id = str(body.get("request_id") or f"cmpl-{uuid.uuid4().hex}")
+        stamp = {"id": request_id, "received_ns": received_ns}
+        stamps.append(stamp)
         created = int(time.time())
         if text_prompt:
             add_special = bool(body.get("add_special_tokens", True))
@@ -150,6 +168,7 @@ def build_app(engine, model_name: str, takes_text: bool | None = None):
 
         if not stream:
             final = None
+            stamp["started_ns"] = time.monotonic_ns()
             try:
                 async for output in generator:
                     final = output
@@ -163,6 +182,7 @@ def build_app(engine, model_name: str, takes_text: bool | None = None):
                       "token_ids": list(completion.token_ids), "finish_reason": completion.finish_reason}
             if body.get("return_token_ids"):  # as vLLM's server (the router's first-token path reads it)
                 choice["prompt_token_ids"] = list(final.prompt_token_ids or (() if text_prompt else prompt))
+            stamp["answered_ns"] = time.monotonic_ns()
             return JSONResponse({
                 "id": request_id, "object": "text_completion", "created": created, "model": model_name,
                 "choices": [choice],
@@ -177,6 +197,7 @@ def build_app(engine, model_name: str, takes_text: bool | None = None):
             prompt_tokens = 0 if text_prompt else len(prompt)
             completion_tokens = 0
             first = True
+            stamp["started_ns"] = time.monotonic_ns()
             try:
                 async for output in generator:
                     completion = output.outputs[0]
@@ -186,6 +207,8 @@ def build_app(engine, model_name: str, takes_text: bool | None = None):
                               "token_ids": list(completion.token_ids), "finish_reason": completion.finish_reason}
                     if first and body.get("return_token_ids"):  # as vLLM's server: in the first chunk
                         choice["prompt_token_ids"] = list(output.prompt_token_ids or (() if text_prompt else prompt))
+                    if first:
+                        stamp["answered_ns"] = time.monotonic_ns()
                     first = False
                     chunk = {"id": request_id, "object": "text_completion", "created": created,
                              "model": model_name, "choices": [choice]}

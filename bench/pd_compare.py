@@ -64,6 +64,12 @@ larger spread of the two systems.
     python -m kvbaton.bench.pd_compare --device 1gpu --shape 7b --scenarios revisit \
         --systems native-xlayer,native-offload,kvbaton
 
+Every kvbaton run keeps the ten loads that ended last after P issued their ticket
+(`timings.slowest`), each split into its load's phases and, from both engine servers' stamps, the
+hops the event logs cannot see (`hops_ms`: P's server until the ticket, the ticket until P's answer
+left, P's answer until D's server had the request (the router), D's server until the engine had it,
+and the engine until D's connector asked for the load).
+
 This file runs the rounds; `pd_stack.py` starts the systems, `pd_clients.py` sends the load and
 summarizes it, `pd_report.py` prints the tables and the round summaries. Run it from a checkout
 where the repository is importable as `kvbaton`; the commands behind each published figure are in
@@ -97,6 +103,7 @@ from .pd_stack import CROSS_LAYER, HERE, Settings, Stack, System, write_model
 def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, extra: dict) -> dict:
     stack = Stack(system, s, extra)
     result: dict = {"system": asdict(system)}
+    stamps: dict[str, list[dict]] = {}
     try:
         result["start_s"] = stack.start()
         print(f"[{system.name}] engines up in {result['start_s']:.1f} s", flush=True)
@@ -160,6 +167,8 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
                   flush=True)
         if system.connector != "single":
             result["router"] = router_first_tokens(stack.router_url)
+        if system.connector == "kvbaton":
+            stamps = {role: server_stamps(url) for role, url in stack.urls.items()}
         if stack.controls:
             time.sleep(1.0)
             states = stack.sidecar_states()
@@ -175,9 +184,41 @@ def run_system(system: System, s: Settings, scenarios: list[str], plan: dict, ex
     if system.connector == "kvbaton" and events.is_dir() and "error" not in result:
         try:  # where this run's handoffs, retentions and restores spent their time
             result["timings"] = event_timings(events)
+            split_slowest(result["timings"].get("slowest", []), stamps.get("prefill", []), stamps.get("decode", []))
         except Exception as exc:  # noqa: BLE001 - a figure, never a reason to lose the run
             result["timings"] = {"error": repr(exc)}
     return result
+
+
+def server_stamps(url: str) -> list[dict]:
+    """The engine server's moments of its recent requests (lite_server's /bench/stamps)."""
+
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/bench/stamps", timeout=10).json()["stamps"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+
+
+def split_slowest(rows: list[dict], p_stamps: list[dict], d_stamps: list[dict]) -> None:
+    """Add to each slowest load the hops its event logs cannot see, from both engine servers'
+    stamps (one host, one monotonic clock): P's server -> its answer left -> D's server had the
+    request -> handed it to the engine -> the connector first looked (D asked). vLLM's id for a
+    request is its server's id plus a suffix."""
+
+    def find(stamps: list[dict], request: str) -> dict | None:
+        matches = [st for st in stamps if st.get("id") and request.startswith(st["id"])]
+        return max(matches, key=lambda st: len(st["id"])) if matches else None
+
+    for row in rows:
+        at = row.get("at_ns", {})
+        p, d = find(p_stamps, row.get("p_request", "")), find(d_stamps, row["request"])
+        moments = [("p.received", p and p.get("received_ns")), ("p.issued", at.get("issued")),
+                   ("p.answered", p and p.get("answered_ns")), ("d.received", d and d.get("received_ns")),
+                   ("d.started", d and d.get("started_ns")), ("d.asked", at.get("asked"))]
+        known = [(name, when) for name, when in moments if when]
+        row["hops_ms"] = {f"{a}_to_{b}": round((tb - ta) / 1e6, 3) for (a, ta), (b, tb) in zip(known, known[1:])}
 
 
 def router_first_tokens(url: str) -> dict:

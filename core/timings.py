@@ -64,7 +64,8 @@ class _Phases(dict):
         self.setdefault(name, []).append(value)
 
 
-def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int]) -> None:
+def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int],
+             issuers: dict[str, str] | None = None) -> None:
     ticket_of: dict[str, str] = {}  # ticket -> request
     claimed: dict[str, int] = {}
     released: dict[str, int] = {}
@@ -76,6 +77,8 @@ def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int]
         if kind is ev.TicketIssued or kind is ev.RetainRequested:
             if kind is ev.TicketIssued:
                 issued[e.ticket] = e.at_ns
+                if issuers is not None:
+                    issuers[e.ticket] = e.request
             else:  # a plain request's prompt: released as it is issued, its retention starts now
                 released[e.ticket] = e.at_ns
             ticket_of[e.ticket] = e.request
@@ -157,9 +160,11 @@ def _decode(events: Iterable[ev.Event], phases: _Phases, requested: dict[str, in
     return loads
 
 
-def _slowest(loads: dict[str, dict], issued: dict[str, int], count: int) -> list[dict]:
+def _slowest(loads: dict[str, dict], issued: dict[str, int], issuers: dict[str, str], count: int) -> list[dict]:
     """The `count` loads that ended last after their ticket was issued (after D asked, where P's
-    log is not there), each split into its phases (ms; a phase it never reached is absent)."""
+    log is not there), each split into its phases (ms; a phase it never reached is absent), with
+    P's request (`p_request`) and each mark's clock reading (`at_ns`: "issued" on P, the rest on
+    D) for joining other records of the same host."""
 
     marks = ("asked", "claimed", "allocated", "granted", "read_end")
     rows = []
@@ -170,12 +175,15 @@ def _slowest(loads: dict[str, dict], issued: dict[str, int], count: int) -> list
         row = {"request": request, "ticket": load["ticket"], "total_ms": round(_ms(load["read_end"], start), 3)}
         if load["ticket"] in issued:
             row["ticket_to_load_ms"] = round(_ms(load["asked"], start), 3)
+            row["p_request"] = issuers.get(load["ticket"], "")
         if load["queued_ms"] > 0:
             row["queued_ms"] = round(load["queued_ms"], 3)
         # In the order they happened (D may allocate before P's claim answer comes).
         reached = sorted((mark for mark in marks if mark in load), key=lambda mark: (load[mark], marks.index(mark)))
         for earlier, later in zip(reached, reached[1:]):
             row[f"{earlier}_to_{later}_ms"] = round(_ms(load[later], load[earlier]), 3)
+        row["at_ns"] = {**({"issued": issued[load["ticket"]]} if load["ticket"] in issued else {}),
+                        **{mark: load[mark] for mark in reached}}
         rows.append(row)
     rows.sort(key=lambda row: -row["total_ms"])
     return rows[:count]
@@ -204,13 +212,14 @@ def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]], slowest: i
 
     phases = _Phases()
     issued: dict[str, int] = {}
+    issuers: dict[str, str] = {}  # ticket -> P's request
     requested: dict[str, int] = {}
     loads: dict[str, dict] = {}
     counters: dict[str, dict[str, int]] = {}
     for role, config, events in logs:
         events = list(events)
         if role in ("producer", "prefill", "both"):
-            _prefill(events, phases, issued)
+            _prefill(events, phases, issued, issuers)
         if role in ("consumer", "decode", "both"):
             loads.update(_decode(events, phases, requested))
         ledger = Ledger(config)
@@ -245,7 +254,7 @@ def timings(logs: Iterable[tuple[str, LedgerConfig, list[ev.Event]]], slowest: i
     result = {"phases": {name: _summary(phases[name]) for name in PHASES if phases.get(name)},
               "counters": {role: dict(sorted(c.items())) for role, c in counters.items()}}
     if slowest > 0:
-        result["slowest"] = _slowest(loads, issued, slowest)
+        result["slowest"] = _slowest(loads, issued, issuers, slowest)
     return result
 
 

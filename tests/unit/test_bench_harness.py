@@ -162,3 +162,18 @@ def test_router_load_counts_every_streamed_token_and_the_router_s_own_cpu():
     assert result["router_cpu_us_per_token"] > 0 and 0 < result["router_cpu_share"] <= 2
     assert result["hops"]["answer_to_post"]["count"] == 4
     assert result["t2_gap_p50_ms"] > 0
+
+
+def test_the_slowest_loads_get_the_hops_between_the_engine_servers_from_their_stamps():
+    from kvbaton.bench.pd_compare import split_slowest
+
+    ms = 1_000_000
+    rows = [{"request": "cmpl-d1-5e3a", "p_request": "cmpl-p1-77aa", "at_ns": {"issued": 12 * ms, "asked": 40 * ms}},
+            {"request": "cmpl-d2-0000", "at_ns": {"asked": 9 * ms}}]  # P's log was not there
+    p_stamps = [{"id": "cmpl-p1", "received_ns": 2 * ms, "started_ns": 2 * ms, "answered_ns": 15 * ms}]
+    d_stamps = [{"id": "cmpl-d", "received_ns": 0}, {"id": "cmpl-d1", "received_ns": 30 * ms, "started_ns": 31 * ms}]
+    split_slowest(rows, p_stamps, d_stamps)
+    assert rows[0]["hops_ms"] == {"p.received_to_p.issued": 10.0, "p.issued_to_p.answered": 3.0,
+                                  "p.answered_to_d.received": 15.0, "d.received_to_d.started": 1.0,
+                                  "d.started_to_d.asked": 9.0}
+    assert rows[1]["hops_ms"] == {}  # no stamps match, one mark known: no hop to tell

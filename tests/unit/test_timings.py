@@ -149,9 +149,11 @@ def test_the_slowest_loads_name_their_requests_and_where_their_time_went():
     # q1 is the one load that ended (q2 was aborted before its read ended): P issued t1 at 0, D
     # asked at 1 (0.5 ms in vLLM's queue before that), claim at 3, blocks at 3.5, read 4..6.
     assert result["slowest"] == [{
-        "request": "q1", "ticket": "t1", "total_ms": 6.0, "ticket_to_load_ms": 1.0, "queued_ms": 0.5,
-        "asked_to_claimed_ms": 2.0, "claimed_to_allocated_ms": 0.5, "allocated_to_granted_ms": 0.5,
-        "granted_to_read_end_ms": 2.0}]
+        "request": "q1", "ticket": "t1", "total_ms": 6.0, "ticket_to_load_ms": 1.0, "p_request": "r1",
+        "queued_ms": 0.5, "asked_to_claimed_ms": 2.0, "claimed_to_allocated_ms": 0.5,
+        "allocated_to_granted_ms": 0.5, "granted_to_read_end_ms": 2.0,
+        "at_ns": {"issued": 0, "asked": 1 * MS, "claimed": 3 * MS, "allocated": int(3.5 * MS),
+                  "granted": 4 * MS, "read_end": 6 * MS}}]
     assert "slowest" not in timings([("consumer", CONFIG, decode_events())])  # only when asked
 
 
@@ -174,4 +176,6 @@ def test_a_slow_load_s_phases_follow_the_order_its_marks_happened_in():
              ev.LoadReadFinished(9 * MS, "q", "x", True)]
     (row,) = timings([("consumer", CONFIG, early)], slowest=3)["slowest"]
     assert row == {"request": "q", "ticket": "t", "total_ms": 8.0, "asked_to_allocated_ms": 1.0,
-                   "allocated_to_claimed_ms": 3.0, "claimed_to_granted_ms": 1.0, "granted_to_read_end_ms": 3.0}
+                   "allocated_to_claimed_ms": 3.0, "claimed_to_granted_ms": 1.0, "granted_to_read_end_ms": 3.0,
+                   "at_ns": {"asked": 1 * MS, "allocated": 2 * MS, "claimed": 5 * MS, "granted": 6 * MS,
+                             "read_end": 9 * MS}}

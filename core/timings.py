@@ -268,7 +268,10 @@ def format_timings(result: dict) -> str:
     if result.get("slowest"):
         lines.append("slowest loads (P's ticket -> D's last read ended), ms:")
         for row in result["slowest"]:
-            parts = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith("_ms") and k != "total_ms")
+            # (A dict of milliseconds, as the benchmark's `hops_ms`, lists its own parts.)
+            parts = ", ".join(f"{k[:-3]} {v:.1f}" if isinstance(v, (int, float))
+                              else ", ".join(f"{name} {ms:.1f}" for name, ms in v.items())
+                              for k, v in row.items() if k.endswith("_ms") and k != "total_ms")
             lines.append(f"  {row['request']} (ticket {row['ticket'][:8]}): {row['total_ms']:.1f}: {parts}")
     return "\n".join(lines)
 

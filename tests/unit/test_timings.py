@@ -8,7 +8,7 @@ from kvbaton.cli import main
 from kvbaton.core import events as ev
 from kvbaton.core.ledger import LedgerConfig
 from kvbaton.core.log import LogHeader, LogWriter
-from kvbaton.core.timings import timings
+from kvbaton.core.timings import format_timings, timings
 
 MS = 1_000_000
 CONFIG = LedgerConfig(block_bytes=1 << 20, cpu_history_bytes=64 << 20)
@@ -179,3 +179,10 @@ def test_a_slow_load_s_phases_follow_the_order_its_marks_happened_in():
                    "allocated_to_claimed_ms": 3.0, "claimed_to_granted_ms": 1.0, "granted_to_read_end_ms": 3.0,
                    "at_ns": {"asked": 1 * MS, "allocated": 2 * MS, "claimed": 5 * MS, "granted": 6 * MS,
                              "read_end": 9 * MS}}
+
+
+def test_the_printed_slowest_loads_list_the_hops_a_benchmark_added():
+    result = timings([("producer", CONFIG, prefill_events()), ("consumer", CONFIG, decode_events())], slowest=1)
+    result["slowest"][0]["hops_ms"] = {"p.answered_to_d.received": 0.25}
+    assert "q1 (ticket t1): 6.0: ticket_to_load 1.0, queued 0.5" in format_timings(result)
+    assert "p.answered_to_d.received 0.2" in format_timings(result)

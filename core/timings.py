@@ -65,7 +65,7 @@ class _Phases(dict):
 
 
 def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int],
-             issuers: dict[str, str] | None = None) -> None:
+             issuers: dict[str, str]) -> None:
     ticket_of: dict[str, str] = {}  # ticket -> request
     claimed: dict[str, int] = {}
     released: dict[str, int] = {}
@@ -77,8 +77,7 @@ def _prefill(events: Iterable[ev.Event], phases: _Phases, issued: dict[str, int]
         if kind is ev.TicketIssued or kind is ev.RetainRequested:
             if kind is ev.TicketIssued:
                 issued[e.ticket] = e.at_ns
-                if issuers is not None:
-                    issuers[e.ticket] = e.request
+                issuers[e.ticket] = e.request
             else:  # a plain request's prompt: released as it is issued, its retention starts now
                 released[e.ticket] = e.at_ns
             ticket_of[e.ticket] = e.request

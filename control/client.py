@@ -111,10 +111,7 @@ class Link:
         self.ctx = zmq.Context.instance()
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.SNDHWM, 0)
-        # A message still queued when the link closes is dropped: links close as the engine stops,
-        # when the sidecar has stopped or is stopping, and waiting to deliver would hold up the
-        # engine process's exit (vLLM kills an engine process that takes over its shutdown timeout).
-        self.out.setsockopt(zmq.LINGER, 0)
+        self.out.setsockopt(zmq.LINGER, 2000)
         self.out.connect(paths["inbox" + suffix])
         self.inp = None
         if listen is not None:
@@ -160,7 +157,7 @@ class Link:
         return []
 
     def close(self) -> None:
-        self.out.close(0)
+        self.out.close(2000)
         if self.inp is not None:
             self.inp.close(0)
 

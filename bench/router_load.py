@@ -59,7 +59,7 @@ def run(concurrency: int = 32, requests: int = 400, prompt_tokens: int = 2000, m
         finally:
             for process in (router, *engines):
                 stop(process)
-    tokens = round(load["output_tok_s"] * load["wall_s"])
+    tokens = sum(sample[3] for sample in load["samples"] if sample[0])  # [ok, TTFT, TPOT, tokens, latency]
     return {
         "concurrency": concurrency, "requests": load["requests"], "failed": load["failed"],
         "first_token": first_token, "loop": loop, "tokens": tokens, "tok_s": round(load["output_tok_s"], 1),

@@ -234,7 +234,7 @@ def run_demo(args) -> int:
             complete(tiny_prompt(400, seed=3000 + i), max_tokens=4)
         say("the tool call is done: the client says so, and the session's next turn comes")
         p_controls = deployment.controls("prefill")
-        kept_after_gap = [call_sidecar_sync(c, "debug_state")["history"]["sessions"] for c in p_controls.values()]
+        kept_after_gap = session_blocks_settled(p_controls)
         requests += 1
         try:
             answer = httpx.post(f"http://127.0.0.1:{router.port}/v1/sessions/demo-agent/prefetch", timeout=30,
@@ -305,7 +305,7 @@ def run_demo(args) -> int:
 
     session_kept = sum(state.get("kept_blocks", 0) for state in kept_after_gap)
     session_resident = sum(n for state in kept_after_gap for tier, n in state.get("kept_by_state", {}).items()
-                           if tier in ("GPU", "CPU", "PROMOTING"))
+                           if tier in SESSION_BLOCK_SETTLED)
     decisions: dict[str, int] = {}
     for state in p_states.values():
         for key, n in ((state.get("gate") or {}).get("decisions") or {}).items():
@@ -352,11 +352,32 @@ def run_demo(args) -> int:
                                         routed.get("session_kept", 0))) if not seen]
     for what in missing:
         print(f"failure: {what}")
-    if missing:  # what the router saw of the engines' caches
+    if missing:  # what the router saw of the engines' caches, and where P held the session's blocks
         print(f"router: {routed}")
+        print(f"agent session on P after the tool call: {kept_after_gap}")
+        print(f"P's history drops: " + str({key: n for s in p_states.values()
+                                             for key, n in s.get("counters", {}).items()
+                                             if key.startswith("history.dropped.")}))
     print(f"demo: {requests} requests, {hits_gpu + hits_cpu} history hits, {open_tickets} open tickets, logs in {log_dir}")
     ok = not failures and not missing and open_tickets == 0 and violations == 0 and requests > 0
     return 0 if ok else 1
+
+
+def session_blocks_settled(controls: dict, limit_s: float = 5.0) -> list[dict]:
+    """Every P's agent sessions once none of their blocks is mid-move (a release's copy still
+    staging, a demotion or promotion under way), or as they are after `limit_s`: a busy machine
+    may take a moment to finish the copies of the session's last turn."""
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        sessions = [call_sidecar_sync(c, "debug_state")["history"]["sessions"] for c in controls.values()]
+        settled = all(set(state.get("kept_by_state", {})) <= SESSION_BLOCK_SETTLED for state in sessions)
+        if settled or time.monotonic() > deadline:
+            return sessions
+        time.sleep(0.2)
+
+
+SESSION_BLOCK_SETTLED = {"GPU", "CPU"}
 
 
 def settle_feeds(port: int, quiet_s: float = 0.5, limit_s: float = 5.0) -> None:

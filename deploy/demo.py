@@ -368,6 +368,8 @@ def session_blocks_settled(controls: dict, limit_s: float = 5.0) -> list[dict]:
     staging, a demotion or promotion under way), or as they are after `limit_s`: a busy machine
     may take a moment to finish the copies of the session's last turn."""
 
+    from ..control.client import call_sidecar_sync
+
     deadline = time.monotonic() + limit_s
     while True:
         sessions = [call_sidecar_sync(c, "debug_state")["history"]["sessions"] for c in controls.values()]

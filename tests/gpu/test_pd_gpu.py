@@ -69,6 +69,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 CONNECTOR = {"kv_connector": "KvbatonConnector", "kv_connector_module_path": "kvbaton.adapters.vllm"}
 LENGTHS = (16, 100, 2576, 4432, 4440)
 MAX_TOKENS = 8
+IDLE_POLL_S = 0.5  # how long each round of assert_nothing_held waits for an engine to go idle
 MAX_MODEL_LEN = 4608
 if ON_CPU:
     BLOCK, KV_BYTES, VOCAB, LAYERS = 32, 64 << 20, 1000, 2
@@ -324,7 +325,8 @@ def assert_nothing_held(pd, timeout_s: float = 20.0) -> None:
     while True:
         pd.p.step(3)
         p_state, dd_state = pd.p.call_connector("debug_state"), d_state(pd)
-        p_stats, d_stats = pd.p.wait_idle(), pd.d.wait_idle()
+        # Short waits: a block P gives back after the steps above is seen by the next round's.
+        p_stats, d_stats = pd.p.wait_idle(IDLE_POLL_S), pd.d.wait_idle(IDLE_POLL_S)
         clean = (not any(p_state["open"].values()) and not any(dd_state["open"].values())
                  and p_stats["free_blocks"] == p_stats["usable_blocks"]
                  and d_stats["free_blocks"] == d_stats["usable_blocks"]

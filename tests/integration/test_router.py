@@ -23,6 +23,7 @@ from kvbaton.router import app as router_app  # noqa: E402
 from kvbaton.testing.ports import free_port  # noqa: E402
 from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
 from .engine_key import ENGINE_HEADERS, ENGINE_KEY  # noqa: E402,F401
+from .served_engines import WORKER_IN_ENGINE_CORE_ARGS, WORKER_IN_ENGINE_CORE_ENV  # noqa: E402
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -33,14 +34,17 @@ def stack(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("router")
     model_dir = build_tiny_model(root / "model")
     specs = [
-        EngineSpec("prefill", free_port(), free_port(), "cpu:0", 64 << 20, {"claim_lease_s": 5}),
+        EngineSpec("prefill", free_port(), free_port(), "cpu:0", 64 << 20, {"claim_lease_s": 5},
+                   env=WORKER_IN_ENGINE_CORE_ENV),
         # D shares P's ticket lifetimes, so its heartbeats (a twelfth of them) keep P's tickets.
-        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {"claim_lease_s": 5}),
-        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {"claim_lease_s": 5}),
+        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {"claim_lease_s": 5},
+                   env=WORKER_IN_ENGINE_CORE_ENV),
+        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {"claim_lease_s": 5},
+                   env=WORKER_IN_ENGINE_CORE_ENV),
     ]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=32, max_model_len=2048, load_format="dummy",
-                            extra_engine_args=[], shutdown_timeout_s=1)
+                            extra_engine_args=WORKER_IN_ENGINE_CORE_ARGS, shutdown_timeout_s=1)
     router = None
     patch = pytest.MonkeyPatch()
     # The tests read ticket counts through the router's /metrics: it refreshes them this often.

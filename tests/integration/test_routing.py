@@ -29,6 +29,7 @@ from kvbaton.deploy.serve import Deployment, EngineSpec  # noqa: E402
 from kvbaton.testing.ports import free_port  # noqa: E402
 from kvbaton.testing.tiny_model import build_tiny_model, tiny_prompt, words_for  # noqa: E402
 from .engine_key import ENGINE_HEADERS, ENGINE_KEY, handoff_params  # noqa: E402,F401
+from .served_engines import WORKER_IN_ENGINE_CORE_ARGS, WORKER_IN_ENGINE_CORE_ENV  # noqa: E402
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny"
@@ -45,13 +46,15 @@ def fleet(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("routing")
     model_dir = build_tiny_model(root / "model")
     specs = [
-        EngineSpec("prefill", free_port(), free_port(), "cpu:0", P_BLOCKS * BLOCK_BYTES, dict(HISTORY)),
-        EngineSpec("prefill", free_port(), free_port(), "cpu:1", P_BLOCKS * BLOCK_BYTES, dict(HISTORY)),
-        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {}),
+        EngineSpec("prefill", free_port(), free_port(), "cpu:0", P_BLOCKS * BLOCK_BYTES, dict(HISTORY),
+                   env=WORKER_IN_ENGINE_CORE_ENV),
+        EngineSpec("prefill", free_port(), free_port(), "cpu:1", P_BLOCKS * BLOCK_BYTES, dict(HISTORY),
+                   env=WORKER_IN_ENGINE_CORE_ENV),
+        EngineSpec("decode", free_port(), free_port(), "cpu:1", 64 << 20, {}, env=WORKER_IN_ENGINE_CORE_ENV),
     ]
     deployment = Deployment(str(model_dir), tokenizer=str(model_dir / "tokenizer"), served_model_name=MODEL,
                             log_dir=root, specs=specs, block_size=BLOCK, max_model_len=1024,
-                            load_format="dummy", extra_engine_args=[], shutdown_timeout_s=1)
+                            load_format="dummy", extra_engine_args=WORKER_IN_ENGINE_CORE_ARGS, shutdown_timeout_s=1)
     try:
         deployment.start(lambda text: None, timeout_s=500)
         warm_up(deployment)

@@ -355,7 +355,7 @@ def run_demo(args) -> int:
     if missing:  # what the router saw of the engines' caches, and where P held the session's blocks
         print(f"router: {routed}")
         print(f"agent session on P after the tool call: {kept_after_gap}")
-        print(f"P's history drops: " + str({key: n for s in p_states.values()
+        print("P's history drops: " + str({key: n for s in p_states.values()
                                              for key, n in s.get("counters", {}).items()
                                              if key.startswith("history.dropped.")}))
     print(f"demo: {requests} requests, {hits_gpu + hits_cpu} history hits, {open_tickets} open tickets, logs in {log_dir}")
@@ -364,9 +364,9 @@ def run_demo(args) -> int:
 
 
 def session_blocks_settled(controls: dict, limit_s: float = 5.0) -> list[dict]:
-    """Every P's agent sessions once none of their blocks is mid-move (a release's copy still
-    staging, a demotion or promotion under way), or as they are after `limit_s`: a busy machine
-    may take a moment to finish the copies of the session's last turn."""
+    """Every P's agent sessions once each of their blocks is in the GPU or the CPU tier (not yet
+    retained, its copy still staging, a demotion or a promotion under way are not), or as they are
+    after `limit_s`: a busy machine may take a moment to retain the session's last turn."""
 
     from ..control.client import call_sidecar_sync
 

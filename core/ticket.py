@@ -167,10 +167,18 @@ class TicketBook(Book):
         if copies:
             self._move(t, trigger, RETAINING)
             t.staged = [key for _, key in copies]
-            self._set_deadline(t, now + self.config.retention_deadline_ns)
+            self._set_deadline(t, now + self._retention_deadline_ns(t.staged))
             out.append(StageHistory(t.ticket, tuple(copies)))
         else:
             self._close(t, trigger, Closed.RELEASED, out)
+
+    def _retention_deadline_ns(self, staged: list[str]) -> int:
+        """How long a retention may copy: longer when a session keeps any of what it copies."""
+
+        cfg, kept = self.config, self.history.kept
+        if cfg.session_retention_deadline_ns and any(key in kept for key in staged):
+            return cfg.session_retention_deadline_ns
+        return cfg.retention_deadline_ns
 
     @staticmethod
     def _state_refusal(t: Ticket) -> str:

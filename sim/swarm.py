@@ -96,13 +96,15 @@ def sim_config(rng: random.Random, tier_full: bool) -> LedgerConfig:
         candidate_bytes_max=rng.choice([3, 6, 100]) * block_bytes,
         probation_max=rng.choice([4, 64]),
         retention_writers_max=rng.choice([1, 2, 4]),
-    )    # A grace of half the TTL, derived (not drawn: older seeds' random streams stay the same): new
+    )
+    # A grace of half the TTL, derived (not drawn: older seeds' random streams stay the same): new
     # tickets nobody claims or heartbeats close early. Sessions' bounds are derived too, small
-    # enough that their trims, refusals and clamps happen.
+    # enough that their trims, refusals and clamps happen, and their retentions' longer deadline.
     return msgspec.structs.replace(
         config, unclaimed_grace_ns=config.unclaimed_ttl_ns // 2,
         session_keep_max_ns=config.history_lease_ns * 3, session_bytes_max=4 * block_bytes,
-        sessions_bytes_max=6 * block_bytes, sessions_max=3)
+        sessions_bytes_max=6 * block_bytes, sessions_max=3,
+        session_retention_deadline_ns=config.retention_deadline_ns * 4)
 
 
 

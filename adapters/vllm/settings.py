@@ -40,6 +40,9 @@ GRACE_MIN_S = 10.0
 # A released ticket's engine blocks are held at most this long while history copies them: P's
 # engine gets its blocks back on time, and what is not copied by then is dropped and counted.
 RETENTION_DEADLINE_S = 0.05
+# The same for a retention of a prefix an agent session keeps: its client asked for it, so a busy P
+# finishes that copy rather than drop it.
+SESSION_RETENTION_DEADLINE_S = 1.0
 # Retentions P's history copier may have queued at once: under load, releases arrive while a copy
 # runs, and one at a time would drop most of them as busy. Each queued one holds its ticket's
 # engine blocks until its copy ends or the retention deadline passes, so a few fit within the
@@ -264,6 +267,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             read_grant_wait_ns=int(self.read_grant_wait_s * SECOND_NS),
             history_lease_ns=int(self.history_lease_s * SECOND_NS),
             retention_deadline_ns=max(1, int(self.test_hooks.history_retention_deadline_s * SECOND_NS)),
+            session_retention_deadline_ns=int(max(SESSION_RETENTION_DEADLINE_S,
+                                                  self.test_hooks.history_retention_deadline_s) * SECOND_NS),
             retention_writers_max=self.test_hooks.history_retention_writers,
             gpu_history_bytes=self.gpu_history_bytes,
             cpu_history_bytes=cpu,
@@ -313,6 +318,9 @@ CONSTANTS = (
     ("RETENTION_DEADLINE_S", RETENTION_DEADLINE_S,
      "P's engine gets a released ticket's blocks back on time; what history has not copied by then "
      "is dropped and counted."),
+    ("SESSION_RETENTION_DEADLINE_S", SESSION_RETENTION_DEADLINE_S,
+     "A busy P still keeps what an agent session asked it to: a retention of a kept prefix may hold "
+     "its ticket's engine blocks this long before what is not copied is dropped."),
     ("RETENTION_WRITERS", RETENTION_WRITERS,
      "Releases that arrive while history copies queue instead of being dropped as busy, a few "
      "at a time, each within the retention deadline."),

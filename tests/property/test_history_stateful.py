@@ -20,12 +20,13 @@ DOCS = ["a", "b", "c", "d"]
 
 class HistoryPolicy(RuleBasedStateMachine):
     @initialize(gpu=st.integers(0, 6), cpu=st.integers(0, 8), candidate=st.integers(1, 8),
-                writers=st.sampled_from([1, 2, 4]))
-    def setup(self, gpu, cpu, candidate, writers):
+                writers=st.sampled_from([1, 2, 4]), session_deadline=st.sampled_from([0, 60]))
+    def setup(self, gpu, cpu, candidate, writers, session_deadline):
         self.ledger = Ledger(LedgerConfig(block_bytes=BLOCK, gpu_history_bytes=gpu * BLOCK,
                                           cpu_history_bytes=cpu * BLOCK, candidate_bytes_max=candidate * BLOCK,
                                           history_lease_ns=50, retention_deadline_ns=20, probation_max=8,
-                                          retention_writers_max=writers))
+                                          retention_writers_max=writers,
+                                          session_retention_deadline_ns=session_deadline))
         self.auditor = Auditor()
         self.now = 0
         self.seq = 0

@@ -1,9 +1,16 @@
 """Agent sessions in the core: what a session keeps, for how long, within which bounds, and how a
 prefetch brings its blocks back to the GPU tier."""
 
+import pathlib
+
+import msgspec
+
 from kvbaton.core import effects as fx
 from kvbaton.core import events as ev
 from kvbaton.core.ledger import SECOND_NS, Ledger, LedgerConfig
+from kvbaton.core.log import read_log
+
+GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
 
 MS = 1_000_000
 BB = 100  # bytes of one block in these ledgers
@@ -221,3 +228,54 @@ def test_a_keep_refresh_moves_the_deadline_and_nothing_else():
     assert p.sessions.sessions["s"].state == "EXPIRED"
     assert [e.reason for e in p.apply(ev.SessionPrefetchRequested(19 * SECOND_NS, "s", promote=False))] == [
         "unknown session"]
+
+
+def test_a_busy_p_finishes_copying_what_a_session_keeps_and_drops_other_late_copies():
+    """A retention's copy past its soft deadline is dropped (the engine gets its blocks back on
+    time); one that copies a prefix a session keeps has the longer session deadline, so a copy that
+    a busy P finishes late still keeps what the client asked for."""
+
+    p = ledger(gpu_blocks=4, cpu_blocks=0, retention_deadline_ns=50 * MS,
+               session_retention_deadline_ns=SECOND_NS, retention_writers_max=2)
+    p.apply(ev.SessionKept(0, "s", ("a0", "a1"), 60 * SECOND_NS))
+    for ticket, blocks, keys in (("a", (1, 2), ("a0", "a1")), ("o", (3,), ("o0",))):
+        p.apply(ev.TicketIssued(0, ticket, "r" + ticket, blocks, keys))
+        p.apply(ev.ClaimRequested(0, ticket, "D", 1))
+        assert any(isinstance(e, fx.StageHistory) for e in p.apply(ev.ReleaseRequested(0, ticket, "D", 1)))
+    late = p.apply(ev.Tick(70 * MS))  # past the plain deadline: only the unkept copy is dropped
+    assert [e.key for e in late if isinstance(e, fx.DropHistory)] == ["o0"]
+    assert state(p, "a0") == "STAGING" and state(p, "a1") == "STAGING"
+    published = p.apply(ev.HistoryPublished(80 * MS, "a", True))
+    assert any(isinstance(e, fx.FreeEngineBlocks) for e in published)  # the engine's blocks, back
+    assert state(p, "a0") == "GPU" and state(p, "a1") == "GPU" and p.counters["history.dropped.deadline"] == 1
+    assert p.check_invariants() == []
+    # A kept copy that outlasts the session deadline too is dropped all the same.
+    p.apply(ev.SessionKept(SECOND_NS, "s2", ("b0",), 60 * SECOND_NS))
+    p.apply(ev.TicketIssued(SECOND_NS, "b", "rb", (7,), ("b0",)))
+    p.apply(ev.ClaimRequested(SECOND_NS, "b", "D", 1))
+    p.apply(ev.ReleaseRequested(SECOND_NS, "b", "D", 1))
+    dropped = p.apply(ev.Tick(2 * SECOND_NS + MS))
+    assert [e.key for e in dropped if isinstance(e, fx.DropHistory)] == ["b0"]
+    assert p.check_invariants() == []
+
+
+def test_the_demo_run_that_lost_its_session_to_a_late_copy_keeps_it_under_the_session_deadline():
+    """A `kvbaton demo` P on a busy machine (recorded before the session deadline existed): the
+    agent's first turn was released, its copy published 71 ms later, past the 50 ms retention
+    deadline, so all 11 kept blocks were dropped and the session kept nothing across its tool
+    call. Replayed as recorded it still drops them; with the session deadline the same events
+    keep every block."""
+
+    header, records = read_log(str(GOLDEN / "v2-demo-late-session-copy-P0.kvlog"))
+    records = list(records)
+    assert header.config.session_retention_deadline_ns == 0  # the log predates the field
+    for deadline_ns, kept_in in ((0, {"absent"}), (SECOND_NS, {"GPU"})):
+        p = Ledger(msgspec.structs.replace(header.config, session_retention_deadline_ns=deadline_ns))
+        for record in records:
+            if record.event is not None:
+                p.apply(record.event)
+            if record.seq == 99:  # the late copy's HistoryPublished
+                break
+        assert len(p.history.kept) == 11
+        assert {state(p, key) or "absent" for key in p.history.kept} == kept_in
+        assert p.check_invariants() == []

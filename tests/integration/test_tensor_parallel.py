@@ -38,7 +38,6 @@ BLOCK_BYTES = 16384  # one rank's shard of a tiny-model block: 2 layers x 1 KV h
 ENGINE_BLOCKS = 96
 GPU_SLOTS, CPU_SLOTS = 8, 40
 MAX_TOKENS = 8
-IDLE_POLL_S = 0.5  # how long each round of assert_nothing_held waits for an engine to go idle
 
 
 def tensor_parallel(size: int, weights: bool = False) -> dict:
@@ -114,8 +113,7 @@ def assert_nothing_held(tp, timeout_s: float = 20.0) -> None:
     while True:
         tp.p.step(2)
         states = [e.call_connector("debug_state") for e in engines]
-        # Short waits: a block P gives back after the steps above is seen by the next round's.
-        stats = [e.wait_idle(IDLE_POLL_S) for e in engines]
+        stats = [e.wait_idle() for e in engines]
         history = states[0]["history"]
         moving = history["by_state"].get("STAGING", 0) + history["by_state"].get("DEMOTING", 0)
         clean = (all(not any(st["open"].values()) for st in states) and not moving

@@ -7,8 +7,6 @@ import time
 
 from . import engine_hooks
 
-IDLE_POLL_S = 0.5  # how long each round of assert_nothing_held waits for an engine to go idle
-
 
 def state(engine) -> dict:
     return engine.call_connector("debug_state")
@@ -28,8 +26,7 @@ def assert_nothing_held(engines, timeout_s: float = 15.0) -> None:
     while True:
         p.step(2)
         states = [state(e) for e in engines]
-        # Short waits: a block P gives back after the steps above is seen by the next round's.
-        stats = [e.wait_idle(IDLE_POLL_S) for e in engines]
+        stats = [e.wait_idle() for e in engines]
         p_hist = states[0]["history"]
         copier = p.run_in_engine(engine_hooks.history_slots)
         moving = sum(p_hist["by_state"].get(st, 0) for st in ("STAGING", "DEMOTING", "PROMOTING"))

@@ -29,8 +29,8 @@ Policy, all deterministic:
   have `session_writers_max` more places, so a busy P still keeps what its agents asked for. A retention copies at most
   `candidate_bytes_max`, and only keys whose parent is no other retention's staging key (so a
   failed copy never orphans another chain); a staged copy that does not finish by the ticket's
-  soft deadline is dropped (a copy of a session's keys has the longer
-  `session_retention_deadline_ns`). Every key not kept is counted by reason.
+  soft deadline is dropped (`session_retention_deadline_ns` for a copy of keys a session keeps).
+  Every key not kept is counted by reason.
 * Pinned blocks (a restore lease holds them) are never demoted or evicted.
 * Kept blocks (an agent session keeps them, `session.py`) are never evicted and are demoted only
   when no other block can be; keeping a key needs no probation. Once no session keeps a block it

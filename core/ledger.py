@@ -53,10 +53,9 @@ class LedgerConfig(msgspec.Struct, frozen=True, kw_only=True):
     read_grant_wait_ns: int = 30 * SECOND_NS
     history_lease_ns: int = 120 * SECOND_NS
     retention_deadline_ns: int = 10_000_000  # soft deadline for one retention's copies (10 ms)
-    # The same for a retention that copies a prefix an agent session keeps: its client asked for
-    # that prefix, so a busy P finishes the copy (holding the ticket's engine blocks this long at
-    # most) instead of dropping what the session keeps. 0: the plain deadline (the rule of logs
-    # written before this field, which replay as they ran; the settings set one).
+    # The deadline of a retention that copies keys an agent session keeps (its ticket's engine
+    # blocks are held this long at most): a late copy of what a session keeps is finished, not
+    # dropped. 0: `retention_deadline_ns`, the rule of logs whose header lacks this field.
     session_retention_deadline_ns: int = 0
     # A ticket whose claimer has reads in flight but has not been heard on it (a heartbeat, a claim
     # retry, a read's start or end, its release) for this long: `Tick` ends those reads as failed,

@@ -40,8 +40,8 @@ GRACE_MIN_S = 10.0
 # A released ticket's engine blocks are held at most this long while history copies them: P's
 # engine gets its blocks back on time, and what is not copied by then is dropped and counted.
 RETENTION_DEADLINE_S = 0.05
-# The same for a retention of a prefix an agent session keeps: its client asked for it, so a busy P
-# finishes that copy rather than drop it.
+# The deadline of a retention that copies a prefix an agent session keeps: a late copy of what a
+# session keeps is finished rather than dropped.
 SESSION_RETENTION_DEADLINE_S = 1.0
 # Retentions P's history copier may have queued at once: under load, releases arrive while a copy
 # runs, and one at a time would drop most of them as busy. Each queued one holds its ticket's
@@ -319,8 +319,8 @@ CONSTANTS = (
      "P's engine gets a released ticket's blocks back on time; what history has not copied by then "
      "is dropped and counted."),
     ("SESSION_RETENTION_DEADLINE_S", SESSION_RETENTION_DEADLINE_S,
-     "A busy P still keeps what an agent session asked it to: a retention of a kept prefix may hold "
-     "its ticket's engine blocks this long before what is not copied is dropped."),
+     "A retention of a prefix an agent session keeps holds its ticket's engine blocks at most this "
+     "long; what is not copied by then is dropped and counted."),
     ("RETENTION_WRITERS", RETENTION_WRITERS,
      "Releases that arrive while history copies queue instead of being dropped as busy, a few "
      "at a time, each within the retention deadline."),
